@@ -1,0 +1,212 @@
+"""softq's attention function for Hugging Face models, plugged in through ``AttentionInterface``.
+
+One function serves every use: choosing a softmax variant (training the attention
+fixes), quantizing the score and P.V matmuls with softmax input and output
+(``softq.quant``), and recording statistics (``softq.calib``).  Per-layer state is an
+:class:`AttentionPoints` module attached to each attention module as
+``module.softq``; a model without it behaves exactly like Hugging Face's eager
+attention.
+
+Pitfall handled here (see shared REFERENCES): registering only the attention
+function makes transformers pass ``attention_mask=None`` for padded BERT and
+causal GPT-2, silently leaking padding and the future.  softq therefore also
+registers the eager mask builder under the same name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from softq.models import attention_modules, model_family, num_heads
+from softq.softmax import get_softmax
+
+ATTN_IMPLEMENTATION = "softq"
+
+
+class ProbsQuantizer(nn.Module):
+    """Interface of the softmax-output quantization point: it also sees the valid mask."""
+
+    def forward(self, probs: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:  # pragma: no cover
+        return probs
+
+
+class AttentionGate(nn.Module):
+    """Gated attention (Bondarenko et al. 2023): ``sigmoid(G(x_h))`` scales each head's output.
+
+    ``G`` is one ``Linear(d_head -> 1)`` per head applied to that head's slice of
+    the token's input, shared across tokens.  The bias starts at ``logit(pi_init)``
+    so a fresh gate is open to ``pi_init``; the weights start at zero.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, pi_init: float = 0.5) -> None:
+        super().__init__()
+        if not 0.0 < pi_init < 1.0:
+            raise ValueError(f"gate pi_init must be in (0, 1), got {pi_init}")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.weight = nn.Parameter(torch.zeros(num_heads, head_dim))
+        self.bias = nn.Parameter(torch.full((num_heads,), math.log(pi_init / (1.0 - pi_init))))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` [b, s, heads*head_dim] -> gate [b, heads, s, 1] in (0, 1)."""
+        b, s, _ = hidden.shape
+        x = hidden.reshape(b, s, self.num_heads, self.head_dim)
+        logits = torch.einsum("bshd,hd->bhs", x, self.weight) + self.bias[None, :, None]
+        return torch.sigmoid(logits).unsqueeze(-1)
+
+
+class AttentionPoints(nn.Module):
+    """Per-layer softq state: softmax variant, quantization points and optional gate.
+
+    Every point is an identity until a pass replaces it:
+    ``q``/``k`` (inputs of the score matmul), ``scores`` (softmax input),
+    ``probs`` (softmax output, a :class:`ProbsQuantizer`), ``v`` (V input of P.V).
+    """
+
+    def __init__(self, num_heads: int, softmax: str = "softmax", softmax_params: dict[str, float] | None = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.set_softmax(softmax, **(softmax_params or {}))
+        self.q: nn.Module = nn.Identity()
+        self.k: nn.Module = nn.Identity()
+        self.scores: nn.Module = nn.Identity()
+        self.probs: nn.Module = ProbsQuantizer()
+        self.v: nn.Module = nn.Identity()
+        self.gate: AttentionGate | None = None
+        # The attention module's input, stashed by a pre-hook when a gate needs it.
+        self._hidden: torch.Tensor | None = None
+
+    def set_softmax(self, name: str, **params: float) -> None:
+        variant = get_softmax(name)
+        variant(torch.zeros(1, 2), None, **params)  # validates parameter names and values now
+        self.softmax_name = name
+        self.softmax_params = dict(params)
+
+    def extra_repr(self) -> str:
+        return f"softmax={self.softmax_name}, params={self.softmax_params}"
+
+
+def valid_from_mask(attention_mask: torch.Tensor | None, key_len: int) -> torch.Tensor | None:
+    """0/1 float mask of attendable keys from a Hugging Face attention mask (additive or boolean)."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask[..., :key_len]
+    if mask.dtype == torch.bool:
+        return mask.to(torch.float32)
+    return (mask > torch.finfo(mask.dtype).min / 2).to(torch.float32)
+
+
+def softq_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with softq's softmax variant and quantization points; [b, s, h, d] out."""
+    points: AttentionPoints | None = getattr(module, "softq", None)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if key.shape[1] != query.shape[1]:  # grouped-query attention
+        rep = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(rep, dim=1)
+        value = value.repeat_interleave(rep, dim=1)
+    valid = valid_from_mask(attention_mask, key.shape[-2])
+    if valid is None and getattr(module, "is_causal", False) and query.shape[-2] > 1:
+        q_len, k_len = query.shape[-2], key.shape[-2]
+        valid = torch.ones(q_len, k_len, device=query.device).tril(k_len - q_len)
+
+    if points is None:
+        scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+        probs = get_softmax("softmax")(scores, valid)
+    else:
+        scores = torch.matmul(points.q(query), points.k(key).transpose(-1, -2)) * scaling
+        scores = points.scores(scores)
+        probs = get_softmax(points.softmax_name)(scores, valid, **points.softmax_params)
+        probs = points.probs(probs, valid)
+    weights = nn.functional.dropout(probs, p=dropout, training=module.training)
+    out = torch.matmul(weights, value if points is None else points.v(value))
+    if points is not None and points.gate is not None:
+        if points._hidden is None:
+            raise RuntimeError("gated attention needs the module input; use softq.attention.configure_attention")
+        out = out * points.gate(points._hidden)
+        points._hidden = None
+    return out.transpose(1, 2).contiguous(), probs
+
+
+def _stash_hidden(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    module.softq._hidden = hidden
+
+
+def register() -> None:
+    """Register softq's attention and mask builder with transformers (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, softq_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+
+
+register()
+
+
+def configure_attention(
+    model: nn.Module,
+    softmax: str | None = None,
+    gated: bool = False,
+    gate_pi_init: float = 0.5,
+    **softmax_params: float,
+) -> list[AttentionPoints]:
+    """Switch ``model`` to softq attention; optionally set its softmax variant and gates.
+
+    Idempotent: state already attached (quantizers, trained gates) is kept and only
+    what is asked for changes.  The choice is also written to ``model.config``
+    (``softq_softmax``, ``softq_softmax_params``, ``softq_gated``) so a saved config
+    records it and :func:`configure_from_config` can rebuild it.
+    """
+    model_family(model)
+    points_list: list[AttentionPoints] = []
+    for _, module in attention_modules(model):
+        points = getattr(module, "softq", None)
+        if points is None:
+            points = AttentionPoints(num_heads(module))
+            module.softq = points
+        if softmax is not None:
+            points.set_softmax(softmax, **softmax_params)
+        if gated and points.gate is None:
+            head_dim = int(getattr(module, "head_dim", 0) or getattr(module, "attention_head_size", 0))
+            if not head_dim:
+                raise ValueError(f"cannot tell the head size of {type(module).__name__} for gated attention")
+            ref = next(module.parameters())
+            points.gate = AttentionGate(points.num_heads, head_dim, gate_pi_init).to(ref.device, ref.dtype)
+            module.register_forward_pre_hook(_stash_hidden, with_kwargs=True)
+        points_list.append(points)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    first = points_list[0]
+    model.config.softq_softmax = first.softmax_name
+    model.config.softq_softmax_params = dict(first.softmax_params)
+    model.config.softq_gated = first.gate is not None
+    return points_list
+
+
+def configure_from_config(model: nn.Module) -> list[AttentionPoints] | None:
+    """Rebuild softq attention from ``model.config`` fields written by :func:`configure_attention`."""
+    name = getattr(model.config, "softq_softmax", None)
+    if name is None:
+        return None
+    params = dict(getattr(model.config, "softq_softmax_params", {}) or {})
+    return configure_attention(model, name, gated=bool(getattr(model.config, "softq_gated", False)), **params)
+
+
+def attention_points(model: nn.Module) -> list[tuple[str, AttentionPoints]]:
+    """(name, points) of every configured attention layer, configuring softq attention if needed."""
+    if any(getattr(m, "softq", None) is None for _, m in attention_modules(model)):
+        configure_attention(model)
+    return [(name, module.softq) for name, module in attention_modules(model)]

@@ -1,0 +1,48 @@
+"""The ``softq`` command line: one subcommand per job, each defined next to its code.
+
+Every ``softq.<part>.cli`` module exposes ``register(subparsers)``; heavy imports
+happen inside the handlers so ``softq --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules that add subcommands; a part that is not installed yet is skipped.
+SUBCOMMAND_MODULES = ("softq.quant.cli", "softq.calib.cli", "softq.export.cli", "softq.mpc.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="softq",
+        description="Quantize, export and privately run softmax-sensitive transformers.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name == module_name:
+                continue
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError, RuntimeError) as err:
+        print(f"softq {args.command}: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

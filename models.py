@@ -1,0 +1,94 @@
+"""Which Hugging Face model families softq supports, and where their attention lives.
+
+softq never edits or copies Hugging Face model code.  It only needs to know, per
+family, which module class calls ``ALL_ATTENTION_FUNCTIONS`` (so it can attach
+per-layer state there) -- everything else is found generically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+# model_type -> class names of the module that calls the attention interface.
+# Names moved between transformers releases (ViT's ``ViTSelfAttention`` became
+# ``ViTAttention`` in 5.x), so both are listed and the innermost match wins.
+ATTENTION_CLASSES: dict[str, tuple[str, ...]] = {
+    "bert": ("BertSelfAttention",),
+    "roberta": ("RobertaSelfAttention",),
+    "opt": ("OPTAttention",),
+    "gpt2": ("GPT2Attention",),
+    "vit": ("ViTSelfAttention", "ViTAttention"),
+    "deit": ("DeiTSelfAttention", "DeiTAttention"),
+}
+SUPPORTED_FAMILIES = tuple(ATTENTION_CLASSES)
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not one of the Hugging Face families softq knows."""
+
+
+def model_family(model: nn.Module) -> str:
+    """The Hugging Face ``model_type`` of ``model``, checked against the supported list."""
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in ATTENTION_CLASSES:
+        what = f"model_type '{family}'" if family else f"a {type(model).__name__} without a Hugging Face config"
+        raise UnsupportedModelError(
+            f"softq does not support {what}; supported Hugging Face families: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    return family
+
+
+def attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) of every attention module that calls the attention interface, in order."""
+    wanted = ATTENTION_CLASSES[model_family(model)]
+
+    def matches(module: nn.Module) -> bool:
+        return type(module).__name__ in wanted
+
+    found = False
+    for name, module in model.named_modules():
+        if matches(module) and not any(matches(m) for m in list(module.modules())[1:]):
+            found = True
+            yield name, module
+    if not found:
+        raise UnsupportedModelError(f"no {' or '.join(wanted)} module found in {type(model).__name__}")
+
+
+def num_heads(module: nn.Module) -> int:
+    """Number of query heads of one attention module (names differ by family)."""
+    for attr in ("num_attention_heads", "num_heads", "n_head"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int):
+            return value
+    config = getattr(module, "config", None)
+    for attr in ("num_attention_heads", "n_head"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            return value
+    raise UnsupportedModelError(f"cannot tell the number of heads of {type(module).__name__}")
+
+
+def conv1d_to_linear(model: nn.Module) -> int:
+    """Replace GPT-2's ``Conv1D`` (a transposed Linear) by ``nn.Linear``; returns how many.
+
+    Quantizers, SmoothQuant and export then see one kind of layer.  The function
+    computed is unchanged (same weights, transposed).
+    """
+    replaced = 0
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child).__name__ == "Conv1D" and hasattr(child, "nf"):
+                in_features, out_features = child.weight.shape
+                linear = nn.Linear(in_features, out_features, bias=child.bias is not None)
+                with torch.no_grad():
+                    linear.weight.copy_(child.weight.t())
+                    if child.bias is not None:
+                        linear.bias.copy_(child.bias)
+                linear.to(child.weight.device, child.weight.dtype)
+                setattr(parent, child_name, linear)
+                replaced += 1
+    return replaced

@@ -1,0 +1,212 @@
+"""The one definition of every softmax variant softq knows.
+
+Training (calib/ attention fixes), quantization (quant/), ONNX export (export/) and
+encrypted inference (mpc/) all call the functions registered here, so a variant
+behaves the same everywhere.
+
+Every variant has the signature ``fn(scores, valid, **params) -> probs`` where
+
+* ``scores`` are the raw attention scores ``Q K^T * scaling`` **without** the
+  additive mask, shape ``[..., q, k]``;
+* ``valid`` is a public 0/1 float tensor broadcastable to ``scores`` (1 = the key
+  may be attended) or ``None`` (no mask);
+* the result is zero, exactly, wherever ``valid`` is 0.
+
+The bodies only use tensor *methods* that both ``torch.Tensor`` and CrypTen's
+``CrypTensor`` provide (``exp``, ``relu``, ``square``, ``sum``, ``max``,
+``sigmoid``, arithmetic with public tensors).  The only operations that differ
+between plaintext and secret-shared tensors (division by a secret value and the
+row max) go through :func:`reciprocal` and :func:`row_max`, which dispatch on the
+tensor type.  That is what lets ``softq.mpc`` run the very same surrogates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+# Scores of masked keys are pushed this far below the row's valid scores before a
+# max is taken.  Big enough to never win a max, small enough for CrypTen's
+# 16-bit fixed point (values must stay well below 2**47).
+MASK_PUSH = 1.0e4
+# Denominators of plaintext surrogates are clamped here so a fully masked row
+# yields zeros instead of NaN.
+TINY = 1.0e-12
+
+
+class SoftmaxFn(Protocol):
+    def __call__(self, scores: Any, valid: torch.Tensor | None, **params: Any) -> Any: ...
+
+
+def _is_plain(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def reciprocal(x: Any) -> Any:
+    """1/x for a tensor known to be positive.
+
+    Plaintext: a clamped division.  CrypTen: ``CrypTensor.reciprocal`` (softq.mpc
+    turns on ``functions.reciprocal_all_pos`` because every caller here passes a
+    positive denominator, which saves a secure sign computation).
+    """
+    if _is_plain(x):
+        return 1.0 / x.clamp_min(TINY)
+    return x.reciprocal()
+
+
+def row_max(x: Any, dim: int = -1) -> Any:
+    """Row maximum, keepdim.  CrypTen's ``max`` is the expensive part of exact softmax."""
+    if _is_plain(x):
+        return x.amax(dim=dim, keepdim=True)
+    result = x.max(dim=dim, keepdim=True)  # CrypTen returns (max, one-hot argmax)
+    return result[0] if isinstance(result, tuple) else result
+
+
+def _mask(x: Any, valid: torch.Tensor | None) -> Any:
+    return x if valid is None else x * valid
+
+
+def _valid_count(scores: Any, valid: torch.Tensor | None, dim: int = -1) -> torch.Tensor | float:
+    """Number of valid keys per row (public): the row length T of the papers."""
+    if valid is None:
+        return float(scores.shape[dim])
+    return torch.broadcast_to(valid, scores.shape).sum(dim=dim, keepdim=True).clamp_min(1.0)
+
+
+def _masked_for_max(scores: Any, valid: torch.Tensor | None) -> Any:
+    if valid is None:
+        return scores
+    return scores * valid + (valid - 1.0) * MASK_PUSH
+
+
+# ---------------------------------------------------------------------------
+# Variants
+# ---------------------------------------------------------------------------
+
+
+def softmax(scores: Any, valid: torch.Tensor | None = None, dim: int = -1) -> Any:
+    """Exact softmax over valid keys; masked keys get exactly 0."""
+    if _is_plain(scores):
+        if valid is None:
+            return torch.softmax(scores, dim=dim)
+        masked = scores.masked_fill(valid == 0, torch.finfo(scores.dtype).min)
+        return torch.softmax(masked, dim=dim) * valid
+    shifted = _masked_for_max(scores, valid)
+    e = _mask((shifted - row_max(shifted, dim)).exp(), valid)
+    return e * reciprocal(e.sum(dim=dim, keepdim=True))
+
+
+def clipped_softmax(
+    scores: Any, valid: torch.Tensor | None = None, zeta: float = 1.0, alpha: float = 4.0, dim: int = -1
+) -> Any:
+    """Bondarenko et al.: ``clip((zeta - gamma) * softmax(x) + gamma, 0, 1)``, ``gamma = -alpha / T``.
+
+    T is the number of valid keys of the row, so the stretch stays the same for
+    any sequence length (the paper's length-robust choice).  Lets a head output
+    exact zeros (and ones) with finite logits, which removes the pressure that
+    grows outliers.
+    """
+    if alpha < 0 or zeta < 1:
+        raise ValueError(f"clipped softmax needs alpha >= 0 and zeta >= 1, got alpha={alpha}, zeta={zeta}")
+    gamma = -alpha / _valid_count(scores, valid, dim)
+    p = softmax(scores, valid, dim=dim)
+    stretched = p * (zeta - gamma) + gamma
+    if not _is_plain(stretched):
+        # clip(y, 0, 1) = relu(y) - relu(y - 1), which CrypTen can evaluate.
+        return _mask(stretched.relu() - (stretched - 1.0).relu(), valid)
+    return _mask(stretched.clamp(0.0, 1.0), valid)
+
+
+def softpick(scores: Any, valid: torch.Tensor | None = None, dim: int = -1, eps: float = 1e-9) -> Any:
+    """``ReLU(e^x - 1) / sum |e^x - 1|``: rectified, not sum-to-one.
+
+    Computed stably by factoring ``e^m`` (``m = max(row max, 0)``) out of numerator
+    and denominator: ``e^x - 1 = e^m (e^(x-m) - e^(-m))``.  Non-positive logits give
+    exactly 0, so heads can attend to nothing without pushing logits to extremes.
+    """
+    if not _is_plain(scores):
+        raise NotImplementedError("softpick is not offered under MPC (it needs |.|, a secure comparison per entry)")
+    m = _masked_for_max(scores, valid).amax(dim=dim, keepdim=True).clamp_min(0.0)
+    shifted = (scores - m).masked_fill(valid == 0, -math.inf) if valid is not None else scores - m
+    d = shifted.exp() - torch.exp(-m)
+    d = _mask(d, valid)
+    den = d.abs().sum(dim=dim, keepdim=True)
+    return d.relu() / (den + eps * torch.exp(-m))
+
+
+def quad2(scores: Any, valid: torch.Tensor | None = None, c: float = 5.0, dim: int = -1) -> Any:
+    """MPCFormer's 2Quad: ``(x + c)^2 / sum (x + c)^2``; one multiplication and one reciprocal."""
+    num = _mask((scores + c).square(), valid)
+    return num * reciprocal(num.sum(dim=dim, keepdim=True))
+
+
+def relu2(scores: Any, valid: torch.Tensor | None = None, dim: int = -1) -> Any:
+    """2ReLU: ``ReLU(x) / sum ReLU(x)`` (rows with no positive score give 0)."""
+    num = _mask(scores.relu(), valid)
+    den = num.sum(dim=dim, keepdim=True)
+    return num * reciprocal(den + 1e-3 if not _is_plain(den) else den)
+
+
+def relu_len(scores: Any, valid: torch.Tensor | None = None, dim: int = -1) -> Any:
+    """``ReLU(x) / L`` with L the (public) number of valid keys: no secret division at all."""
+    return _mask(scores.relu(), valid) * (1.0 / _valid_count(scores, valid, dim))
+
+
+def sigmoid_len(scores: Any, valid: torch.Tensor | None = None, dim: int = -1) -> Any:
+    """``sigmoid(x - ln L)``: per-entry, no row reduction (sigmoid attention)."""
+    count = _valid_count(scores, valid, dim)
+    log_len = math.log(count) if isinstance(count, float) else torch.log(count)
+    return _mask((scores - log_len).sigmoid(), valid)
+
+
+@dataclass(frozen=True)
+class SoftmaxVariant:
+    """A registered variant: its function, default parameters and a one-line why."""
+
+    name: str
+    fn: Callable[..., Any]
+    defaults: dict[str, float] = field(default_factory=dict)
+    sums_to_one: bool = True
+    mpc_ok: bool = True
+    summary: str = ""
+
+    def __call__(self, scores: Any, valid: torch.Tensor | None = None, **params: float) -> Any:
+        unknown = set(params) - set(self.defaults)
+        if unknown:
+            raise TypeError(
+                f"softmax variant '{self.name}' has no parameter(s) {sorted(unknown)}; "
+                f"it takes {sorted(self.defaults) or 'none'}"
+            )
+        return self.fn(scores, valid, **{**self.defaults, **params})
+
+
+SOFTMAX_VARIANTS: dict[str, SoftmaxVariant] = {}
+
+
+def register_softmax(variant: SoftmaxVariant) -> SoftmaxVariant:
+    """Add a variant to the registry shared by training, quant, export and MPC."""
+    SOFTMAX_VARIANTS[variant.name] = variant
+    return variant
+
+
+def get_softmax(name: str) -> SoftmaxVariant:
+    try:
+        return SOFTMAX_VARIANTS[name]
+    except KeyError:
+        raise ValueError(f"unknown softmax variant '{name}'; choose one of {sorted(SOFTMAX_VARIANTS)}") from None
+
+
+for _v in (
+    SoftmaxVariant("softmax", softmax, {}, True, True, "exact softmax (the baseline)"),
+    SoftmaxVariant("clipped", clipped_softmax, {"zeta": 1.0, "alpha": 4.0}, False, True,
+                   "clipped softmax, Bondarenko et al. 2023 (exact 0/1 without outliers)"),
+    SoftmaxVariant("softpick", softpick, {}, False, False, "rectified softpick, not sum-to-one"),
+    SoftmaxVariant("2quad", quad2, {"c": 5.0}, True, True, "MPCFormer (x+c)^2 normalised"),
+    SoftmaxVariant("2relu", relu2, {}, True, True, "ReLU(x) / sum ReLU(x)"),
+    SoftmaxVariant("relu_len", relu_len, {}, False, True, "ReLU(x) / L, no secret division"),
+    SoftmaxVariant("sigmoid_len", sigmoid_len, {}, False, True, "sigmoid(x - ln L)"),
+):
+    register_softmax(_v)
