@@ -1,0 +1,100 @@
+"""Calibration data: normalise what users pass, and refuse what would give a silently wrong model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+Batch = dict[str, torch.Tensor]
+
+
+class CalibrationDataError(ValueError):
+    """The calibration set is empty, non-finite or does not fit the model."""
+
+
+def as_batches(model: nn.Module, data: Iterable[torch.Tensor | Mapping[str, torch.Tensor]]) -> list[Batch]:
+    """Materialise ``data`` as keyword batches for ``model`` and check every one of them.
+
+    A bare tensor is taken as the model's main input (``input_ids`` for language
+    models, ``pixel_values`` for vision models).
+    """
+    if isinstance(data, (torch.Tensor, Mapping)):
+        raise CalibrationDataError(
+            "calib_data must be an iterable of batches (e.g. a list of tensors or of dicts), not a single batch; "
+            "wrap it in a list"
+        )
+    main_input = getattr(model, "main_input_name", "input_ids")
+    batches: list[Batch] = []
+    for index, item in enumerate(data):
+        if isinstance(item, torch.Tensor):
+            batch = {main_input: item}
+        elif isinstance(item, Mapping):
+            batch = dict(item)
+        else:
+            raise CalibrationDataError(f"calibration batch {index} is a {type(item).__name__}; expected a tensor or a dict of tensors")
+        check_batch(model, batch, index)
+        batches.append(batch)
+    if not batches:
+        raise CalibrationDataError("the calibration set is empty: pass at least one batch of model inputs")
+    return batches
+
+
+def _max_positions(config: object) -> int | None:
+    for attr in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def check_batch(model: nn.Module, batch: Mapping[str, torch.Tensor], index: int = 0, what: str = "calibration batch") -> None:
+    """Raise a :class:`CalibrationDataError` naming the batch and input if ``batch`` cannot be right."""
+    config = getattr(model, "config", None)
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor):
+            raise CalibrationDataError(f"{what} {index}: '{key}' is a {type(value).__name__}, not a tensor")
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            bad = "NaN" if torch.isnan(value).any() else "Inf"
+            raise CalibrationDataError(f"{what} {index}: '{key}' contains {bad}")
+    if "input_ids" in batch:
+        ids = batch["input_ids"]
+        if ids.dim() != 2:
+            raise CalibrationDataError(f"{what} {index}: input_ids must be [batch, seq], got shape {tuple(ids.shape)}")
+        vocab = getattr(config, "vocab_size", None)
+        if vocab is not None and ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
+            raise CalibrationDataError(f"{what} {index}: token ids must be in [0, {vocab}), got [{ids.min().item()}, {ids.max().item()}]")
+        limit = _max_positions(config)
+        if limit is not None and ids.shape[1] > limit:
+            raise CalibrationDataError(f"{what} {index}: sequence length {ids.shape[1]} exceeds the model's {limit} positions")
+    if "pixel_values" in batch:
+        px = batch["pixel_values"]
+        channels = getattr(config, "num_channels", None)
+        size = getattr(config, "image_size", None)
+        expected = f"[batch, {channels}, {size}, {size}]"
+        if px.dim() != 4 or (channels is not None and px.shape[1] != channels):
+            raise CalibrationDataError(f"{what} {index}: pixel_values must be {expected}, got shape {tuple(px.shape)}")
+        if isinstance(size, int) and tuple(px.shape[2:]) != (size, size):
+            raise CalibrationDataError(f"{what} {index}: pixel_values must be {expected}, got shape {tuple(px.shape)}")
+
+
+@contextmanager
+def _eval_no_grad(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def run_batches(model: nn.Module, batches: list[Batch], desc: str | None = None) -> None:
+    """Forward every batch in eval mode without gradients (a calibration sweep)."""
+    from tqdm.auto import tqdm
+
+    with _eval_no_grad(model):
+        for batch in tqdm(batches, desc=desc, disable=desc is None or len(batches) < 4, leave=False):
+            model(**batch)

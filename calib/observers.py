@@ -1,0 +1,159 @@
+"""Activation observers: turn calibration activations into a quantization range.
+
+Three rules, chosen per model with ``QuantConfig.observer``:
+
+* ``minmax``: the extreme values seen.  Never clips, so one outlier stretches the
+  scale for every other value.
+* ``percentile``: the ``q``-th / ``(100-q)``-th percentile of each batch, averaged
+  over batches.  Clips rare outliers (activation clipping).
+* ``mse``: the clipping range whose quantize-dequantize error on a reservoir of
+  calibration values is smallest.  Costs a small grid search once.
+
+Observers see raw float activations; they do not quantize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Values kept per observer for percentile and MSE rules (uniform random subsample).
+RESERVOIR = 1 << 20
+QUANTILE_LIMIT = 1 << 24  # torch.quantile refuses larger inputs
+
+
+@dataclass(frozen=True)
+class QuantRange:
+    """A calibrated [lo, hi] interval, lo <= 0 <= hi (zero must be representable)."""
+
+    lo: float
+    hi: float
+
+
+class Observer:
+    """Base class: ``update`` with every calibration activation, then read ``range``."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().float()
+        if x.numel() == 0:
+            return
+        if not torch.isfinite(x).all():
+            raise ValueError("non-finite activation (NaN or Inf) reached an observer")
+        self.batches += 1
+        self._update(x)
+
+    def _update(self, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def range(self, bits: int, signed: bool) -> QuantRange:
+        if self.batches == 0:
+            raise RuntimeError("observer saw no data: the calibration set never reached this layer")
+        lo, hi = self._range(bits, signed)
+        return QuantRange(min(lo, 0.0), max(hi, 0.0))
+
+    def _range(self, bits: int, signed: bool) -> tuple[float, float]:
+        raise NotImplementedError
+
+
+class MinMaxObserver(Observer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lo = float("inf")
+        self.hi = float("-inf")
+
+    def _update(self, x: torch.Tensor) -> None:
+        self.lo = min(self.lo, x.min().item())
+        self.hi = max(self.hi, x.max().item())
+
+    def _range(self, bits: int, signed: bool) -> tuple[float, float]:
+        return self.lo, self.hi
+
+
+def _subsample(x: torch.Tensor, limit: int) -> torch.Tensor:
+    flat = x.reshape(-1)
+    if flat.numel() <= limit:
+        return flat
+    idx = torch.randint(0, flat.numel(), (limit,), generator=torch.Generator().manual_seed(flat.numel()))
+    return flat[idx]
+
+
+class PercentileObserver(Observer):
+    def __init__(self, percentile: float = 99.99) -> None:
+        super().__init__()
+        if not 50.0 < percentile <= 100.0:
+            raise ValueError(f"percentile must be in (50, 100], got {percentile}")
+        self.q = percentile / 100.0
+        self.lo_sum = 0.0
+        self.hi_sum = 0.0
+
+    def _update(self, x: torch.Tensor) -> None:
+        flat = _subsample(x, QUANTILE_LIMIT)
+        qs = torch.quantile(flat, torch.tensor([1.0 - self.q, self.q]))
+        self.lo_sum += qs[0].item()
+        self.hi_sum += qs[1].item()
+
+    def _range(self, bits: int, signed: bool) -> tuple[float, float]:
+        return self.lo_sum / self.batches, self.hi_sum / self.batches
+
+
+class MSEObserver(Observer):
+    """Grid search over shrink factors of the min-max range for the lowest quantization MSE."""
+
+    GRID = torch.linspace(0.3, 1.0, 36)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples: list[torch.Tensor] = []
+        self.minmax = MinMaxObserver()
+
+    def _update(self, x: torch.Tensor) -> None:
+        self.minmax.update(x)
+        self.samples.append(_subsample(x, RESERVOIR // 8))
+        if sum(s.numel() for s in self.samples) > RESERVOIR:
+            self.samples = [_subsample(torch.cat(self.samples), RESERVOIR)]
+
+    def _range(self, bits: int, signed: bool) -> tuple[float, float]:
+        values = torch.cat(self.samples)
+        lo, hi = min(self.minmax.lo, 0.0), max(self.minmax.hi, 0.0)
+        best, best_err = (lo, hi), float("inf")
+        for factor in self.GRID.tolist():
+            cand_lo, cand_hi = lo * factor, hi * factor
+            err = (fake_quant_range(values, QuantRange(cand_lo, cand_hi), bits, signed) - values).pow(2).mean().item()
+            if err < best_err:
+                best, best_err = (cand_lo, cand_hi), err
+        return best
+
+
+def scale_and_zero_point(r: QuantRange, bits: int, signed: bool) -> tuple[float, float]:
+    """Affine parameters for a range.
+
+    ``signed=True``: symmetric, zero point 0, ``scale = max|r| / (2^(b-1) - 1)``.
+    ``signed=False``: asymmetric unsigned, ``scale = (hi - lo) / (2^b - 1)`` and an
+    integer zero point so that 0.0 is exactly representable (padding, masks).
+    """
+    if signed:
+        scale = max(abs(r.lo), abs(r.hi)) / (2 ** (bits - 1) - 1)
+        return max(scale, 1e-12), 0.0
+    scale = max((r.hi - r.lo) / (2**bits - 1), 1e-12)
+    zero_point = float(min(max(round(-r.lo / scale), 0), 2**bits - 1))
+    return scale, zero_point
+
+
+def fake_quant_range(x: torch.Tensor, r: QuantRange, bits: int, signed: bool) -> torch.Tensor:
+    """Quantize-dequantize ``x`` with the affine parameters of ``r`` (used to score candidates)."""
+    scale, zp = scale_and_zero_point(r, bits, signed)
+    qmin, qmax = (-(2 ** (bits - 1)) + 1, 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
+    return (torch.clamp(torch.round(x / scale + zp), qmin, qmax) - zp) * scale
+
+
+OBSERVERS = {"minmax": MinMaxObserver, "percentile": PercentileObserver, "mse": MSEObserver}
+
+
+def make_observer(kind: str, percentile: float = 99.99) -> Observer:
+    if kind not in OBSERVERS:
+        raise ValueError(f"unknown observer '{kind}'; choose one of {sorted(OBSERVERS)}")
+    return PercentileObserver(percentile) if kind == "percentile" else OBSERVERS[kind]()

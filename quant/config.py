@@ -1,0 +1,75 @@
+"""``QuantConfig``: everything ``softq.quantize`` can be asked to do, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+BIAS_CORRECTION_GRANULARITIES = ("tensor", "head", "head_row")
+MIN_BITS, MAX_BITS = 2, 16
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """W8A8 post-training quantization settings (defaults: the edge deployment).
+
+    Attributes:
+        weight_bits: bits of Linear weights (symmetric, narrow range).
+        weight_per_channel: one scale per output channel (else one per tensor).
+        act_bits: bits of every quantized activation (Linear inputs, Q, K, V,
+            softmax input, residual stream).
+        act_symmetric: signed symmetric activations instead of asymmetric unsigned.
+        softmax_bits: bits of the softmax output (unsigned), or ``None`` to keep
+            the softmax input and output in float ("W8A8 with float softmax").
+        softmax_scale: ``"fixed"`` uses ``2**-softmax_bits`` (the TFLite/QNN edge
+            convention, what the ONNX export emits); ``"calibrated"`` fits the
+            scale to the largest probability seen.
+        observer: range rule for activations: ``minmax``, ``percentile`` or ``mse``.
+        percentile: the percentile of the ``percentile`` observer.
+        bias_correction: softmax bias correction granularity (``tensor``,
+            ``head``, ``head_row``) or ``None`` for no correction.
+        smoothquant_alpha: SmoothQuant migration strength in [0, 1] applied to
+            Linear layers fed by a LayerNorm, or ``None`` to skip.
+        quantize_residual: also quantize LayerNorm inputs (the residual stream).
+        exclude: substrings of module names whose Linear layers stay float
+            (e.g. ``("lm_head",)``).
+    """
+
+    weight_bits: int = 8
+    weight_per_channel: bool = True
+    act_bits: int = 8
+    act_symmetric: bool = False
+    softmax_bits: int | None = 8
+    softmax_scale: Literal["fixed", "calibrated"] = "fixed"
+    observer: Literal["minmax", "percentile", "mse"] = "minmax"
+    percentile: float = 99.99
+    bias_correction: Literal["tensor", "head", "head_row"] | None = None
+    smoothquant_alpha: float | None = None
+    quantize_residual: bool = True
+    exclude: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("weight_bits", "act_bits", "softmax_bits"):
+            value = getattr(self, name)
+            if name == "softmax_bits" and value is None:
+                continue
+            if not isinstance(value, int) or not MIN_BITS <= value <= MAX_BITS:
+                raise ValueError(f"{name} must be an integer from {MIN_BITS} to {MAX_BITS}, got {value!r}")
+        if self.softmax_scale not in ("fixed", "calibrated"):
+            raise ValueError(f"softmax_scale must be 'fixed' or 'calibrated', got {self.softmax_scale!r}")
+        if self.observer not in ("minmax", "percentile", "mse"):
+            raise ValueError(f"observer must be 'minmax', 'percentile' or 'mse', got {self.observer!r}")
+        if self.bias_correction is not None and self.bias_correction not in BIAS_CORRECTION_GRANULARITIES:
+            raise ValueError(
+                f"bias_correction must be one of {BIAS_CORRECTION_GRANULARITIES} or None, got {self.bias_correction!r}"
+            )
+        if self.bias_correction is not None and self.softmax_bits is None:
+            raise ValueError("bias_correction corrects the quantized softmax output; it needs softmax_bits")
+        if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
+            raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
+
+    def describe(self) -> str:
+        """Short human-readable summary of the non-default settings."""
+        default = QuantConfig()
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
+        return f"W{self.weight_bits}A{self.act_bits}" + (f" ({', '.join(changed)})" if changed else "")

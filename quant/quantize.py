@@ -1,0 +1,148 @@
+"""``softq.quantize``: W8A8 post-training quantization of a whole Hugging Face model.
+
+What is quantized (each point is a Brevitas quantizer, see ``quantizers.py``):
+
+* every ``nn.Linear`` weight (symmetric, per output channel) and its input;
+* the Q and K inputs of the score matmul and the softmax input (scores);
+* the softmax output (unsigned, scale ``2**-bits`` by default) and the V input of P.V;
+* LayerNorm inputs, i.e. the residual stream (``quantize_residual``).
+
+Embedding tables, the ViT patch-embedding convolution and LayerNorm arithmetic
+stay float, as in the usual W8A8 deployments.  Attention is hooked through
+``transformers.AttentionInterface`` (``softq.attention``); Hugging Face code is
+never edited.
+
+The passes run in this order, each on the calibration set:
+SmoothQuant (optional) -> range observation -> softmax bias correction (optional).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from softq.attention import AttentionPoints, attention_points
+from softq.calib.data import Batch, as_batches, run_batches
+from softq.calib.smoothquant import smooth
+from softq.models import conv1d_to_linear, model_family
+from softq.quant.config import QuantConfig
+from softq.quant.quantizers import ActQuantizer, QLinear, SoftmaxOutputQuantizer
+
+
+class QLayerNorm(nn.LayerNorm):
+    """LayerNorm whose input (the residual stream) is quantized first."""
+
+    def __init__(self, norm: nn.LayerNorm, act: ActQuantizer) -> None:
+        super().__init__(norm.normalized_shape, eps=norm.eps, elementwise_affine=norm.elementwise_affine,
+                         bias=norm.bias is not None, device=norm.weight.device if norm.weight is not None else None)
+        self.load_state_dict(norm.state_dict())
+        self.input_act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.input_act(x))
+
+
+def _act(config: QuantConfig) -> ActQuantizer:
+    return ActQuantizer(config.act_bits, config.act_symmetric, config.observer, config.percentile)
+
+
+def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
+    """Swap Linear -> QLinear and LayerNorm -> QLayerNorm in place."""
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            if any(pattern in full for pattern in config.exclude):
+                continue
+            if type(child) is nn.Linear:
+                setattr(parent, child_name, QLinear(child, config.weight_bits, config.weight_per_channel, _act(config)))
+            elif type(child) is nn.LayerNorm and config.quantize_residual:
+                setattr(parent, child_name, QLayerNorm(child, _act(config)))
+
+
+def _attach_attention_quantizers(points: AttentionPoints, config: QuantConfig) -> None:
+    points.q = _act(config)
+    points.k = _act(config)
+    points.v = _act(config)
+    if config.softmax_bits is not None:
+        points.scores = _act(config)
+        points.probs = SoftmaxOutputQuantizer(config.softmax_bits, points.num_heads, config.softmax_scale)
+
+
+def act_quantizers(model: nn.Module) -> list[nn.Module]:
+    """Every activation and softmax-output quantizer in ``model``."""
+    return [m for m in model.modules() if isinstance(m, (ActQuantizer, SoftmaxOutputQuantizer))]
+
+
+def set_mode(model: nn.Module, mode: str) -> None:
+    for q in act_quantizers(model):
+        q.mode = mode
+
+
+def quantize(
+    model: nn.Module,
+    calib_data: Iterable[torch.Tensor | Mapping[str, torch.Tensor]],
+    config: QuantConfig | None = None,
+    inplace: bool = False,
+) -> nn.Module:
+    """Quantize ``model`` with ``config`` using ``calib_data``; returns the fake-quantized model.
+
+    ``calib_data`` is an iterable of model inputs (tensors taken as the main
+    input, or dicts of keyword inputs).  The result is called and evaluated
+    exactly like the original model.  The original is left untouched unless
+    ``inplace=True``.
+    """
+    config = config or QuantConfig()
+    model_family(model)  # clear error for unsupported families before any work
+    batches = as_batches(model, calib_data)
+    _try_forward(model, batches[0])
+    qmodel = model if inplace else copy.deepcopy(model)
+    qmodel.eval()
+    conv1d_to_linear(qmodel)
+    layers = attention_points(qmodel)  # switches to softq attention, keeps an already chosen variant
+
+    if config.smoothquant_alpha is not None:
+        smooth(qmodel, batches, config.smoothquant_alpha)
+
+    _replace_modules(qmodel, config)
+    for _, points in layers:
+        _attach_attention_quantizers(points, config)
+
+    set_mode(qmodel, "observe")
+    run_batches(qmodel, batches, desc="calibrating ranges")
+    for q in act_quantizers(qmodel):
+        q.finish_calibration()
+    set_mode(qmodel, "quant")
+
+    if config.bias_correction is not None:
+        correct_softmax_bias(qmodel, batches, config.bias_correction)
+    qmodel.softq_quant_config = config
+    return qmodel
+
+
+def correct_softmax_bias(qmodel: nn.Module, batches: list[Batch], granularity: str) -> None:
+    """Measure E[p - Q(p)] on the quantized model and store it as each layer's ``beta``."""
+    outputs = [m for m in qmodel.modules() if isinstance(m, SoftmaxOutputQuantizer)]
+    if not outputs:
+        raise ValueError("softmax bias correction needs a quantized softmax output (softmax_bits)")
+    for q in outputs:
+        q.start_bias_measurement(granularity)
+    run_batches(qmodel, batches, desc="softmax bias correction")
+    for q in outputs:
+        q.finish_bias_measurement()
+
+
+def _try_forward(model: nn.Module, batch: Batch) -> None:
+    """Run one batch through the float model so a mismatch fails here, named, not deep inside a pass."""
+    try:
+        run_batches(model, [batch])
+    except (RuntimeError, IndexError, ValueError) as err:
+        shapes = {k: tuple(v.shape) for k, v in batch.items()}
+        raise ValueError(f"calibration batch 0 with shapes {shapes} does not fit {type(model).__name__}: {err}") from err
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """True for a model returned by :func:`quantize`."""
+    return isinstance(getattr(model, "softq_quant_config", None), QuantConfig)

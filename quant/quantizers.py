@@ -1,0 +1,221 @@
+"""Quantization points built on Brevitas: activations, softmax output, Linear layers.
+
+Weights use Brevitas' ``QuantLinear`` with its per-channel int8 weight quantizer
+(scales follow each output channel's max |w|).  Activations use Brevitas'
+``IntQuant`` core (round, clamp, dequantize with a straight-through gradient)
+driven by scales and zero points that softq's observers (``softq.calib``) fit on
+calibration data, so the calibration rule is softq's choice, the arithmetic is
+Brevitas'.
+
+Every activation point has three modes:
+``float`` (pass-through), ``observe`` (pass-through, feeding its observer) and
+``quant`` (fake-quantize).  The quantized model is an ordinary ``nn.Module``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from brevitas.core.function_wrapper import RoundSte, TensorClamp
+from brevitas.core.function_wrapper.misc import Identity
+from brevitas.core.quant.int_base import IntQuant
+from brevitas.nn import QuantLinear
+from brevitas.quant import Int8WeightPerChannelFloat, Int8WeightPerTensorFloat
+from torch import nn
+
+from softq.attention import ProbsQuantizer
+from softq.calib.observers import Observer, make_observer, scale_and_zero_point
+
+Mode = Literal["float", "observe", "quant"]
+
+
+def _brevitas_int_quant(signed: bool) -> IntQuant:
+    # Signed points are symmetric and narrow (-127..127), unsigned ones 0..255.
+    return IntQuant(
+        narrow_range=signed, signed=signed, input_view_impl=Identity(),
+        float_to_int_impl=RoundSte(), tensor_clamp_impl=TensorClamp(),
+    )
+
+
+class ActQuantizer(nn.Module):
+    """Per-tensor activation quantizer with an observer-fitted scale and zero point."""
+
+    def __init__(self, bits: int, signed: bool, observer: str = "minmax", percentile: float = 99.99):
+        super().__init__()
+        self.bits = bits
+        self.signed = signed
+        self.mode: Mode = "float"
+        self.observer: Observer | None = make_observer(observer, percentile)
+        self.quant = _brevitas_int_quant(signed)
+        self.register_buffer("scale", torch.tensor(1.0))
+        self.register_buffer("zero_point", torch.tensor(0.0))
+        self.register_buffer("bit_width", torch.tensor(float(bits)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "quant":
+            return self.quant(self.scale, self.zero_point, self.bit_width, x)
+        if self.mode == "observe" and self.observer is not None:
+            self.observer.update(x)
+        return x
+
+    def finish_calibration(self) -> None:
+        """Fix scale and zero point from what the observer saw, then drop the observer."""
+        if self.observer is None:
+            return
+        r = self.observer.range(self.bits, self.signed)
+        scale, zero_point = scale_and_zero_point(r, self.bits, self.signed)
+        self.scale.fill_(scale)
+        self.zero_point.fill_(zero_point)
+        self.observer = None
+
+    def int_repr(self, x: torch.Tensor) -> torch.Tensor:
+        """Integer codes of ``x`` (what an integer runtime stores), for export and tests."""
+        return self.quant.to_int(self.scale, self.zero_point, self.bit_width, x)
+
+    def extra_repr(self) -> str:
+        return f"bits={self.bits}, signed={self.signed}, mode={self.mode}, scale={self.scale.item():.4g}, zp={self.zero_point.item():g}"
+
+
+class SoftmaxOutputQuantizer(ProbsQuantizer):
+    """Unsigned quantizer of softmax probabilities with optional bias correction.
+
+    Scale: ``2**-bits`` by default (the edge convention: uint8 (1/256, 0)), or
+    calibrated from the largest probability.  Zero point 0, so masked
+    probabilities (exactly 0) stay exactly 0.
+
+    Bias correction (Pandey et al. 2023): rounding pushes small probabilities to 0,
+    so E[p - Q(p)] > 0 and rows of Q(p) sum to less than 1.  ``beta`` is that
+    expectation measured on calibration data over valid (unmasked) entries, at
+    the granularity chosen in the config; inference adds ``beta`` to valid entries.
+    Folding into integer arithmetic: (Q(P) + beta) V = Q(P) V + beta * sum_valid(V),
+    i.e. a (fractional) zero-point shift of P that the P.V requantization absorbs
+    (see docs/ARCHITECTURE.md and softq.export).
+    """
+
+    def __init__(self, bits: int, num_heads: int, scale_policy: str = "fixed") -> None:
+        super().__init__()
+        self.bits = bits
+        self.num_heads = num_heads
+        self.scale_policy = scale_policy
+        self.mode: Mode = "float"
+        self.quant = _brevitas_int_quant(signed=False)
+        self.register_buffer("scale", torch.tensor(2.0**-bits))
+        self.register_buffer("zero_point", torch.tensor(0.0))
+        self.register_buffer("bit_width", torch.tensor(float(bits)))
+        self.register_buffer("beta", torch.zeros(0))  # empty: no correction
+        self.register_buffer("beta_head", torch.zeros(0))  # per-head fallback for other row counts
+        self.max_seen = 0.0
+        self.granularity: str | None = None
+        self.causal_rows = False  # beta per query row can be sliced for shorter causal inputs
+        self.measuring = False
+        self._err_sum: torch.Tensor | None = None
+        self._count: torch.Tensor | None = None
+
+    def quantize(self, probs: torch.Tensor) -> torch.Tensor:
+        return self.quant(self.scale, self.zero_point, self.bit_width, probs)
+
+    def int_repr(self, probs: torch.Tensor) -> torch.Tensor:
+        return self.quant.to_int(self.scale, self.zero_point, self.bit_width, probs)
+
+    def forward(self, probs: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        if self.mode == "observe":
+            self.max_seen = max(self.max_seen, probs.detach().max().item())
+            return probs
+        if self.mode != "quant":
+            return probs
+        q = self.quantize(probs)
+        if self.measuring:
+            self._accumulate(probs, q, valid)
+            return q
+        beta = self.beta_for(q)
+        if beta is None:
+            return q
+        return q + beta if valid is None else q + beta * valid
+
+    # -- calibration -------------------------------------------------------
+    def finish_calibration(self) -> None:
+        if self.scale_policy == "calibrated" and self.max_seen > 0:
+            self.scale.fill_(min(self.max_seen, 1.0) / (2**self.bits - 1))
+
+    def start_bias_measurement(self, granularity: str) -> None:
+        self.granularity = granularity
+        self.measuring = True
+        self._err_sum = self._count = None
+
+    def _accumulate(self, probs: torch.Tensor, q: torch.Tensor, valid: torch.Tensor | None) -> None:
+        err = (probs - q).detach()
+        weight = torch.ones_like(err) if valid is None else torch.broadcast_to(valid, err.shape)
+        # Reduce to [heads, q_len]: sum over batch and keys.
+        err_hq = (err * weight).sum(dim=(0, 3))
+        cnt_hq = weight.sum(dim=(0, 3))
+        if self._err_sum is None or self._count is None:
+            self._err_sum, self._count = err_hq, cnt_hq
+        elif self._err_sum.shape == err_hq.shape:
+            self._err_sum = self._err_sum + err_hq
+            self._count = self._count + cnt_hq
+        else:  # calibration inputs of different lengths: keep the common rows
+            n = min(self._err_sum.shape[1], err_hq.shape[1])
+            self._err_sum = self._err_sum[:, :n] + err_hq[:, :n]
+            self._count = self._count[:, :n] + cnt_hq[:, :n]
+        if valid is not None and valid.shape[-2] > 1:
+            v = torch.broadcast_to(valid, err.shape)[0, 0]
+            self.causal_rows = bool(torch.equal(v, torch.ones_like(v).tril()))
+
+    def finish_bias_measurement(self) -> None:
+        err, count = self._err_sum, self._count
+        self._err_sum = self._count = None
+        self.measuring = False
+        if err is None or count is None or err.numel() == 0:
+            raise RuntimeError("softmax bias correction saw no calibration data")
+        if self.granularity == "tensor":
+            beta = (err.sum() / count.sum().clamp_min(1)).reshape(1, 1, 1, 1)
+        elif self.granularity == "head":
+            beta = (err.sum(1) / count.sum(1).clamp_min(1)).reshape(1, -1, 1, 1)
+        else:  # head_row
+            beta = (err / count.clamp_min(1)).reshape(1, err.shape[0], err.shape[1], 1)
+        self.beta = beta.to(self.scale.dtype)
+        self.beta_head = (err.sum(1) / count.sum(1).clamp_min(1)).reshape(1, -1, 1, 1).to(self.scale.dtype)
+
+    def beta_for(self, q: torch.Tensor) -> torch.Tensor | None:
+        """The correction for a [b, h, q_len, k_len] output (rows sliced or averaged as needed)."""
+        if self.beta.numel() == 0:
+            return None
+        rows = self.beta.shape[2]
+        if rows == 1:
+            return self.beta
+        q_len = q.shape[-2]
+        if q_len == rows or (self.causal_rows and q_len < rows):
+            return self.beta[:, :, :q_len]
+        return self.beta_head
+
+    def extra_repr(self) -> str:
+        corr = "none" if self.beta.numel() == 0 else f"{self.granularity} {tuple(self.beta.shape)}"
+        return f"bits={self.bits}, scale={self.scale.item():.4g}, mode={self.mode}, bias_correction={corr}"
+
+
+class QLinear(QuantLinear):
+    """Brevitas ``QuantLinear`` (int weights, float bias) behind a softq activation quantizer."""
+
+    def __init__(self, linear: nn.Linear, weight_bits: int, per_channel: bool, act: ActQuantizer) -> None:
+        weight_quant = Int8WeightPerChannelFloat if per_channel else Int8WeightPerTensorFloat
+        super().__init__(
+            linear.in_features, linear.out_features, bias=linear.bias is not None,
+            weight_quant=weight_quant, weight_bit_width=weight_bits, return_quant_tensor=False,
+            device=linear.weight.device, dtype=linear.weight.dtype,
+        )
+        with torch.no_grad():
+            self.weight.copy_(linear.weight)
+            if linear.bias is not None:
+                self.bias.copy_(linear.bias)
+        self.input_act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.input_act(x))
+
+    def weight_scale(self) -> torch.Tensor:
+        """Per-output-channel (or scalar) weight scale, shape [out] or []."""
+        return self.quant_weight().scale.detach().reshape(-1)
+
+    def int_weight(self) -> torch.Tensor:
+        return self.quant_weight().int().detach()
