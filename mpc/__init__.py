@@ -1,1 +1,47 @@
-"""softq.mpc"""
+"""softq.mpc: private inference of Hugging Face transformers under CrypTen.
+
+The model owner secret-shares its weights, the client secret-shares its input,
+and only the client sees the output.  softq exports the model with
+``torch.export`` and interprets the aten graph with CrypTensor operations
+(:mod:`softq.mpc.graph`); attention uses the softmax variants of
+:mod:`softq.softmax`, GELU and LayerNorm the surrogates of
+:mod:`softq.mpc.surrogates`.
+
+Importing this package is cheap: CrypTen is only loaded (through the torch
+compatibility shim) when a function that needs it is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from softq.mpc._crypten_shim import CrypTenMissingError, load_crypten
+
+__all__ = [
+    "CrypTenMissingError",
+    "load_crypten",
+    "run",
+    "MPCResult",
+    "CommReport",
+    "MPCError",
+    "configure_surrogates",
+    "NETWORK_PROFILES",
+]
+
+_LAZY = {
+    "run": "softq.mpc.runner",
+    "MPCResult": "softq.mpc.runner",
+    "MPCError": "softq.mpc.errors",
+    "CommReport": "softq.mpc.accounting",
+    "NETWORK_PROFILES": "softq.mpc.accounting",
+    "configure_surrogates": "softq.mpc.surrogates",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'softq.mpc' has no attribute '{name}'")
+    import importlib
+
+    return getattr(importlib.import_module(module_name), name)
