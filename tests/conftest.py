@@ -1,0 +1,58 @@
+"""Tiny Hugging Face models built from configs (no downloads), shared by the test files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+torch.set_num_threads(2)
+
+
+def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer model of ``family`` with hidden size 32 and 4 heads, in eval mode."""
+    torch.manual_seed(seed)
+    common = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                      bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    elif family == "opt":
+        cfg = transformers.OPTConfig(vocab_size=64, ffn_dim=64, max_position_embeddings=128, word_embed_proj_dim=32,
+                                     bos_token_id=0, eos_token_id=0, pad_token_id=1, **common)
+        model = transformers.OPTForCausalLM(cfg)
+    elif family == "bert":
+        model = transformers.BertForSequenceClassification(
+            transformers.BertConfig(vocab_size=64, max_position_embeddings=128, num_labels=3, **common))
+    elif family == "roberta":
+        model = transformers.RobertaForSequenceClassification(
+            transformers.RobertaConfig(vocab_size=64, max_position_embeddings=130, num_labels=3, pad_token_id=1, **common))
+    elif family == "vit":
+        model = transformers.ViTForImageClassification(
+            transformers.ViTConfig(image_size=16, patch_size=4, num_channels=1, num_labels=10, **common))
+    elif family == "deit":
+        model = transformers.DeiTForImageClassification(
+            transformers.DeiTConfig(image_size=16, patch_size=4, num_channels=1, num_labels=10, **common))
+    else:
+        raise ValueError(family)
+    if family in ("vit", "deit"):
+        # Fresh ViT/DeiT class tokens are (near) zero, so the token the classifier reads has
+        # almost no variance and LayerNorm blows up any rounding: trained models never look
+        # like that.  Give the special tokens a trained-like spread.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("cls_token", "distillation_token")):
+                    param.normal_()
+    return model.eval()
+
+
+def tiny_inputs(family: str, batch: int = 2, seq: int = 24, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if family in ("vit", "deit"):
+        return {"pixel_values": torch.randn(batch, 1, 16, 16, generator=g)}
+    return {"input_ids": torch.randint(2, 64, (batch, seq), generator=g)}
+
+
+@pytest.fixture
+def make_tiny():
+    return tiny_model

@@ -1,0 +1,213 @@
+"""softq.quantize on real Brevitas quantizers: what is quantized, masks, bias correction, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+from conftest import tiny_inputs, tiny_model
+
+import softq
+from softq.attention import attention_points
+from softq.calib.data import CalibrationDataError
+from softq.models import UnsupportedModelError
+from softq.quant.quantizers import ActQuantizer, QLinear, SoftmaxOutputQuantizer
+
+FAMILIES = ["gpt2", "opt", "bert", "roberta", "vit", "deit"]
+
+
+def calib_for(family: str, n: int = 3) -> list[dict[str, torch.Tensor]]:
+    return [tiny_inputs(family, seed=10 + i) for i in range(n)]
+
+
+def capture_probs(qmodel: torch.nn.Module) -> list[torch.Tensor]:
+    """Record what every softmax-output quantizer returns on the next forward."""
+    captured: list[torch.Tensor] = []
+    for _, points in attention_points(qmodel):
+        points.probs.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
+    return captured
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_model_runs_like_the_original_and_is_close(family: str) -> None:
+    model = tiny_model(family)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    qmodel = softq.quantize(model, calib_for(family))
+    inputs = tiny_inputs(family, seed=99)
+    with torch.no_grad():
+        ref = model(**inputs).logits
+        out = qmodel(**inputs).logits
+    assert out.shape == ref.shape
+    rel = (out - ref).norm() / ref.norm()
+    assert rel < 0.1, f"W8A8 relative logit error {rel:.3f}"
+    # every Linear became a Brevitas QLinear, and the original model was not touched
+    assert not any(type(m) is torch.nn.Linear for m in qmodel.modules())
+    assert any(isinstance(m, QLinear) for m in qmodel.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert softq.quant.is_quantized(qmodel) and not softq.quant.is_quantized(model)
+
+
+def test_per_channel_weight_scales_follow_weight_ranges() -> None:
+    qmodel = softq.quantize(tiny_model("opt"), calib_for("opt"))
+    for layer in (m for m in qmodel.modules() if isinstance(m, QLinear)):
+        expected = layer.weight.detach().abs().amax(dim=1) / 127.0
+        torch.testing.assert_close(layer.weight_scale(), expected, rtol=1e-5, atol=1e-9)
+        codes = layer.int_weight()
+        assert codes.abs().max() <= 127
+        live = expected > 0  # OPT's padding row of the tied lm_head is all zeros
+        assert live.sum() >= len(live) - 1
+        torch.testing.assert_close(codes.abs().amax(dim=1).float()[live], torch.full_like(expected[live], 127.0))
+
+
+def test_every_attention_point_is_quantized_with_fixed_edge_softmax_scale() -> None:
+    qmodel = softq.quantize(tiny_model("gpt2"), calib_for("gpt2"))
+    for _, points in attention_points(qmodel):
+        for point in (points.q, points.k, points.scores, points.v):
+            assert isinstance(point, ActQuantizer) and point.mode == "quant"
+        assert isinstance(points.probs, SoftmaxOutputQuantizer)
+        assert points.probs.scale.item() == 2.0**-8
+        assert points.probs.zero_point.item() == 0.0
+    captured = capture_probs(qmodel)
+    with torch.no_grad():
+        qmodel(**tiny_inputs("gpt2"))
+    for probs in captured:
+        codes = probs * 256
+        assert torch.equal(codes, codes.round()) and codes.min() >= 0 and codes.max() <= 255
+
+
+def test_float_softmax_option_leaves_scores_and_probs_unquantized() -> None:
+    qmodel = softq.quantize(tiny_model("gpt2"), calib_for("gpt2"), softq.QuantConfig(softmax_bits=None))
+    for _, points in attention_points(qmodel):
+        assert isinstance(points.scores, torch.nn.Identity)
+        assert not isinstance(points.probs, SoftmaxOutputQuantizer)
+        assert isinstance(points.q, ActQuantizer)
+
+
+@pytest.mark.parametrize("correction", [None, "tensor", "head", "head_row"])
+def test_causal_mask_stays_exactly_zero(correction: str | None) -> None:
+    config = softq.QuantConfig(softmax_bits=4, bias_correction=correction)
+    qmodel = softq.quantize(tiny_model("gpt2"), calib_for("gpt2"), config)
+    captured = capture_probs(qmodel)
+    with torch.no_grad():
+        qmodel(**tiny_inputs("gpt2"))
+    seq = captured[0].shape[-1]
+    future = torch.ones(seq, seq).triu(1).bool()
+    for probs in captured:
+        assert torch.all(probs[..., future] == 0)
+        if correction is not None:
+            assert torch.any(probs[..., ~future] != (probs[..., ~future] * 16).round() / 16), "beta not applied"
+
+
+def test_padding_mask_stays_exactly_zero_and_padding_does_not_leak() -> None:
+    config = softq.QuantConfig(bias_correction="head")
+    model = tiny_model("bert")
+    qmodel = softq.quantize(model, calib_for("bert"), config)
+    inputs = tiny_inputs("bert", seq=12)
+    inputs["attention_mask"] = torch.tensor([[1] * 12, [1] * 8 + [0] * 4])
+    captured = capture_probs(qmodel)
+    with torch.no_grad():
+        out = qmodel(**inputs).logits
+        changed = {k: v.clone() for k, v in inputs.items()}
+        changed["input_ids"][1, 9] = (changed["input_ids"][1, 9] + 7) % 64
+        out_changed = qmodel(**changed).logits
+    for probs in captured[: len(captured) // 2]:
+        assert torch.all(probs[1, :, :, 8:] == 0)
+    torch.testing.assert_close(out[1], out_changed[1], rtol=0, atol=0)
+
+
+def test_changing_a_future_token_does_not_move_earlier_logits() -> None:
+    qmodel = softq.quantize(tiny_model("opt"), calib_for("opt"), softq.QuantConfig(bias_correction="head_row"))
+    inputs = tiny_inputs("opt")
+    changed = {"input_ids": inputs["input_ids"].clone()}
+    changed["input_ids"][:, 15] = (changed["input_ids"][:, 15] + 5) % 64
+    with torch.no_grad():
+        a, b = qmodel(**inputs).logits, qmodel(**changed).logits
+    torch.testing.assert_close(a[:, :15], b[:, :15], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 15:], b[:, 15:])
+
+
+def test_bias_correction_beta_is_the_mean_rounding_error_over_valid_entries() -> None:
+    torch.manual_seed(0)
+    quantizer = SoftmaxOutputQuantizer(bits=4, num_heads=3)
+    quantizer.mode = "quant"
+    quantizer.start_bias_measurement("head")
+    valid = torch.ones(6, 6).tril()
+    probs = [torch.softmax(torch.randn(2, 3, 6, 6).masked_fill(valid == 0, -math.inf), -1) for _ in range(3)]
+    for p in probs:
+        quantizer(p, valid)
+    quantizer.finish_bias_measurement()
+    err = torch.stack([(p - (p * 16).round().clamp(0, 15) / 16) * valid for p in probs])
+    expected = err.sum(dim=(0, 1, 3, 4)) / (valid.sum() * 2 * 3)
+    torch.testing.assert_close(quantizer.beta.reshape(-1), expected, rtol=1e-5, atol=1e-7)
+    assert torch.all(quantizer.beta > 0), "rounding small probabilities to 0 biases the output down"
+
+
+def _row_sums(qmodel, inputs) -> torch.Tensor:
+    captured = capture_probs(qmodel)
+    with torch.no_grad():
+        qmodel(**inputs)
+    return torch.stack([p.sum(-1) for p in captured])
+
+
+def test_corrected_softmax_rows_sum_to_one() -> None:
+    """At 4 bits on 96-key rows, uncorrected rows lose mass; head_row correction restores it."""
+    model = tiny_model("bert")
+    calib = [tiny_inputs("bert", batch=4, seq=96, seed=s) for s in range(4)]
+    held_out = tiny_inputs("bert", batch=4, seq=96, seed=50)
+    plain = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4))
+    corrected = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4, bias_correction="head_row"))
+    deficit_plain = (1 - _row_sums(plain, held_out)).abs().mean().item()
+    deficit_corr = (1 - _row_sums(corrected, held_out)).abs().mean().item()
+    assert deficit_plain > 0.05
+    assert deficit_corr < 0.02
+    assert deficit_corr < deficit_plain / 3
+
+
+# --- bad input -------------------------------------------------------------------
+
+
+def test_empty_calibration_set_is_refused() -> None:
+    with pytest.raises(CalibrationDataError, match="empty"):
+        softq.quantize(tiny_model("gpt2"), [])
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_calibration_batch_is_named(bad: float) -> None:
+    calib = calib_for("vit", 4)
+    calib[2]["pixel_values"][0, 0, 3, 3] = bad
+    with pytest.raises(CalibrationDataError, match=r"batch 2: 'pixel_values' contains (NaN|Inf)"):
+        softq.quantize(tiny_model("vit"), calib)
+
+
+def test_unsupported_model_lists_supported_families() -> None:
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
+    with pytest.raises(UnsupportedModelError, match="llama.*bert, roberta, opt, gpt2, vit, deit"):
+        softq.quantize(llama, [torch.randint(0, 64, (1, 8))])
+    with pytest.raises(UnsupportedModelError, match="supported Hugging Face families"):
+        softq.quantize(torch.nn.Linear(4, 4), [torch.randn(1, 4)])
+
+
+@pytest.mark.parametrize("field", ["weight_bits", "act_bits", "softmax_bits"])
+@pytest.mark.parametrize("bits", [1, 17, 0])
+def test_bits_outside_2_to_16_are_refused(field: str, bits: int) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be an integer from 2 to 16"):
+        softq.QuantConfig(**{field: bits})
+
+
+def test_inputs_that_do_not_fit_the_model_are_refused() -> None:
+    with pytest.raises(CalibrationDataError, match="exceeds the model's 128 positions"):
+        softq.quantize(tiny_model("gpt2"), [torch.randint(0, 64, (1, 200))])
+    with pytest.raises(CalibrationDataError, match=r"token ids must be in \[0, 64\)"):
+        softq.quantize(tiny_model("gpt2"), [torch.randint(60, 90, (1, 8))])
+    with pytest.raises(CalibrationDataError, match=r"pixel_values must be \[batch, 1, 16, 16\]"):
+        softq.quantize(tiny_model("vit"), [torch.randn(1, 3, 16, 16)])
+    with pytest.raises(CalibrationDataError, match=r"input_ids must be \[batch, seq\]"):
+        softq.quantize(tiny_model("bert"), [torch.randint(0, 64, (8,))])
+
+
+def test_bias_correction_without_quantized_softmax_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs softmax_bits"):
+        softq.QuantConfig(softmax_bits=None, bias_correction="head")
