@@ -1,0 +1,374 @@
+"""MPC-friendly surrogates for the non-linear layers, and how a model is switched to them.
+
+Softmax variants are *not* defined here: they live in :mod:`softq.softmax` and
+run unchanged on CrypTensors.  This module adds the other non-linearities:
+
+* GELU: ``erf`` (the exact form; CrypTen's erf diverges for |x| > ~3), ``tanh``
+  (the accurate tanh form), ``quad`` (MPCFormer's ``0.125x^2 + 0.25x + 0.5``,
+  one multiplication) and ``relu``.
+* LayerNorm: exact, via a Newton-Raphson inverse square root
+  (:func:`layer_norm`).
+
+Every body uses only tensor methods, so the same function is the plaintext
+student (used by distillation and accuracy runs) and the encrypted operator.
+
+:func:`configure_surrogates` switches a Hugging Face model to the chosen
+surrogates, per layer.  During ``torch.export`` (inside :func:`exporting`) the
+surrogate calls become the custom ops ``softq_mpc::softmax`` and
+``softq_mpc::gelu``, so the exported graph names each surrogate as one node
+that :mod:`softq.mpc.graph` maps to the CrypTen implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from softq.attention import AttentionPoints, configure_attention, valid_from_mask
+from softq.models import attention_modules, model_family
+from softq.softmax import get_softmax
+
+MPC_ATTN_IMPLEMENTATION = "softq_mpc"
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _plain(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+# ---------------------------------------------------------------------------
+# GELU surrogates
+# ---------------------------------------------------------------------------
+
+
+def gelu_erf(x: Any) -> Any:
+    """Exact GELU ``x/2 (1 + erf(x / sqrt 2))``.  Under MPC CrypTen's erf series diverges for |x| > ~3."""
+    if _plain(x):
+        return nn.functional.gelu(x)
+    return x * ((x * (1.0 / math.sqrt(2.0))).erf() + 1.0) * 0.5
+
+
+def gelu_tanh(x: Any) -> Any:
+    """Tanh form ``x/2 (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3)))``: accurate under MPC."""
+    inner = (x + x.square() * x * 0.044715) * _SQRT_2_OVER_PI
+    return x * (inner.tanh() + 1.0) * 0.5
+
+
+def gelu_quad(x: Any) -> Any:
+    """MPCFormer's Quad ``0.125 x^2 + 0.25 x + 0.5``: one multiplication, needs distillation."""
+    return x.square() * 0.125 + x * 0.25 + 0.5
+
+
+def gelu_relu(x: Any) -> Any:
+    """ReLU in place of GELU: one comparison."""
+    return x.relu()
+
+
+GELU_VARIANTS: dict[str, Callable[[Any], Any]] = {
+    "erf": gelu_erf,
+    "tanh": gelu_tanh,
+    "quad": gelu_quad,
+    "relu": gelu_relu,
+}
+
+
+def get_gelu(name: str) -> Callable[[Any], Any]:
+    try:
+        return GELU_VARIANTS[name]
+    except KeyError:
+        raise ValueError(f"unknown GELU surrogate '{name}'; choose one of {sorted(GELU_VARIANTS)}") from None
+
+
+# Hugging Face / torch activation classes that compute (an approximation of) GELU.
+GELU_CLASSES = frozenset(
+    {"GELUActivation", "NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation",
+     "AccurateGELUActivation", "GELU"}
+)
+
+
+# ---------------------------------------------------------------------------
+# LayerNorm
+# ---------------------------------------------------------------------------
+
+# Public thresholds that bracket the variance for the inverse square root's initial
+# guess: var in [4^k, 4^(k+1)) starts at 1/sqrt(2 * 4^k), within a factor sqrt 2 of
+# the answer, where Newton-Raphson converges quadratically.  Covers 6e-5 .. 6.5e4.
+_LN_THRESHOLDS = [4.0**k for k in range(-7, 8)]
+LN_NR_ITERS = 5
+
+
+def _bits_to_fixed(bits: Any) -> Any:
+    """CrypTen returns comparison bits with scale 1; give them the standard fixed-point scale.
+
+    (Multiplying scale-1 bits by a public float would round the float to an integer.)
+    """
+    from softq.mpc._crypten_shim import load_crypten
+
+    crypten = load_crypten()
+    standard = crypten.encoder.FixedPointEncoder()
+    if bits.encoder.scale == standard.scale:
+        return bits
+    out = bits * int(standard.scale // bits.encoder.scale)
+    out.encoder = standard
+    return out
+
+
+def inv_sqrt(var: Any, iters: int = LN_NR_ITERS) -> Any:
+    """``1 / sqrt(var)`` for positive ``var`` (plaintext: exact; CrypTensor: Newton-Raphson).
+
+    CrypTen's own ``inv_sqrt`` starts from an exp-based guess that is only good for
+    var in roughly [0.05, 100]; LayerNorm inputs of real (and freshly initialised)
+    models leave that range.  Here the guess comes from one batched secure
+    comparison of ``var`` against public powers of 4 (cheap: ``var`` has one entry
+    per token), followed by CrypTen's Newton-Raphson step
+    ``y <- y (3 - var y^2) / 2``.
+    """
+    if _plain(var):
+        return var.rsqrt()
+    thresholds = torch.tensor(_LN_THRESHOLDS)
+    guesses = [1.0 / math.sqrt(2.0 * _LN_THRESHOLDS[0] / 4.0)] + [1.0 / math.sqrt(2.0 * t) for t in _LN_THRESHOLDS]
+    steps = torch.tensor([b - a for a, b in zip(guesses[:-1], guesses[1:])])
+    above = _bits_to_fixed(var.gt(thresholds))  # [..., 1] vs [K] -> [..., K] bits, one comparison
+    y = (above * steps).sum(dim=-1, keepdim=True) + guesses[0]
+    for _ in range(iters):
+        y = y * (3.0 - var * y.square()) * 0.5
+    return y
+
+
+def layer_norm(x: Any, normalized_shape: Sequence[int], weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
+    """LayerNorm over the last ``len(normalized_shape)`` dims, exact up to fixed point."""
+    dims = list(range(-len(normalized_shape), 0))
+    if len(dims) != 1:
+        x_flat = x.reshape(*x.shape[: -len(dims)], -1) if not _plain(x) else x.flatten(-len(dims))
+    else:
+        x_flat = x
+    mean = x_flat.mean(dim=-1, keepdim=True)
+    centred = x_flat - mean
+    var = centred.square().mean(dim=-1, keepdim=True)
+    out = centred * inv_sqrt(var + eps)
+    if len(dims) != 1:
+        out = out.reshape(*x.shape) if not _plain(out) else out.view(x.shape)
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Custom ops: one graph node per surrogate in the exported program
+# ---------------------------------------------------------------------------
+
+
+def softmax_spec(name: str, params: Mapping[str, float]) -> str:
+    return json.dumps({"name": name, "params": dict(params)}, sort_keys=True)
+
+
+@torch.library.custom_op("softq_mpc::softmax", mutates_args=())
+def _softmax_op(scores: torch.Tensor, valid: torch.Tensor | None, spec: str) -> torch.Tensor:
+    s = json.loads(spec)
+    return get_softmax(s["name"])(scores, valid, **s["params"]).clone()
+
+
+@_softmax_op.register_fake
+def _(scores: torch.Tensor, valid: torch.Tensor | None, spec: str) -> torch.Tensor:
+    return torch.empty_like(scores)
+
+
+@torch.library.custom_op("softq_mpc::gelu", mutates_args=())
+def _gelu_op(x: torch.Tensor, name: str) -> torch.Tensor:
+    return get_gelu(name)(x).clone()
+
+
+@_gelu_op.register_fake
+def _(x: torch.Tensor, name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_EXPORTING = False
+
+
+@contextlib.contextmanager
+def exporting(model: nn.Module) -> Iterator[None]:
+    """Within this block the model's surrogates trace to the ``softq_mpc::*`` custom ops."""
+    global _EXPORTING
+    previous_impl = model.config._attn_implementation
+    model.set_attn_implementation(MPC_ATTN_IMPLEMENTATION)
+    _EXPORTING = True
+    try:
+        yield
+    finally:
+        _EXPORTING = False
+        model.set_attn_implementation(previous_impl)
+
+
+class SurrogateGELU(nn.Module):
+    """Replaces a GELU activation module by a named surrogate."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        get_gelu(name)
+        self.name = name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _EXPORTING:
+            return torch.ops.softq_mpc.gelu(x, self.name)
+        return get_gelu(self.name)(x)
+
+    def extra_repr(self) -> str:
+        return f"name={self.name}"
+
+
+def mpc_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention as exported for MPC: the softmax variant is one ``softq_mpc::softmax`` node.
+
+    The valid mask is derived from the (public) attention mask with plaintext ops,
+    so the graph interpreter keeps it public.
+    """
+    points: AttentionPoints | None = getattr(module, "softq", None)
+    if points is None:
+        raise RuntimeError("MPC export needs softq attention state; call softq.mpc.configure_surrogates first")
+    if points.gate is not None or not all(
+        isinstance(getattr(points, n), nn.Identity) for n in ("q", "k", "scores", "v")
+    ):
+        raise ValueError("softq.mpc does not run quantized or gated attention; pass the float model")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if key.shape[1] != query.shape[1]:
+        rep = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(rep, dim=1)
+        value = value.repeat_interleave(rep, dim=1)
+    valid = valid_from_mask(attention_mask, key.shape[-2])
+    if valid is None and getattr(module, "is_causal", False) and query.shape[-2] > 1:
+        q_len, k_len = query.shape[-2], key.shape[-2]
+        valid = torch.ones(q_len, k_len).tril(k_len - q_len)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    probs = torch.ops.softq_mpc.softmax(scores, valid, softmax_spec(points.softmax_name, points.softmax_params))
+    out = torch.matmul(probs, value)
+    return out.transpose(1, 2).contiguous(), probs
+
+
+AttentionInterface.register(MPC_ATTN_IMPLEMENTATION, mpc_attention)
+AttentionMaskInterface.register(MPC_ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+
+
+# ---------------------------------------------------------------------------
+# Switching a model to surrogates
+# ---------------------------------------------------------------------------
+
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layer|layers|h|block|blocks)\.(\d+)(?:\.|$)")
+
+
+def layer_index(module_path: str) -> int | None:
+    """Transformer block index in a module path (``bert.encoder.layer.3.x`` -> 3)."""
+    match = _LAYER_RE.search(module_path)
+    return int(match.group(1)) if match else None
+
+
+def _per_layer(choice: str | Sequence[str] | Mapping[int, str] | None, n_layers: int, what: str) -> list[str | None]:
+    if choice is None or isinstance(choice, str):
+        return [choice] * n_layers
+    if isinstance(choice, Mapping):
+        bad = [k for k in choice if not 0 <= int(k) < n_layers]
+        if bad:
+            raise ValueError(f"{what}: layer(s) {bad} out of range for a model with {n_layers} layers")
+        return [choice.get(i, choice.get(str(i))) for i in range(n_layers)]  # type: ignore[call-overload]
+    choice = list(choice)
+    if len(choice) != n_layers:
+        raise ValueError(f"{what}: got {len(choice)} per-layer choices for a model with {n_layers} layers")
+    return choice
+
+
+@dataclass
+class SurrogateSpec:
+    """Which surrogate every layer uses; public, and part of the parties' fingerprint."""
+
+    softmax: list[str]
+    softmax_params: dict[str, float] = field(default_factory=dict)
+    gelu: list[str | None] = field(default_factory=list)
+    layer_norm: str = "exact"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> SurrogateSpec:
+        return cls(**json.loads(text))
+
+    def short(self) -> str:
+        sm = sorted(set(self.softmax))
+        ge = sorted({g for g in self.gelu if g})
+        return f"softmax={'/'.join(sm)} gelu={'/'.join(ge) or 'native'}"
+
+
+def configure_surrogates(
+    model: nn.Module,
+    softmax: str | Sequence[str] | Mapping[int, str] = "2quad",
+    gelu: str | Sequence[str] | Mapping[int, str] | None = "quad",
+    softmax_params: Mapping[str, float] | None = None,
+) -> SurrogateSpec:
+    """Switch ``model`` (in place) to softq attention with the given softmax and GELU surrogates.
+
+    ``softmax`` / ``gelu`` are one name for every layer, a list with one name per
+    layer, or a ``{layer: name}`` dict (unlisted layers keep the exact softmax /
+    their native activation).  ``gelu=None`` keeps the native activation.  The
+    plaintext model then computes exactly what the encrypted one approximates.
+    """
+    model_family(model)
+    points = configure_attention(model)
+    n_layers = len(points)
+    params = dict(softmax_params or {})
+    softmax_names = [s or "softmax" for s in _per_layer(softmax, n_layers, "softmax")]
+    for p, name in zip(points, softmax_names):
+        if get_softmax(name).mpc_ok is False:
+            raise ValueError(f"softmax variant '{name}' cannot run under MPC")
+        variant_params = {k: v for k, v in params.items() if k in get_softmax(name).defaults}
+        p.set_softmax(name, **variant_params)
+    gelu_names = _per_layer(gelu, n_layers, "gelu")
+    for name in gelu_names:
+        if name is not None:
+            get_gelu(name)
+    used: list[str | None] = [None] * n_layers
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child).__name__ not in GELU_CLASSES and not isinstance(child, SurrogateGELU):
+                continue
+            path = f"{parent_name}.{child_name}" if parent_name else child_name
+            idx = layer_index(path)
+            if idx is None or idx >= n_layers:
+                continue
+            name = gelu_names[idx]
+            if name is None:
+                continue
+            setattr(parent, child_name, SurrogateGELU(name))
+            used[idx] = name
+    spec = SurrogateSpec(
+        softmax=softmax_names,
+        softmax_params={k: float(v) for k, v in params.items()},
+        gelu=used,
+    )
+    model.config.softq_mpc_surrogates = spec.to_json()
+    return spec
+
+
+def attention_layer_names(model: nn.Module) -> list[str]:
+    return [name for name, _ in attention_modules(model)]
