@@ -92,3 +92,22 @@ def conv1d_to_linear(model: nn.Module) -> int:
                 setattr(parent, child_name, linear)
                 replaced += 1
     return replaced
+
+
+def block_name(attention_name: str) -> str:
+    """The transformer block that holds an attention module: the prefix ending at the layer index.
+
+    ``transformer.h.3.attn`` -> ``transformer.h.3``; ``bert.encoder.layer.0.attention.self`` ->
+    ``bert.encoder.layer.0``.
+    """
+    parts = attention_name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i].isdigit():
+            return ".".join(parts[: i + 1])
+    raise UnsupportedModelError(f"cannot find the layer index in module name '{attention_name}'")
+
+
+def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, block) of every transformer layer, in order (one per attention module)."""
+    modules = dict(model.named_modules())
+    return [(block_name(name), modules[block_name(name)]) for name, _ in attention_modules(model)]

@@ -1,6 +1,27 @@
-"""softq.quant: W8A8 post-training quantization of whole models, softmax included (Brevitas)."""
+"""softq.quant: W8A8 post-training quantization of whole models, softmax included (Brevitas).
 
-from softq.quant.config import QuantConfig
-from softq.quant.quantize import is_quantized, quantize
+Public API: ``QuantConfig``, ``quantize``, ``is_quantized``, ``save``, ``load``
+(loaded on first use so that ``softq --help`` does not import torch).
+"""
 
-__all__ = ["QuantConfig", "quantize", "is_quantized"]
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["QuantConfig", "quantize", "is_quantized", "save", "load"]
+
+_LAZY = {
+    "QuantConfig": "softq.quant.config",
+    "quantize": "softq.quant.quantize",
+    "is_quantized": "softq.quant.quantize",
+    "save": "softq.quant.io",
+    "load": "softq.quant.io",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'softq.quant' has no attribute {name!r}")

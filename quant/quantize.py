@@ -101,14 +101,10 @@ def quantize(
     qmodel = model if inplace else copy.deepcopy(model)
     qmodel.eval()
     conv1d_to_linear(qmodel)
-    layers = attention_points(qmodel)  # switches to softq attention, keeps an already chosen variant
-
+    attention_points(qmodel)  # switches to softq attention, keeps an already chosen variant
     if config.smoothquant_alpha is not None:
         smooth(qmodel, batches, config.smoothquant_alpha)
-
-    _replace_modules(qmodel, config)
-    for _, points in layers:
-        _attach_attention_quantizers(points, config)
+    prepare(qmodel, config)
 
     set_mode(qmodel, "observe")
     run_batches(qmodel, batches, desc="calibrating ranges")
@@ -118,8 +114,22 @@ def quantize(
 
     if config.bias_correction is not None:
         correct_softmax_bias(qmodel, batches, config.bias_correction)
-    qmodel.softq_quant_config = config
     return qmodel
+
+
+def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
+    """Insert every quantization point into ``model`` in place (no calibration yet).
+
+    Used by :func:`quantize` before calibrating and by ``softq.quant.load`` to
+    rebuild the structure a saved quantized model's state dict fits.
+    """
+    conv1d_to_linear(model)
+    layers = attention_points(model)
+    _replace_modules(model, config)
+    for _, points in layers:
+        _attach_attention_quantizers(points, config)
+    model.softq_quant_config = config
+    return model
 
 
 def correct_softmax_bias(qmodel: nn.Module, batches: list[Batch], granularity: str) -> None:

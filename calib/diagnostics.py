@@ -1,0 +1,250 @@
+"""Outlier and softmax diagnostics per layer and head, and a per-part sensitivity ranking.
+
+Per transformer layer (the block's output hidden state, i.e. the residual stream):
+  * ``inf_norm``: max |x| -- what sets a per-tensor activation scale;
+  * ``kurtosis``: Pearson kurtosis of all the layer's output values (3 for a
+    Gaussian), averaged over calibration batches; outlier channels drive it up.
+Per attention head (softmax output as the model computes it, quantized or not):
+  * ``sink_rate``: mean attention mass on the first key (query rows that can see
+    more than one key), the "attention sink" that heads use to do nothing;
+  * ``row_sum_deficit``: mean of ``1 - sum_k p`` over valid rows, the mass lost
+    by rounding (0 in float; grows at low softmax bits without bias correction).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from softq.attention import attention_points
+from softq.calib.data import Batch, run_batches
+from softq.models import transformer_blocks
+
+
+@dataclass
+class LayerStats:
+    layer: int
+    inf_norm: float = 0.0
+    kurtosis_sum: float = 0.0
+    batches: int = 0
+
+    @property
+    def kurtosis(self) -> float:
+        return self.kurtosis_sum / max(self.batches, 1)
+
+
+@dataclass
+class HeadStats:
+    layer: int
+    head: int
+    sink_rate: float
+    row_sum_deficit: float
+
+
+@dataclass
+class Diagnostics:
+    layers: list[LayerStats] = field(default_factory=list)
+    heads: list[HeadStats] = field(default_factory=list)
+
+    @property
+    def max_inf_norm(self) -> float:
+        return max(s.inf_norm for s in self.layers)
+
+    @property
+    def mean_kurtosis(self) -> float:
+        return sum(s.kurtosis for s in self.layers) / len(self.layers)
+
+    @property
+    def mean_sink_rate(self) -> float:
+        return sum(h.sink_rate for h in self.heads) / len(self.heads)
+
+    @property
+    def mean_row_sum_deficit(self) -> float:
+        return sum(h.row_sum_deficit for h in self.heads) / len(self.heads)
+
+    def table(self) -> str:
+        """Plain-text tables: one row per layer, then one row per head."""
+        lines = ["layer  inf-norm  kurtosis", "-----  --------  --------"]
+        lines += [f"{s.layer:>5}  {s.inf_norm:>8.2f}  {s.kurtosis:>8.1f}" for s in self.layers]
+        lines += ["", "layer  head  sink-rate  row-sum deficit", "-----  ----  ---------  ---------------"]
+        lines += [f"{h.layer:>5}  {h.head:>4}  {h.sink_rate:>9.3f}  {h.row_sum_deficit:>15.5f}" for h in self.heads]
+        lines += ["", f"max inf-norm {self.max_inf_norm:.2f}   mean kurtosis {self.mean_kurtosis:.1f}   "
+                  f"mean sink rate {self.mean_sink_rate:.3f}   mean row-sum deficit {self.mean_row_sum_deficit:.5f}"]
+        return "\n".join(lines)
+
+
+def kurtosis(x: torch.Tensor) -> float:
+    """Pearson kurtosis E[(x - mu)^4] / sigma^4 of all values of ``x``."""
+    x = x.detach().double().reshape(-1)
+    centred = x - x.mean()
+    var = centred.pow(2).mean()
+    return (centred.pow(4).mean() / var.pow(2)).item() if var > 0 else 0.0
+
+
+def collect(model: nn.Module, batches: list[Batch]) -> Diagnostics:
+    """Run ``batches`` through ``model`` and gather the statistics above."""
+    layers = attention_points(model)
+    layer_stats = [LayerStats(i) for i in range(len(layers))]
+    head_sums: dict[tuple[int, int], list[float]] = {}
+    handles = []
+
+    def on_probs(index: int) -> Callable:
+        def hook(_m: nn.Module, inputs: tuple, out: torch.Tensor) -> None:
+            valid = inputs[1]
+            p = out.detach().float()
+            mask = torch.ones_like(p) if valid is None else torch.broadcast_to(valid, p.shape).float()
+            rows_valid = mask.amax(-1)  # rows with at least one valid key
+            rows_multi = (mask.sum(-1) > 1).float()
+            sink = (p[..., 0] * rows_multi).sum(dim=(0, 2)) / rows_multi.sum(dim=(0, 2)).clamp_min(1)
+            deficit = ((1 - p.sum(-1)) * rows_valid).sum(dim=(0, 2)) / rows_valid.sum(dim=(0, 2)).clamp_min(1)
+            for h in range(p.shape[1]):
+                acc = head_sums.setdefault((index, h), [0.0, 0.0, 0])
+                acc[0] += sink[h].item()
+                acc[1] += deficit[h].item()
+                acc[2] += 1
+        return hook
+
+    for i, (_, points) in enumerate(layers):
+        handles.append(points.probs.register_forward_hook(on_probs(i)))
+
+    def on_block(index: int) -> Callable:
+        def hook(_m: nn.Module, _inputs: tuple, out: torch.Tensor | tuple) -> None:
+            hidden = out[0] if isinstance(out, tuple) else out
+            s = layer_stats[index]
+            s.inf_norm = max(s.inf_norm, hidden.detach().abs().max().item())
+            s.kurtosis_sum += kurtosis(hidden)
+            s.batches += 1
+        return hook
+
+    for i, (_, block) in enumerate(transformer_blocks(model)):
+        handles.append(block.register_forward_hook(on_block(i)))
+    try:
+        run_batches(model, batches, desc="diagnostics")
+    finally:
+        for h in handles:
+            h.remove()
+    heads = [HeadStats(l, h, v[0] / v[2], v[1] / v[2]) for (l, h), v in sorted(head_sums.items())]
+    return Diagnostics(layer_stats, heads)
+
+
+def plot(diagnostics: dict[str, Diagnostics], path: str | os.PathLike) -> Path:
+    """Per-layer inf-norm and kurtosis, and per-head sink rate, for one or more models (PNG, atomic)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for label, diag in diagnostics.items():
+        xs = [s.layer for s in diag.layers]
+        axes[0].plot(xs, [s.inf_norm for s in diag.layers], marker="o", label=label)
+        axes[1].plot(xs, [s.kurtosis for s in diag.layers], marker="o", label=label)
+        axes[2].plot(range(len(diag.heads)), [h.sink_rate for h in diag.heads], marker=".", label=label)
+    axes[0].set(title="max |x| per layer (inf-norm)", xlabel="layer", yscale="log")
+    axes[1].set(title="kurtosis per layer", xlabel="layer", yscale="log")
+    axes[2].set(title="attention-sink rate per head", xlabel="layer * heads + head", ylim=(0, 1))
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: str | os.PathLike) -> Path:
+    """Write a matplotlib figure atomically (temp file in the same folder, then rename)."""
+    import matplotlib.pyplot as plt
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".png.tmp")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, target)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+# --- sensitivity ---------------------------------------------------------------
+
+def _enable_only(qmodel: nn.Module, chosen: set[int]) -> None:
+    from softq.quant.quantizers import ActQuantizer, QLinear, SoftmaxOutputQuantizer
+
+    for m in qmodel.modules():
+        if isinstance(m, (ActQuantizer, SoftmaxOutputQuantizer)):
+            m.mode = "quant" if id(m) in chosen else "float"
+        if isinstance(m, QLinear):
+            m.weight_quant.disable_quant = id(m) not in chosen
+
+
+def quant_parts(qmodel: nn.Module) -> dict[str, set[int]]:
+    """Quantization points grouped by tensor kind and by transformer layer."""
+    from softq.quant.quantizers import ActQuantizer, QLinear, SoftmaxOutputQuantizer
+    from softq.quant.quantize import QLayerNorm
+
+    parts: dict[str, set[int]] = {}
+    attention_points(qmodel)
+    layer_of = {name: i for i, (name, _) in enumerate(transformer_blocks(qmodel))}
+
+    def layer_index(name: str) -> int | None:
+        hits = [i for prefix, i in layer_of.items() if name.startswith(prefix + ".")]
+        return hits[-1] if hits else None
+
+    for name, m in qmodel.named_modules():
+        kinds: list[tuple[str, nn.Module]] = []
+        if isinstance(m, QLinear):
+            kinds = [("linear weights", m), ("linear inputs", m.input_act)]
+        elif isinstance(m, QLayerNorm):
+            kinds = [("residual stream", m.input_act)]
+        elif hasattr(m, "probs") and hasattr(m, "scores") and hasattr(m, "softmax_name"):
+            kinds = [(kind, getattr(m, attr)) for kind, attr in
+                     (("Q, K inputs", "q"), ("Q, K inputs", "k"), ("softmax input", "scores"),
+                      ("softmax output", "probs"), ("V input", "v"))
+                     if isinstance(getattr(m, attr), (ActQuantizer, SoftmaxOutputQuantizer))]
+        index = layer_index(name)
+        for kind, q in kinds:
+            parts.setdefault(f"kind: {kind}", set()).add(id(q))
+            if index is not None:
+                parts.setdefault(f"layer {index}", set()).add(id(q))
+    return parts
+
+
+def sensitivity(qmodel: nn.Module, metric: Callable[[nn.Module], float]) -> list[tuple[str, float]]:
+    """Metric with only one part quantized at a time, worst first; restores full quantization after.
+
+    ``metric`` is evaluated once with everything float (the reference, first row,
+    named "none (float)") and once per part.
+    """
+    parts = quant_parts(qmodel)
+    everything = set().union(*parts.values())
+    results = []
+    try:
+        _enable_only(qmodel, set())
+        results.append(("none (float)", metric(qmodel)))
+        for name, ids in parts.items():
+            _enable_only(qmodel, ids)
+            results.append((name, metric(qmodel)))
+        _enable_only(qmodel, everything)
+        results.append(("all (W8A8)", metric(qmodel)))
+    finally:
+        _enable_only(qmodel, everything)
+    return results
+
+
+def format_sensitivity(rows: list[tuple[str, float]], higher_is_better: bool) -> str:
+    ref = rows[0][1]
+    ranked = sorted(rows[1:-1], key=lambda r: (ref - r[1]) if higher_is_better else (r[1] - ref), reverse=True)
+    lines = [f"{'quantized part':<24} {'metric':>10} {'change':>10}"]
+    for name, value in [rows[0], *ranked, rows[-1]]:
+        change = value - ref
+        lines.append(f"{name:<24} {value:>10.4f} {change:>+10.4f}" if math.isfinite(value) else f"{name:<24} {value}")
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""Save and load quantized models as a directory, written atomically.
+
+Layout of a saved model::
+
+    config.json          the Hugging Face model config (architecture, softq attention choice)
+    quant_config.json    the QuantConfig, plus per-layer bias-correction metadata
+    model.pt             the full state dict of the quantized model (weights after SmoothQuant,
+                         Brevitas weight quantizers, activation scales, zero points, betas)
+
+Loading rebuilds the float architecture from the config, inserts the same
+quantization points with :func:`softq.quant.quantize.prepare` and loads the state
+dict; no calibration data is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from softq.attention import configure_from_config
+from softq.quant.config import QuantConfig
+from softq.quant.quantize import is_quantized, prepare, set_mode
+from softq.quant.quantizers import SoftmaxOutputQuantizer
+
+FORMAT_VERSION = 1
+
+
+def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Write ``qmodel`` (from :func:`softq.quantize`) to the directory ``path``, atomically."""
+    if not is_quantized(qmodel):
+        raise ValueError("softq.quant.save expects a model returned by softq.quantize")
+    target = Path(path)
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} already exists; pass overwrite=True (CLI: --overwrite) to replace it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        qmodel.config.architectures = [type(qmodel).__name__]
+        qmodel.config.save_pretrained(tmp)
+        probs = {name: {"granularity": m.granularity, "causal_rows": m.causal_rows}
+                 for name, m in qmodel.named_modules() if isinstance(m, SoftmaxOutputQuantizer)}
+        meta = {"format": FORMAT_VERSION, "quant_config": dataclasses.asdict(qmodel.softq_quant_config), "softmax_outputs": probs}
+        (tmp / "quant_config.json").write_text(json.dumps(meta, indent=2))
+        torch.save(qmodel.state_dict(), tmp / "model.pt")
+        if target.exists():
+            old = target.with_name(f".{target.name}.old")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return target
+
+
+def load(path: str | os.PathLike) -> nn.Module:
+    """Rebuild a quantized model saved by :func:`save`."""
+    source = Path(path)
+    missing = [f for f in ("config.json", "quant_config.json", "model.pt") if not (source / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{source} is not a softq quantized model directory (missing {', '.join(missing)})")
+    meta = json.loads((source / "quant_config.json").read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{source}: unsupported softq format {meta.get('format')!r} (expected {FORMAT_VERSION})")
+    raw = meta["quant_config"]
+    config = QuantConfig(**{**raw, "exclude": tuple(raw.get("exclude", ()))})
+    hf_config = transformers.AutoConfig.from_pretrained(source)
+    arch = (hf_config.architectures or [None])[0]
+    model_class = getattr(transformers, arch, None) if arch else None
+    if model_class is None:
+        raise ValueError(f"{source}/config.json names no known Hugging Face architecture ({arch!r})")
+    model = model_class(hf_config).eval()
+    configure_from_config(model)
+    prepare(model, config)
+    state = torch.load(source / "model.pt", map_location="cpu", weights_only=True)
+    modules = dict(model.named_modules())
+    for name, info in meta["softmax_outputs"].items():
+        quantizer = modules[name]
+        for buffer in ("beta", "beta_head"):
+            setattr(quantizer, buffer, torch.zeros_like(state[f"{name}.{buffer}"]))
+        quantizer.granularity = info["granularity"]
+        quantizer.causal_rows = info["causal_rows"]
+    model.load_state_dict(state, strict=True)
+    for m in model.modules():
+        if hasattr(m, "observer"):
+            m.observer = None
+    set_mode(model, "quant")
+    return model

@@ -1,0 +1,73 @@
+"""Evaluation tasks: a model with its calibration set, held-out set and metric.
+
+The CLI, the demo and the benchmarks all quantize and evaluate through a
+:class:`Task`, so "perplexity of the reference LM at context 1024" means the same
+thing everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from softq import workloads
+
+TASKS = ("lm", "vit")
+
+
+@dataclass
+class Task:
+    name: str
+    model: nn.Module
+    calib: list[dict[str, torch.Tensor]]
+    eval_inputs: list[dict[str, torch.Tensor]]
+    metric_name: str
+    higher_is_better: bool
+    _metric: Callable[[nn.Module, list[dict[str, torch.Tensor]]], float]
+
+    def evaluate(self, model: nn.Module | None = None) -> float:
+        return self._metric(self.model if model is None else model, self.eval_inputs)
+
+
+def reference_task(
+    name: str,
+    *,
+    context: int | None = None,
+    calib_size: int = 16,
+    eval_limit: int | None = None,
+    seed: int = 0,
+    attention: dict[str, Any] | None = None,
+    size: str = "reference",
+    progress: bool = True,
+) -> Task:
+    """The reference LM (perplexity) or ViT (top-1) task, trained and cached on first use.
+
+    ``context`` (LM only) evaluates and calibrates on windows of that length (the
+    model is trained at its full context, at least 1024).  ``eval_limit`` caps the
+    held-out windows (LM) or images (ViT) for quick runs; ``None`` uses all.
+    """
+    if name == "lm":
+        model, tokenizer = workloads.reference_lm(seed, attention, size=size, progress=progress)
+        full = model.config.n_positions
+        context = context or full
+        if context > full:
+            raise ValueError(f"context {context} exceeds the reference LM's {full} positions")
+        calib = workloads.lm_calib_inputs(calib_size, context, tokenizer, seed=1000 + seed)
+        eval_inputs = workloads.lm_eval_inputs(context, eval_limit, tokenizer)
+        return Task(f"lm@{context}", model, calib, eval_inputs, "perplexity", False,
+                    lambda m, inputs: workloads.perplexity(m, inputs, progress=False))
+    if name == "vit":
+        model = workloads.reference_vit(seed, attention, size=size, progress=progress)
+        image_size = model.config.image_size
+        calib = workloads.vit_calib_inputs(calib_size, image_size, seed=1000 + seed, batch_size=min(calib_size, 16))
+        images, labels = workloads.digits_data("heldout", image_size)
+        if eval_limit is not None:
+            images, labels = images[:eval_limit], labels[:eval_limit]
+        eval_inputs = [{"pixel_values": images[i:i + 128]} for i in range(0, len(images), 128)]
+        return Task("vit", model, calib, eval_inputs, "top-1 %", True,
+                    lambda m, inputs: workloads.top1(m, inputs, labels))
+    raise ValueError(f"unknown task '{name}'; choose one of {', '.join(TASKS)}")
