@@ -1,0 +1,105 @@
+"""Diagnostics, sensitivity ranking, and save/load of quantized models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_inputs, tiny_model
+
+import softq
+from softq.calib import diagnostics
+from softq.quant import io
+
+
+def test_diagnostics_measure_planted_outliers_and_sinks() -> None:
+    model = tiny_model("opt")
+    calib = [tiny_inputs("opt", seed=s) for s in range(2)]
+    base = diagnostics.collect(model, calib)
+    with torch.no_grad():  # an outlier channel in layer 1's output, as trained LMs grow
+        model.model.decoder.layers[1].fc2.bias[4] = 80.0
+    planted = diagnostics.collect(model, calib)
+    assert planted.layers[1].inf_norm >= 80.0 > base.layers[1].inf_norm
+    assert planted.layers[1].kurtosis > 5 * base.layers[1].kurtosis
+    assert planted.layers[0].inf_norm == pytest.approx(base.layers[0].inf_norm)
+    assert len(planted.heads) == 2 * 4
+    assert all(abs(h.row_sum_deficit) < 1e-5 for h in base.heads)  # float softmax loses nothing
+
+
+def test_sink_rate_sees_a_head_that_attends_to_the_first_token() -> None:
+    from softq.attention import attention_points
+
+    model = tiny_model("bert")
+    x = [tiny_inputs("bert", seq=16)]
+    captured = diagnostics.collect(model, x)
+    # make every query attend to key 0: huge score for key 0 through the softmax input point
+    class Sink(torch.nn.Module):
+        def forward(self, scores):
+            scores = scores.clone()
+            scores[..., 0] += 50.0
+            return scores
+    for _, points in attention_points(model):
+        points.scores = Sink()
+    sunk = diagnostics.collect(model, x)
+    assert captured.mean_sink_rate < 0.2
+    assert sunk.mean_sink_rate > 0.99
+
+
+def test_quantized_softmax_row_sum_deficit_is_reported() -> None:
+    model = tiny_model("bert")
+    calib = [tiny_inputs("bert", batch=4, seq=96, seed=s) for s in range(2)]
+    q = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4))
+    assert diagnostics.collect(q, calib).mean_row_sum_deficit > 0.05
+    table = diagnostics.collect(q, calib).table()
+    assert "row-sum deficit" in table and "kurtosis" in table
+
+
+def test_sensitivity_ranks_the_part_that_breaks_quantization(tmp_path) -> None:
+    model = tiny_model("vit")
+    calib = [tiny_inputs("vit", seed=s) for s in range(2)]
+    q = softq.quantize(model, calib, softq.QuantConfig(weight_bits=2))
+    x = tiny_inputs("vit", seed=5)
+    with torch.no_grad():
+        ref = model(**x).logits
+
+    def error(m) -> float:
+        with torch.no_grad():
+            return (m(**x).logits - ref).norm().item()
+
+    rows = diagnostics.sensitivity(q, error)
+    names = [r[0] for r in rows]
+    assert names[0] == "none (float)" and names[-1] == "all (W8A8)"
+    assert rows[0][1] < 1e-5  # all quantizers really off
+    by_name = dict(rows)
+    kinds = {k: v for k, v in by_name.items() if k.startswith("kind:")}
+    assert max(kinds, key=kinds.get) == "kind: linear weights"  # the 2-bit part dominates
+    assert {"layer 0", "layer 1"} <= set(by_name)
+    assert error(q) == pytest.approx(rows[-1][1])  # quantization restored afterwards
+    text = diagnostics.format_sensitivity(rows, higher_is_better=False)
+    assert text.splitlines()[2].split()[0] in ("kind:", "layer")
+    png = diagnostics.plot({"float": diagnostics.collect(model, calib)}, tmp_path / "plots" / "d.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "vit"])
+def test_save_and_load_round_trip(family: str, tmp_path) -> None:
+    calib = [tiny_inputs(family, seed=s) for s in range(2)]
+    config = softq.QuantConfig(bias_correction="head_row", softmax_bits=6, smoothquant_alpha=0.5)
+    q = softq.quantize(tiny_model(family), calib, config)
+    io.save(q, tmp_path / "q")
+    loaded = io.load(tmp_path / "q")
+    x = tiny_inputs(family, seed=8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**x).logits, q(**x).logits, rtol=0, atol=0)
+    assert loaded.softq_quant_config == config
+    with pytest.raises(FileExistsError, match="overwrite"):
+        io.save(q, tmp_path / "q")
+    io.save(q, tmp_path / "q", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # no temp or backup left behind
+
+
+def test_load_and_save_refuse_bad_input(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="missing config.json, quant_config.json, model.pt"):
+        io.load(tmp_path)
+    with pytest.raises(ValueError, match="expects a model returned by softq.quantize"):
+        io.save(tiny_model("gpt2"), tmp_path / "x")
+    assert not (tmp_path / "x").exists()
