@@ -1,9 +1,26 @@
 """softq.export: ONNX export of softq-quantized models with an integer softmax.
 
-``int_softmax`` holds the three softmax forms (``qdq``, ``ort``, ``int``) with a
-numpy reference each; ``onnx_utils`` the atomic save, checks and sessions.
+``to_onnx(qmodel, path, example_inputs, softmax="qdq" | "ort" | "int")`` writes the
+whole model; ``int_softmax`` holds the three softmax forms with a numpy
+reference each; ``onnx_utils`` the atomic save, checks and sessions.  torch is
+imported only when a model export is asked for, so ``softq --help`` stays fast.
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 from softq.export.int_softmax import FORMS, OUT_SCALE, SoftmaxQuant, build_softmax, reference, softmax_model
 
-__all__ = ["FORMS", "OUT_SCALE", "SoftmaxQuant", "build_softmax", "reference", "softmax_model"]
+__all__ = ["FORMS", "OUT_SCALE", "SoftmaxQuant", "build_softmax", "reference", "softmax_model",
+           "to_onnx", "to_onnx_float", "build_onnx", "ExportError"]
+
+_LAZY = {"to_onnx", "to_onnx_float", "build_onnx", "build_onnx_float", "ExportError"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from softq.export import model_export
+
+        return getattr(model_export, name)
+    raise AttributeError(f"module 'softq.export' has no attribute {name!r}")

@@ -1,0 +1,597 @@
+"""Whole-model ONNX export of a softq-quantized Hugging Face model.
+
+How (and why this way): tracing Brevitas' fake-quant modules gives an
+unreadable graph, so export works on a copy of the model in which every
+quantization point is swapped for a tiny module whose ``torch.autograd.Function``
+has an ONNX ``symbolic``:
+
+* activation quantizers -> ``QuantizeLinear -> DequantizeLinear`` with the
+  calibrated scale and zero point;
+* quantized Linear layers -> ``MatMul(x, DequantizeLinear(W_int8^T, scale, axis=1))``
+  (+ float bias), per-channel int8 weights stored as int8 initializers;
+* each attention softmax (the scores tap, the softmax and the probs quantizer)
+  -> one marker node ``softq::QSoftmax(scores, valid)``.
+
+The TorchScript exporter (``dynamo=False``) traces that copy; afterwards each
+marker is replaced by the chosen integer softmax form
+(:mod:`softq.export.int_softmax`) between ``QuantizeLinear`` of the scores and
+``DequantizeLinear`` of the probabilities (scale ``2**-8``), and dead nodes are
+removed.  Language models get a 4-D boolean mask built in the graph from
+``attention_mask`` (causal AND padding), which makes Hugging Face skip its own
+mask code (not traceable with dynamic shapes).
+
+Softmax bias correction ``beta`` (``softq.quant`` adds it to valid entries
+after dequantization):
+
+* ``int`` form: folded into the rounding point of the integer division
+  (:func:`softq.export.int_softmax.rounding_constants`), no float op;
+* ``qdq``/``ort``: an explicit ``Add(DQ(P), beta * valid)`` after the output
+  DequantizeLinear (one Mul and one Add; a DQ zero point must be an integer and
+  beta is a fraction of a step, so it cannot be absorbed there).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from softq.export import onnx_utils
+from softq.export.int_softmax import OUT_SCALE, SoftmaxQuant, build_softmax, check_form
+
+TORCH_OPSET = 18
+MARKER_DOMAIN = "softq"
+MARKER_OP = "QSoftmax"
+EXPORTABLE_SOFTMAX = ("softmax",)
+
+
+class ExportError(ValueError):
+    """The model or its inputs cannot be exported; the message says what and where."""
+
+
+# ---------------------------------------------------------------------------
+# Registry of constants the symbolic functions need (keyed by small ints)
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _ExportState:
+    weights: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    softmax: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+_STATE = _ExportState()
+WEIGHT_STORAGE = ("uint8", "int8")
+
+
+def _zp_tensor(zp: int, signed: bool) -> torch.Tensor:
+    return torch.tensor(int(zp), dtype=torch.int8 if signed else torch.uint8)
+
+
+class _QDQFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale: float, zp: int, qmin: int, qmax: int, signed: bool):  # noqa: ANN001
+        s = torch.tensor(scale, dtype=x.dtype)
+        return (torch.clamp(torch.round(x / s + zp), qmin, qmax) - zp) * s
+
+    @staticmethod
+    def symbolic(g, x, scale: float, zp: int, qmin: int, qmax: int, signed: bool):  # noqa: ANN001
+        s = g.op("Constant", value_t=torch.tensor(scale, dtype=torch.float32))
+        z = g.op("Constant", value_t=_zp_tensor(zp, signed))
+        q = g.op("QuantizeLinear", x, s, z)
+        if (qmin, qmax) != ((-128, 127) if signed else (0, 255)) and (qmin, qmax) != (-127, 127):
+            # fewer than 8 bits: saturate to the narrower integer range
+            q = g.op("Clip", q, g.op("Constant", value_t=_zp_tensor(qmin, signed)),
+                     g.op("Constant", value_t=_zp_tensor(qmax, signed)))
+        return g.op("DequantizeLinear", q, s, z)
+
+
+class _WeightDQFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, key: int):  # noqa: ANN001
+        return w
+
+    @staticmethod
+    def symbolic(g, w, key: int):  # noqa: ANN001
+        codes, scale, zp = _STATE.weights[key]
+        args = [g.op("Constant", value_t=torch.from_numpy(codes)),
+                g.op("Constant", value_t=torch.from_numpy(scale)),
+                g.op("Constant", value_t=torch.from_numpy(zp))]
+        if scale.ndim == 0:
+            return g.op("DequantizeLinear", *args)
+        return g.op("DequantizeLinear", *args, axis_i=1)
+
+
+class _SoftmaxMarkerFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, valid, probs, key: int):  # noqa: ANN001
+        return probs.clone()
+
+    @staticmethod
+    def symbolic(g, scores, valid, probs, key: int):  # noqa: ANN001
+        inputs = [scores] if valid is None or valid.node().mustBeNone() else [scores, valid]
+        out = g.op(f"{MARKER_DOMAIN}::{MARKER_OP}", *inputs, key_i=key)
+        out.setType(scores.type())
+        return out
+
+
+class _ExportAct(nn.Module):
+    def __init__(self, quantizer: nn.Module) -> None:
+        super().__init__()
+        self.scale = float(quantizer.scale)
+        self.zp = int(round(float(quantizer.zero_point)))
+        self.signed = bool(quantizer.signed)
+        bits = int(quantizer.bits)
+        if bits > 8:
+            raise ExportError(f"softq exports activations of at most 8 bits (ONNX opset {TORCH_OPSET}); got {bits}")
+        self.qmin, self.qmax = ((-(2 ** (bits - 1)) + 1, 2 ** (bits - 1) - 1) if self.signed else (0, 2**bits - 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _QDQFn.apply(x, self.scale, self.zp, self.qmin, self.qmax, self.signed)
+
+
+class _ExportLinear(nn.Module):
+    def __init__(self, layer: nn.Module, key: int, storage: str) -> None:
+        super().__init__()
+        codes = layer.int_weight().to(torch.int64)
+        if codes.abs().max() > 127:
+            raise ExportError(f"weights of {type(layer).__name__} do not fit int8 (weight_bits > 8 is not exportable)")
+        scale = layer.weight_scale().to(torch.float32)
+        codes_t = codes.t().contiguous().to(torch.int8).numpy()  # [in, out]: MatMul(x, W^T) with axis=1
+        scale_np = scale.numpy().reshape(-1) if scale.numel() > 1 else scale.reshape(()).numpy()
+        self.register_buffer("w_deq", torch.from_numpy(codes_t).float() * torch.from_numpy(scale_np).float())
+        zp = np.zeros(scale_np.shape, np.int8)
+        if storage == "uint8":  # same symmetric grid, stored shifted by 128 (see to_onnx)
+            codes_t = (codes_t.astype(np.int16) + 128).astype(np.uint8)
+            zp = np.full(scale_np.shape, 128, np.uint8)
+        _STATE.weights[key] = (codes_t, scale_np.astype(np.float32), zp)
+        self.key = key
+        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
+        self.input_act = layer.input_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(self.input_act(x), _WeightDQFn.apply(self.w_deq, self.key))
+        return y if self.bias is None else y + self.bias
+
+
+class _ScoresTap(nn.Module):
+    """Passes the float scores through and remembers them for the softmax marker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x
+        return x
+
+
+class _ProbsMarker(nn.Module):
+    def __init__(self, tap: _ScoresTap, key: int) -> None:
+        super().__init__()
+        self.tap = [tap]  # a list: not a submodule
+        self.key = key
+
+    def forward(self, probs: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        scores = self.tap[0].seen
+        return _SoftmaxMarkerFn.apply(scores, valid, probs, self.key)
+
+
+# ---------------------------------------------------------------------------
+# Preparing the export copy
+# ---------------------------------------------------------------------------
+
+
+def _is_act_quantizer(m: nn.Module) -> bool:
+    from softq.quant.quantizers import ActQuantizer
+
+    return isinstance(m, ActQuantizer)
+
+
+def _replace_children(model: nn.Module, match, make) -> None:  # noqa: ANN001
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if match(child):
+                setattr(parent, name, make(child))
+
+
+def _softmax_params(name: str, points: nn.Module, key: int) -> dict[str, Any]:
+    from softq.quant.quantizers import SoftmaxOutputQuantizer
+
+    if points.softmax_name not in EXPORTABLE_SOFTMAX:
+        raise ExportError(
+            f"softq cannot export softmax variant '{points.softmax_name}' (attention layer '{name}'); "
+            f"the integer softmax forms implement: {', '.join(EXPORTABLE_SOFTMAX)}"
+        )
+    scores, probs = points.scores, points.probs
+    if not _is_act_quantizer(scores) or not isinstance(probs, SoftmaxOutputQuantizer):
+        raise ExportError(
+            f"attention layer '{name}' has a float softmax (quantized with softmax_bits=None); "
+            "the ONNX export needs a quantized softmax input and output"
+        )
+    if int(scores.bits) > 8:
+        raise ExportError(f"attention layer '{name}': {scores.bits}-bit softmax inputs are not exportable (max 8)")
+    if abs(float(probs.scale) - float(OUT_SCALE)) > 0 or int(probs.bits) != 8 or float(probs.zero_point) != 0:
+        raise ExportError(
+            f"attention layer '{name}': softmax output quantizer has scale {float(probs.scale):.6g}, "
+            f"{int(probs.bits)} bits; the export emits the edge convention 2**-8, 8 bits, zero point 0 "
+            "(quantize with softmax_bits=8, softmax_scale='fixed')"
+        )
+    q = SoftmaxQuant(scale=float(scores.scale), zero_point=int(round(float(scores.zero_point))),
+                     bits=int(scores.bits), signed=bool(scores.signed), out_signed=False)
+    beta = None if probs.beta.numel() == 0 else probs.beta.detach().cpu().numpy().astype(np.float64)
+    beta_head = None if probs.beta_head.numel() == 0 else probs.beta_head.detach().cpu().numpy().astype(np.float64)
+    return {"name": name, "q": q, "beta": beta, "beta_head": beta_head, "causal_rows": bool(probs.causal_rows)}
+
+
+def _export_copy(qmodel: nn.Module, weight_storage: str = "uint8") -> tuple[nn.Module, dict[int, dict[str, Any]]]:
+    from softq.attention import attention_points
+    from softq.quant.quantizers import QLinear
+
+    model = copy.deepcopy(qmodel).eval()
+    layers: dict[int, dict[str, Any]] = {}
+    for key, (name, points) in enumerate(attention_points(model)):
+        layers[key] = _softmax_params(name, points, key)
+        tap = _ScoresTap()
+        points.scores = tap
+        points.probs = _ProbsMarker(tap, key)
+    counter = iter(range(10**9))
+    _replace_children(model, lambda m: isinstance(m, QLinear), lambda m: _ExportLinear(m, next(counter), weight_storage))
+    _replace_children(model, _is_act_quantizer, _ExportAct)
+    return model, layers
+
+
+class _LMWrapper(nn.Module):
+    """input_ids, attention_mask -> logits, with the 4-D mask built from traceable ops."""
+
+    def __init__(self, model: nn.Module, causal: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.causal = causal
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        pad = attention_mask.to(torch.bool)[:, None, None, :]
+        if self.causal:
+            pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+            pad = pad & (pos[None, :] <= pos[:, None])[None, None]
+        return self.model(input_ids=input_ids, attention_mask=pad, use_cache=False).logits
+
+
+class _VisionWrapper(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=pixel_values).logits
+
+
+def wrap_for_export(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    """The module that is traced, and its ONNX input names."""
+    from softq.models import attention_modules
+
+    if getattr(model, "main_input_name", "input_ids") == "pixel_values":
+        return _VisionWrapper(model).eval(), ["pixel_values"]
+    causal = any(bool(getattr(m, "is_causal", False)) for _, m in attention_modules(model))
+    return _LMWrapper(model, causal).eval(), ["input_ids", "attention_mask"]
+
+
+def example_feeds(model: nn.Module, example_inputs: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    """Normalise and check example inputs: a tensor (main input) or a dict of tensors."""
+    from softq.calib.data import CalibrationDataError, check_batch
+
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = {names[0]: example_inputs}
+    if not isinstance(example_inputs, Mapping):
+        raise ExportError(f"example_inputs must be a tensor or a dict of tensors, got {type(example_inputs).__name__}")
+    feeds = dict(example_inputs)
+    unknown = set(feeds) - set(names)
+    if unknown:
+        raise ExportError(f"example_inputs has unexpected key(s) {sorted(unknown)}; this model takes {names}")
+    if names[0] not in feeds:
+        raise ExportError(f"example_inputs needs '{names[0]}'")
+    main = feeds[names[0]]
+    if names[0] == "input_ids":
+        if main.ndim != 2 or main.is_floating_point():
+            raise ExportError(f"example input_ids must be an integer tensor [batch, seq], got {main.dtype} {tuple(main.shape)}")
+        mask = feeds.get("attention_mask")
+        if mask is None:
+            feeds["attention_mask"] = torch.ones_like(main)
+        elif tuple(mask.shape) != tuple(main.shape):
+            raise ExportError(f"example attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(main.shape)}")
+    else:
+        cfg = model.config
+        want = (int(getattr(cfg, "num_channels", 3)), int(cfg.image_size), int(cfg.image_size))
+        if main.ndim != 4 or tuple(main.shape[1:]) != want:
+            raise ExportError(f"example pixel_values must have shape [batch, {want[0]}, {want[1]}, {want[2]}], "
+                              f"got {tuple(main.shape)}")
+    try:
+        check_batch(model, {k: v for k, v in feeds.items() if k != "attention_mask"}, 0, "example input")
+    except CalibrationDataError as err:
+        raise ExportError(str(err)) from err
+    return {n: feeds[n] for n in names}
+
+
+def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str]) -> onnx.ModelProto:
+    dynamic = {n: {0: "batch", 1: "seq"} for n in names if n != "pixel_values"}
+    if "pixel_values" in names:
+        dynamic = {"pixel_values": {0: "batch"}, "logits": {0: "batch"}}
+    else:
+        dynamic["logits"] = {0: "batch", 1: "seq"}
+    buf = io.BytesIO()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(
+                wrapper, tuple(feeds[n] for n in names), buf, dynamo=False, opset_version=TORCH_OPSET,
+                input_names=names, output_names=["logits"], dynamic_axes=dynamic,
+                custom_opsets={MARKER_DOMAIN: 1}, do_constant_folding=True,
+            )
+        except torch.onnx.errors.UnsupportedOperatorError as err:
+            raise ExportError(f"softq cannot export this model: {err}") from err
+    return onnx.load_from_string(buf.getvalue())
+
+
+# ---------------------------------------------------------------------------
+# Graph rewriting
+# ---------------------------------------------------------------------------
+
+
+def _init(name: str, value: np.ndarray) -> TensorProto:
+    return numpy_helper.from_array(np.asarray(value), name)
+
+
+def _beta_nodes(prefix: str, info: dict[str, Any], scores: str, form: str) -> tuple[list, list, str | None, np.ndarray | None]:
+    """Nodes giving beta for the current query length, or a static beta for the int form.
+
+    Returns (nodes, inits, beta tensor name or None, static beta array or None).
+    """
+    beta = info["beta"]
+    if beta is None:
+        return [], [], None, None
+    if beta.shape[2] == 1:
+        static = beta
+    elif info["causal_rows"]:
+        static = None
+    else:  # per-row beta without causal structure: torch falls back to the per-head beta for other lengths
+        static = info["beta_head"]
+    if form == "int":
+        source = static if static is not None else beta
+        values = source.astype(np.float64)
+        return [], [], None, values
+    nodes, inits = [], []
+    if static is not None:
+        inits.append(_init(f"{prefix}beta", static.astype(np.float32)))
+        return nodes, inits, f"{prefix}beta", None
+    inits += [_init(f"{prefix}beta_rows", beta.astype(np.float32)), _init(f"{prefix}i2", np.array([2], np.int64)),
+              _init(f"{prefix}i0", np.array([0], np.int64))]
+    nodes += [helper.make_node("Shape", [scores], [f"{prefix}shape"], name=f"{prefix}Shape"),
+              helper.make_node("Gather", [f"{prefix}shape", f"{prefix}i2"], [f"{prefix}qlen"], name=f"{prefix}Gather", axis=0),
+              helper.make_node("Slice", [f"{prefix}beta_rows", f"{prefix}i0", f"{prefix}qlen", f"{prefix}i2"],
+                               [f"{prefix}beta"], name=f"{prefix}Slice")]
+    return nodes, inits, f"{prefix}beta", None
+
+
+def _int_beta_rows(prefix: str, beta: np.ndarray, scores: str) -> tuple[list, list, str]:
+    """Per-row rounding constants of the int form, sliced to the query length."""
+    from softq.export.int_softmax import rounding_constants
+
+    c = rounding_constants(beta)
+    inits = [_init(f"{prefix}round_rows", c), _init(f"{prefix}i2", np.array([2], np.int64)),
+             _init(f"{prefix}i0", np.array([0], np.int64))]
+    nodes = [helper.make_node("Shape", [scores], [f"{prefix}shape"], name=f"{prefix}Shape"),
+             helper.make_node("Gather", [f"{prefix}shape", f"{prefix}i2"], [f"{prefix}qlen"], name=f"{prefix}Gather", axis=0),
+             helper.make_node("Slice", [f"{prefix}round_rows", f"{prefix}i0", f"{prefix}qlen", f"{prefix}i2"],
+                              [f"{prefix}round_point"], name=f"{prefix}Slice")]
+    return nodes, inits, f"{prefix}round_point"
+
+
+def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], form: str,
+                    probs_outputs: bool = False) -> onnx.ModelProto:
+    """Swap every ``softq::QSoftmax`` marker for the quantized softmax of ``form``."""
+    graph = model.graph
+    new_nodes: list[onnx.NodeProto] = []
+    extra_inits: list[TensorProto] = []
+    extra_outputs: list[onnx.ValueInfoProto] = []
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    found = 0
+    for node in graph.node:
+        if node.domain != MARKER_DOMAIN:
+            new_nodes.append(node)
+            continue
+        key = next(a.i for a in node.attribute if a.name == "key")
+        info = layers[key]
+        q: SoftmaxQuant = info["q"]
+        p = f"softq/L{key}/"
+        scores, out = node.input[0], node.output[0]
+        valid_b = None
+        extra_inits += [_init(f"{p}s_scale", np.float32(q.scale)), _init(f"{p}s_zp", np.array(q.zero_point, q.in_dtype)),
+                        _init(f"{p}p_scale", OUT_SCALE), _init(f"{p}p_zp", np.array(q.out_zero_point, q.out_dtype))]
+        new_nodes.append(helper.make_node("QuantizeLinear", [scores, f"{p}s_scale", f"{p}s_zp"], [f"{p}codes"],
+                                          name=f"{p}QuantizeLinear"))
+        if len(node.input) > 1 and node.input[1]:
+            valid_b = f"{p}valid"
+            new_nodes.append(helper.make_node("Cast", [node.input[1]], [valid_b], name=f"{p}CastValid",
+                                              to=TensorProto.BOOL))
+        bnodes, binits, beta_name, beta_static = _beta_nodes(p, info, scores, form)
+        new_nodes += bnodes
+        extra_inits += binits
+        sm_beta = None
+        if form == "int" and beta_static is not None:
+            if beta_static.shape[2] > 1:  # causal per-row: slice the constants at run time
+                rnodes, rinits, _ = _int_beta_rows(p, beta_static, scores)
+                new_nodes += rnodes
+                extra_inits += rinits
+                sm_beta = np.zeros((1, 1, 1, 1))  # placeholder, replaced below
+            else:
+                sm_beta = beta_static
+        g = build_softmax(form, f"{p}codes", f"{p}pcodes", q, axis=-1, valid=valid_b, beta=sm_beta,
+                          prefix=f"{p}sm/", opset=opset)
+        if form == "int" and beta_static is not None and beta_static.shape[2] > 1:
+            # point the softmax's rounding constant at the sliced per-row constants
+            placeholder = next(i.name for i in g.initializers if "round_point" in i.name)
+            g.initializers = [i for i in g.initializers if i.name != placeholder]
+            for n in g.nodes:
+                for j, name in enumerate(n.input):
+                    if name == placeholder:
+                        n.input[j] = f"{p}round_point"
+        new_nodes += g.nodes
+        extra_inits += g.initializers
+        deq = f"{p}probs_deq" if beta_name else out
+        new_nodes.append(helper.make_node("DequantizeLinear", [f"{p}pcodes", f"{p}p_scale", f"{p}p_zp"], [deq],
+                                          name=f"{p}DequantizeLinear"))
+        if beta_name:
+            corr = beta_name
+            if valid_b is not None:
+                corr = f"{p}beta_valid"
+                new_nodes += [
+                    helper.make_node("Cast", [valid_b], [f"{p}valid_f"], name=f"{p}CastValidF", to=TensorProto.FLOAT),
+                    helper.make_node("Mul", [beta_name, f"{p}valid_f"], [corr], name=f"{p}BetaMask"),
+                ]
+            new_nodes.append(helper.make_node("Add", [deq, corr], [out], name=f"{p}BetaAdd"))
+        if probs_outputs:
+            extra_outputs.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, [None] * 4))
+        for d, v in g.opset_imports.items():
+            if d and not any(o.domain == d for o in model.opset_import):
+                model.opset_import.append(helper.make_opsetid(d, v))
+        found += 1
+    if found != len(layers):
+        raise ExportError(f"found {found} softmax markers for {len(layers)} attention layers; the trace lost some")
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    graph.initializer.extend(extra_inits)
+    graph.output.extend(extra_outputs)
+    keep = [o for o in model.opset_import if o.domain != MARKER_DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(keep)
+    return model
+
+
+def prune(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Remove nodes and initializers nothing downstream of the graph outputs uses."""
+    graph = model.graph
+    needed = {o.name for o in graph.output}
+    kept: list[onnx.NodeProto] = []
+    for node in reversed(graph.node):
+        if any(o in needed for o in node.output):
+            kept.append(node)
+            needed.update(i for i in node.input if i)
+    kept.reverse()
+    del graph.node[:]
+    graph.node.extend(kept)
+    inits = [i for i in graph.initializer if i.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(inits)
+    return model
+
+
+def check_exportable_ops(model: onnx.ModelProto, form: str) -> None:
+    """Every node is a standard ONNX op, or QLinearSoftmax for the 'ort' form; else name op and node."""
+    allowed_contrib = {("com.microsoft", "QLinearSoftmax")} if form == "ort" else set()
+    bad = [f"{n.domain}::{n.op_type} (node '{n.name}')" for n in model.graph.node
+           if n.domain not in ("", "ai.onnx") and (n.domain, n.op_type) not in allowed_contrib]
+    if bad:
+        raise ExportError(f"softq cannot export op(s) {', '.join(bad)}")
+
+
+# ---------------------------------------------------------------------------
+# Public entry points
+# ---------------------------------------------------------------------------
+
+
+def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str = "qdq", probs_outputs: bool = False,
+               weight_storage: str = "uint8") -> onnx.ModelProto:
+    """The checked ONNX model of a softq-quantized model (not written anywhere)."""
+    from softq.quant import is_quantized
+
+    check_form(softmax)
+    if weight_storage not in WEIGHT_STORAGE:
+        raise ExportError(f"weight_storage must be one of {WEIGHT_STORAGE}, got {weight_storage!r}")
+    if not is_quantized(qmodel):
+        raise ExportError(
+            f"{type(qmodel).__name__} was not quantized by softq (no softq_quant_config); run softq.quantize(model, "
+            "calib_data) first, or use softq.export.to_onnx_float for a float model"
+        )
+    model, layers = _export_copy(qmodel, weight_storage)
+    wrapper, names = wrap_for_export(model)
+    feeds = example_feeds(qmodel, example_inputs, names)
+    if softmax == "ort" and "attention_mask" in names:
+        warnings.warn(
+            "softmax='ort' on a model with attention masks: QLinearSoftmax has no mask input, so masked keys "
+            "enter as the lowest score code and keep a weight exp((qmin - row max) * scale) each "
+            "(negligible for wide score ranges, not for near-flat scores); 'int' and 'qdq' mask exactly",
+            UserWarning, stacklevel=2,
+        )
+    _run_once(wrapper, feeds, "the quantized model")
+    onnx_model = _trace(wrapper, feeds, names)
+    onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
+    onnx_model = prune(onnx_model)
+    check_exportable_ops(onnx_model, softmax)
+    onnx_model.producer_name = "softq"
+    onnx.checker.check_model(onnx_model, full_check=True)
+    return onnx_model
+
+
+def build_onnx_float(model: nn.Module, example_inputs: Any) -> onnx.ModelProto:
+    """The float ONNX model (softq attention, no quantization) with the same inputs and outputs."""
+    from softq.attention import configure_attention
+    from softq.quant import is_quantized
+
+    if is_quantized(model):
+        raise ExportError("build_onnx_float takes the float model; this one is quantized (use to_onnx)")
+    model = copy.deepcopy(model).eval()
+    configure_attention(model)
+    wrapper, names = wrap_for_export(model)
+    feeds = example_feeds(model, example_inputs, names)
+    _run_once(wrapper, feeds, "the float model")
+    onnx_model = prune(_trace(wrapper, feeds, names))
+    onnx.checker.check_model(onnx_model, full_check=True)
+    return onnx_model
+
+
+def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> None:
+    try:
+        with torch.no_grad():
+            wrapper(*feeds.values())
+    except (RuntimeError, IndexError, ValueError) as err:
+        shapes = {k: tuple(v.shape) for k, v in feeds.items()}
+        raise ExportError(f"example inputs {shapes} do not fit {what}: {err}") from err
+
+
+def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str = "qdq", overwrite: bool = False,
+            probs_outputs: bool = False, weight_storage: str = "uint8") -> str:
+    """Export a softq-quantized model to ONNX with an integer softmax; returns the path written.
+
+    ``softmax``: ``"qdq"`` (portable default), ``"ort"`` (com.microsoft.QLinearSoftmax)
+    or ``"int"`` (standard ops, integer arithmetic only).  Batch and sequence
+    length are dynamic.  The file is written atomically and only after
+    ``onnx.checker.check_model(full_check=True)`` passed; an existing file is
+    replaced only with ``overwrite=True``.  ``probs_outputs`` adds every layer's
+    dequantized softmax output as an extra graph output (for parity checks).
+
+    Weights are symmetric per-output-channel 8-bit codes (-127..127).
+    ``weight_storage="uint8"`` (default) stores them shifted by 128 with zero
+    point 128: the same dequantized values, but onnxruntime then fuses the
+    MatMuls into its u8u8 kernel.  With ``"int8"`` storage onnxruntime's u8s8
+    kernel on x86 CPUs without VNNI (AVX2 only) saturates int16 partial sums and
+    gives wrong results at the default optimisation level (measured: errors of
+    20% of the output range); use ``"int8"`` for runtimes/CPUs without that issue.
+    """
+    onnx_utils.check_writable(path, overwrite)  # fail before the (slow) export
+    model = build_onnx(qmodel, example_inputs, softmax, probs_outputs, weight_storage)
+    return str(onnx_utils.save_atomic(model, path, overwrite))
+
+
+def to_onnx_float(model: nn.Module, path: str, example_inputs: Any, overwrite: bool = False) -> str:
+    """Export the float model with the same interface (the FP32 baseline of the benchmarks)."""
+    onnx_utils.check_writable(path, overwrite)
+    return str(onnx_utils.save_atomic(build_onnx_float(model, example_inputs), path, overwrite))

@@ -1,0 +1,225 @@
+"""Whole-model ONNX export (tiny GPT-2 and ViT): parity with torch, op lists, shapes, bad input."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from conftest import tiny_inputs, tiny_model
+from onnx import numpy_helper
+
+import softq
+from softq.attention import attention_points, configure_attention
+from softq.export import onnx_utils as U
+from softq.export.model_export import ExportError, build_onnx, to_onnx, to_onnx_float
+
+STEP = 2.0**-8
+# Stated tolerances (tiny random models, the hardest case for rounding flips):
+LOGIT_TOL = 0.02  # max |logit diff| / max |logit|, ONNX (onnxruntime, any optimisation) vs torch fake-quant
+
+
+def _calib(family: str) -> list[dict[str, torch.Tensor]]:
+    return [tiny_inputs(family, seed=10 + i) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def quantized() -> dict[tuple[str, str | None], torch.nn.Module]:
+    out = {}
+    for family in ("gpt2", "vit"):
+        for corr in (None, "head"):
+            model = tiny_model(family)
+            out[(family, corr)] = softq.quantize(model, _calib(family), softq.QuantConfig(bias_correction=corr))
+    return out
+
+
+def _feeds(family: str, inputs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    feeds = {k: v.numpy() for k, v in inputs.items()}
+    if family == "gpt2" and "attention_mask" not in feeds:
+        feeds["attention_mask"] = np.ones_like(feeds["input_ids"])
+    return feeds
+
+
+def _torch_run(qmodel, inputs):
+    captured: list[torch.Tensor] = []
+    handles = [p.probs.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
+               for _, p in attention_points(qmodel)]
+    try:
+        with torch.no_grad():
+            logits = qmodel(**inputs).logits.numpy()
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, [c.numpy() for c in captured]
+
+
+CASES = [("gpt2", "qdq"), ("gpt2", "int"), ("vit", "qdq"), ("vit", "ort"), ("vit", "int")]
+
+
+@pytest.mark.parametrize("family,form", CASES)
+def test_parity_with_torch(quantized, tmp_path, family, form):
+    """With per-head softmax bias correction (the int form folds it into its rounding)."""
+    qmodel = quantized[(family, "head")]
+    path = tmp_path / "m.onnx"
+    to_onnx(qmodel, path, tiny_inputs(family), softmax=form, probs_outputs=True)
+    onnx.checker.check_model(str(path), full_check=True)
+    shapes = [(1, 9), (3, 40)] if family == "gpt2" else [(1,), (5,)]
+    sessions = {opt: U.session(path, opt) for opt in ("disable", "all")}
+    for i, shape in enumerate(shapes):  # dynamic batch (and sequence length)
+        inputs = tiny_inputs(family, batch=shape[0], seq=shape[-1], seed=100 + i)
+        ref_logits, ref_probs = _torch_run(qmodel, inputs)
+        for opt, sess in sessions.items():
+            outs = sess.run(None, _feeds(family, inputs))
+            logits, probs = outs[0], outs[1:]
+            assert logits.shape == ref_logits.shape
+            err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
+            assert err <= LOGIT_TOL, f"{opt}: relative logit error {err:.4f}"
+            assert (logits.argmax(-1) == ref_logits.argmax(-1)).mean() >= 0.95
+            assert len(probs) == len(ref_probs) == qmodel.config.num_hidden_layers
+            for layer, (p, r) in enumerate(zip(probs, ref_probs)):
+                # softmax outputs within one quantization step (plus |beta| for the int form,
+                # which applies beta through rounding instead of adding it)
+                beta = attention_points(qmodel)[layer][1].probs.beta
+                slack = float(beta.abs().max()) if (form == "int" and beta.numel()) else 0.0
+                assert np.abs(p - r).max() <= STEP + slack + 1e-6
+
+
+def test_int_form_without_correction_matches_torch_rows(quantized):
+    """The 8-bit table softmax computes the exact rounding, like torch: almost every token's
+    logits agree to float precision (a float32 softmax tie in torch can flip one code)."""
+    for family in ("gpt2", "vit"):
+        qmodel = quantized[(family, None)]
+        model = build_onnx(qmodel, tiny_inputs(family), "int", probs_outputs=True)
+        inputs = tiny_inputs(family, seed=7)
+        ref_logits, ref_probs = _torch_run(qmodel, inputs)
+        outs = U.run(model, _feeds(family, inputs), "disable")
+        row_err = np.abs(outs[0] - ref_logits).reshape(-1, ref_logits.shape[-1]).max(-1)
+        assert (row_err <= 1e-5).mean() >= 0.9
+        for p, r in zip(outs[1:], ref_probs):
+            assert np.abs(p - r).max() <= STEP  # float32 softmax ties may round the other way
+
+
+def test_padding_mask_parity(quantized):
+    qmodel = quantized[("gpt2", None)]
+    model = build_onnx(qmodel, tiny_inputs("gpt2"), "int")
+    inputs = tiny_inputs("gpt2", batch=2, seq=20, seed=3)
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[0, 15:] = 0
+    with torch.no_grad():
+        ref = qmodel(input_ids=inputs["input_ids"], attention_mask=mask).logits.numpy()
+    out = U.run(model, {"input_ids": inputs["input_ids"].numpy(), "attention_mask": mask.numpy()}, "all")[0]
+    valid = mask.numpy().astype(bool)
+    assert np.abs(out - ref)[valid].max() / np.abs(ref).max() <= LOGIT_TOL
+    # changing a padded token does not move valid outputs
+    ids2 = inputs["input_ids"].clone()
+    ids2[0, 17] = 5
+    out2 = U.run(model, {"input_ids": ids2.numpy(), "attention_mask": mask.numpy()}, "all")[0]
+    np.testing.assert_array_equal(out2[valid], out[valid])
+
+
+@pytest.mark.parametrize("form", ["qdq", "ort", "int"])
+def test_op_allow_lists_and_weights(quantized, form):
+    qmodel = quantized[("vit", "head")]
+    model = build_onnx(qmodel, tiny_inputs("vit"), form)
+    ops = U.op_counts(model)
+    contrib = {k for k in ops if k[0] not in ("", "ai.onnx")}
+    n_layers = qmodel.config.num_hidden_layers
+    if form == "ort":
+        assert contrib == {("com.microsoft", "QLinearSoftmax")} and ops[("com.microsoft", "QLinearSoftmax")] == n_layers
+        for n in model.graph.node:
+            if n.op_type == "QLinearSoftmax":
+                assert {a.name: a.i for a in n.attribute} == {"opset": 13, "axis": -1}
+    else:
+        assert contrib == set()
+    if form == "int":
+        assert ops[("", "Softmax")] == 0
+        inside = [n for n in model.graph.node if "/sm/" in n.name]
+        assert inside and U.float_valued_nodes(model, inside) == []
+    # per-channel 8-bit weights: one DequantizeLinear(axis=1) per quantized Linear
+    inits = {i.name: i for i in model.graph.initializer}
+    consts = {n.output[0]: n for n in model.graph.node if n.op_type == "Constant"}
+    weight_dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"
+                 and any(a.name == "axis" for a in n.attribute)]
+    n_linear = sum(type(m).__name__ == "QLinear" for m in qmodel.modules())
+    assert len(weight_dq) == n_linear
+    for n in weight_dq:
+        src = inits.get(n.input[0]) or consts[n.input[0]].attribute[0].t
+        scale = inits.get(n.input[1]) or consts[n.input[1]].attribute[0].t
+        assert src.data_type == onnx.TensorProto.UINT8 and len(scale.dims) == 1 and scale.dims[0] == src.dims[1]
+
+
+def test_int8_weight_storage(quantized):
+    qmodel = quantized[("vit", None)]
+    model = build_onnx(qmodel, tiny_inputs("vit"), "int", weight_storage="int8")
+    consts = {n.output[0]: n.attribute[0].t for n in model.graph.node if n.op_type == "Constant"}
+    inits = {i.name: i for i in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "DequantizeLinear" and any(a.name == "axis" for a in n.attribute):
+            t = inits.get(n.input[0]) or consts[n.input[0]]
+            assert t.data_type == onnx.TensorProto.INT8
+            assert np.abs(numpy_helper.to_array(t).astype(int)).max() <= 127
+    inputs = tiny_inputs("vit", seed=4)
+    ref, _ = _torch_run(qmodel, inputs)
+    out = U.run(model, _feeds("vit", inputs), "disable")[0]
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def test_ort_form_on_masked_model_warns(quantized):
+    with pytest.warns(UserWarning, match="QLinearSoftmax has no mask input"):
+        build_onnx(quantized[("gpt2", None)], tiny_inputs("gpt2"), "ort")
+
+
+def test_float_export_matches_float_model(tmp_path):
+    model = tiny_model("gpt2")
+    path = to_onnx_float(model, tmp_path / "f.onnx", tiny_inputs("gpt2"))
+    inputs = tiny_inputs("gpt2", batch=1, seq=31, seed=2)
+    ref = model(**inputs).logits.detach().numpy()
+    out = U.run(path, _feeds("gpt2", inputs), "all")[0]
+    np.testing.assert_allclose(out, ref, atol=1e-4)
+
+
+def test_bad_inputs(quantized, tmp_path):
+    qmodel = quantized[("vit", None)]
+    good = tiny_inputs("vit")
+    with pytest.raises(ExportError, match="not quantized by softq"):
+        to_onnx(tiny_model("vit"), tmp_path / "a.onnx", good)
+    with pytest.raises(ValueError, match="unknown softmax form 'fp16'"):
+        to_onnx(qmodel, tmp_path / "a.onnx", good, softmax="fp16")
+    with pytest.raises(ExportError, match=r"pixel_values must have shape \[batch, 1, 16, 16\]"):
+        to_onnx(qmodel, tmp_path / "a.onnx", {"pixel_values": torch.randn(1, 1, 8, 8)})
+    with pytest.raises(ExportError, match="unexpected key"):
+        to_onnx(qmodel, tmp_path / "a.onnx", {**good, "input_ids": torch.zeros(1, 3, dtype=torch.long)})
+    lm = quantized[("gpt2", None)]
+    with pytest.raises(ExportError, match="integer tensor"):
+        to_onnx(lm, tmp_path / "a.onnx", {"input_ids": torch.randn(2, 5)})
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        to_onnx(qmodel, tmp_path / "missing" / "a.onnx", good)
+    # a softmax variant the integer forms do not implement: named, with its layer
+    clipped = softq.quantize(tiny_model("vit"), _calib("vit"))
+    configure_attention(clipped, softmax="clipped")
+    with pytest.raises(ExportError, match=r"softmax variant 'clipped' \(attention layer 'vit.layers.0"):
+        to_onnx(clipped, tmp_path / "a.onnx", good)
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_existing_and_unwritable_paths(quantized, tmp_path):
+    qmodel = quantized[("vit", None)]
+    path = tmp_path / "m.onnx"
+    path.write_bytes(b"keep me")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        to_onnx(qmodel, path, tiny_inputs("vit"))
+    assert path.read_bytes() == b"keep me"
+    to_onnx(qmodel, path, tiny_inputs("vit"), overwrite=True)
+    onnx.checker.check_model(str(path), full_check=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+    target = "/sys/kernel/softq_export_test.onnx" if os.geteuid() == 0 else None
+    if target is None:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        target = str(locked / "m.onnx")
+    with warnings.catch_warnings(), pytest.raises(PermissionError):
+        to_onnx(qmodel, target, tiny_inputs("vit"))
+    assert not os.path.exists(target)
