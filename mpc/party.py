@@ -39,6 +39,9 @@ from softq.mpc._crypten_shim import load_crypten
 from softq.mpc.errors import ModelMismatchError, MPCError
 
 FAULT_ENV = "SOFTQ_MPC_FAULT"  # test hook: "<rank>:<stage>" makes that party die at that stage
+WIRE_LOG_ENV = "SOFTQ_MPC_WIRE_LOG"  # test hook: directory where each party records every message
+_COMM_METHODS = ("send", "recv", "isend", "irecv", "broadcast", "all_reduce", "reduce", "gather",
+                 "all_gather", "scatter", "send_obj", "recv_obj", "broadcast_obj")
 
 
 @dataclass
@@ -101,6 +104,40 @@ def init_communicator(s: PartySettings) -> Any:
     finally:
         dist.init_process_group, dist.new_group = orig_init, orig_new  # type: ignore[assignment]
     return crypten
+
+
+class WireLog:
+    """Records every tensor and object a party sends or receives through CrypTen's communicator."""
+
+    def __init__(self, comm: Any) -> None:
+        import pickle
+
+        self.messages: list[torch.Tensor] = []
+        for name in _COMM_METHODS:
+            orig = getattr(comm, name)
+
+            def wrapped(*args: Any, __orig: Any = orig, **kwargs: Any) -> Any:
+                result = __orig(*args, **kwargs)
+                for x in (*args, *kwargs.values(), result):
+                    self._keep(x, pickle)
+                return result
+
+            setattr(comm, name, wrapped)
+
+    def _keep(self, x: Any, pickle: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            self.messages.append(x.detach().clone().reshape(-1))
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                self._keep(y, pickle)
+        elif x is not None and not isinstance(x, (int, float, str, bool)) and not hasattr(x, "wait"):
+            try:
+                self.messages.append(torch.frombuffer(bytearray(pickle.dumps(x)), dtype=torch.uint8).clone())
+            except Exception:  # noqa: BLE001 - unpicklable handles are not messages
+                pass
+
+    def save(self, directory: str, rank: int) -> None:
+        _atomic_save(self.messages, Path(directory) / f"wire{rank}.pt")
 
 
 def _load_model(s: PartySettings) -> torch.nn.Module:
@@ -200,6 +237,7 @@ def run_party(s: PartySettings) -> dict[str, Any] | None:
     model = _load_model(s)  # before joining: loading errors then surface on their own
     crypten = init_communicator(s)
     comm = crypten.communicator.get()
+    wire = WireLog(comm) if os.environ.get(WIRE_LOG_ENV) else None
     _fault(s.rank, "joined")
     try:
         # 1. The client publishes shapes and public inputs (masks), never the secret ones.
@@ -253,6 +291,8 @@ def run_party(s: PartySettings) -> dict[str, Any] | None:
             if s.output:
                 _atomic_save(result, s.output)
         comm.barrier()
+        if wire is not None:
+            wire.save(os.environ[WIRE_LOG_ENV], s.rank)
         return result
     except ModelMismatchError:
         raise
