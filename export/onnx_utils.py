@@ -28,7 +28,7 @@ def check_writable(path: str | os.PathLike, overwrite: bool) -> Path:
     """Validate an output path before any work is done; returns it resolved."""
     path = Path(path)
     if path.is_dir():
-        raise IsADirectoryError(f"output path {path} is a directory; give a file name such as {path / 'model.onnx'}")
+        raise ValueError(f"output path {path} is a directory; give a file name such as {path / 'model.onnx'}")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise FileNotFoundError(f"output directory {parent} does not exist")

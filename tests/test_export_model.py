@@ -223,3 +223,25 @@ def test_existing_and_unwritable_paths(quantized, tmp_path):
     with warnings.catch_warnings(), pytest.raises(PermissionError):
         to_onnx(qmodel, target, tiny_inputs("vit"))
     assert not os.path.exists(target)
+
+
+def test_cli_export(quantized, tmp_path, capsys):
+    from softq.cli import main
+    from softq.quant.io import save
+
+    qdir = save(quantized[("gpt2", "head")], tmp_path / "q")
+    out = tmp_path / "m.onnx"
+    assert main(["export", str(qdir), "--softmax", "int", "-o", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    inputs = tiny_inputs("gpt2", batch=1, seq=12, seed=8)
+    with torch.no_grad():
+        ref = quantized[("gpt2", "head")](**inputs).logits.numpy()
+    got = U.run(out, _feeds("gpt2", inputs), "all")[0]
+    assert np.abs(got - ref).max() / np.abs(ref).max() <= LOGIT_TOL
+    before = out.read_bytes()
+    assert main(["export", str(qdir), "-o", str(out)]) == 1  # exists, no --overwrite
+    assert "already exists" in capsys.readouterr().err and out.read_bytes() == before
+    assert main(["export", str(qdir), "-o", str(out), "--overwrite", "--softmax", "qdq"]) == 0
+    assert main(["export", str(tmp_path / "nope"), "-o", str(tmp_path / "x.onnx")]) == 1
+    assert "neither a quantized model directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "q"]
