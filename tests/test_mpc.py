@@ -275,3 +275,25 @@ def test_parties_with_different_models_refuse_to_compute(tmp_path):
     for code, err in results:
         assert code == 2 and "models differ" in err and "surrogates" in err
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_multi_host_launch_with_environment_variables(tmp_path):
+    """Each party started on its own (as on separate hosts) through `softq mpc party` and env vars."""
+    _prepare(tmp_path)
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    common = ["--softmax", "2quad", "--gelu", "quad", "--timeout", "30"]
+    procs = []
+    for rank, extra in ((0, ["--model", str(tmp_path / "model")]),
+                        (1, ["--model-config", str(tmp_path / "model" / "config.json"),
+                             "--inputs", str(tmp_path / "in.pt"), "--output", str(tmp_path / "out.pt")])):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "RENDEZVOUS": rendezvous, "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "softq.cli", "mpc", "party", *common, *extra],
+                                      env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "TOTAL" in outs[1][0]  # the client prints its communication table
+    got = torch.load(tmp_path / "out.pt", weights_only=False)["outputs"][0]
+    ref = tiny_bert()
+    configure_surrogates(ref, softmax="2quad", gelu="quad")
+    with torch.no_grad():
+        assert (got - ref(**bert_inputs()).logits).abs().max() < 1e-2

@@ -1,0 +1,104 @@
+"""MPCFormer-style distillation of a surrogate student from its plaintext teacher.
+
+Replacing softmax by 2Quad and GELU by Quad changes the function a lot; MPCFormer
+(ICLR 2023) recovers the accuracy by distilling in two stages:
+
+1. **Layer-wise**: MSE between student and teacher hidden states (embedding
+   output included) and attention maps;
+2. **Prediction**: soft cross-entropy between the teacher's and the student's
+   logits (temperature ``T``).
+
+The student is a copy of the teacher switched to the surrogates with
+:func:`softq.mpc.configure_surrogates`; its plaintext forward is exactly what the
+encrypted run computes (up to fixed point), so the student is then run with
+:func:`softq.mpc.run` unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from softq.mpc.surrogates import configure_surrogates
+
+_MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids", "pixel_values")
+
+
+@dataclass
+class DistillHistory:
+    stage1: list[float] = field(default_factory=list)
+    stage2: list[float] = field(default_factory=list)
+
+
+def _model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in batch.items() if k in _MODEL_KEYS}
+
+
+def _layer_loss(student_out: Any, teacher_out: Any) -> torch.Tensor:
+    loss = torch.zeros(())
+    for s, t in zip(student_out.hidden_states, teacher_out.hidden_states):
+        loss = loss + nn.functional.mse_loss(s, t)
+    if student_out.attentions is not None and teacher_out.attentions is not None:
+        for s, t in zip(student_out.attentions, teacher_out.attentions):
+            loss = loss + nn.functional.mse_loss(s, t)
+    return loss
+
+
+def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    t = torch.softmax(teacher_logits / temperature, dim=-1)
+    return -(t * torch.log_softmax(student_logits / temperature, dim=-1)).sum(-1).mean() * temperature**2
+
+
+def distill(
+    teacher: nn.Module,
+    batches: Iterator[Mapping[str, torch.Tensor]],
+    softmax: str | Sequence[str] | Mapping[int, str] = "2quad",
+    gelu: str | Sequence[str] | Mapping[int, str] | None = "quad",
+    steps: tuple[int, int] = (200, 200),
+    lr: tuple[float, float] = (1e-3, 3e-4),
+    temperature: float = 1.0,
+    progress: bool = True,
+    softmax_params: Mapping[str, float] | None = None,
+) -> tuple[nn.Module, DistillHistory]:
+    """Return a surrogate student distilled from ``teacher`` (left unchanged) and the loss curves."""
+    if min(steps) < 0:
+        raise ValueError(f"distillation steps must be >= 0, got {steps}")
+    teacher = teacher.eval()
+    student = copy.deepcopy(teacher)
+    configure_surrogates(student, softmax=softmax, gelu=gelu, softmax_params=softmax_params)
+    student.train()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    history = DistillHistory()
+    for stage, (n_steps, stage_lr) in enumerate(zip(steps, lr), start=1):
+        if n_steps == 0:
+            continue
+        opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=stage_lr, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=n_steps)
+        bar = tqdm(range(n_steps), desc=f"distill stage {stage}", disable=not progress, dynamic_ncols=True)
+        for _ in bar:
+            batch = _model_inputs(next(batches))
+            with torch.no_grad():
+                t_out = teacher(**batch, output_hidden_states=stage == 1, output_attentions=stage == 1)
+            s_out = student(**batch, output_hidden_states=stage == 1, output_attentions=stage == 1)
+            if stage == 1:
+                loss = _layer_loss(s_out, t_out)
+            else:
+                loss = soft_cross_entropy(s_out.logits, t_out.logits, temperature)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            (history.stage1 if stage == 1 else history.stage2).append(float(loss))
+            bar.set_postfix(loss=f"{float(loss):.4f}")
+    student.eval()
+    for p in teacher.parameters():
+        p.requires_grad_(True)
+    return student, history
