@@ -42,6 +42,7 @@ def reference_task(
     seed: int = 0,
     attention: dict[str, Any] | None = None,
     size: str = "reference",
+    steps: int | None = None,
     progress: bool = True,
 ) -> Task:
     """The reference LM (perplexity) or ViT (top-1) task, trained and cached on first use.
@@ -49,9 +50,10 @@ def reference_task(
     ``context`` (LM only) evaluates and calibrates on windows of that length (the
     model is trained at its full context, at least 1024).  ``eval_limit`` caps the
     held-out windows (LM) or images (ViT) for quick runs; ``None`` uses all.
+    ``steps`` overrides the training budget (a separate cache entry).
     """
     if name == "lm":
-        model, tokenizer = workloads.reference_lm(seed, attention, size=size, progress=progress)
+        model, tokenizer = workloads.reference_lm(seed, attention, size=size, steps=steps, progress=progress)
         full = model.config.n_positions
         context = context or full
         if context > full:
@@ -61,7 +63,7 @@ def reference_task(
         return Task(f"lm@{context}", model, calib, eval_inputs, "perplexity", False,
                     lambda m, inputs: workloads.perplexity(m, inputs, progress=False))
     if name == "vit":
-        model = workloads.reference_vit(seed, attention, size=size, progress=progress)
+        model = workloads.reference_vit(seed, attention, size=size, steps=steps, progress=progress)
         image_size = model.config.image_size
         calib = workloads.vit_calib_inputs(calib_size, image_size, seed=1000 + seed, batch_size=min(calib_size, 16))
         images, labels = workloads.digits_data("heldout", image_size)
