@@ -297,3 +297,29 @@ def test_multi_host_launch_with_environment_variables(tmp_path):
     configure_surrogates(ref, softmax="2quad", gelu="quad")
     with torch.no_grad():
         assert (got - ref(**bert_inputs()).logits).abs().max() < 1e-2
+
+
+def test_two_stage_distillation_brings_the_surrogate_student_closer_to_the_teacher():
+    from softq.mpc.distill import distill
+
+    teacher = tiny_bert(seed=8)
+    gen = torch.Generator().manual_seed(9)
+
+    def batches():
+        while True:
+            yield {"input_ids": torch.randint(0, 40, (8, 8), generator=gen), "attention_mask": torch.ones(8, 8, dtype=torch.long)}
+
+    probe = {"input_ids": torch.randint(0, 40, (16, 8), generator=torch.Generator().manual_seed(10))}
+    before = copy.deepcopy(teacher)
+    configure_surrogates(before, softmax="2quad", gelu="quad")
+    student, history = distill(teacher, batches(), softmax="2quad", gelu="quad", steps=(30, 30), lr=(3e-3, 1e-3),
+                               progress=False)
+    with torch.no_grad():
+        t = teacher(**probe).logits
+        gap_before = (before(**probe).logits - t).pow(2).mean()
+        gap_after = (student(**probe).logits - t).pow(2).mean()
+    assert len(history.stage1) == 30 and len(history.stage2) == 30
+    assert sum(history.stage1[-5:]) < sum(history.stage1[:5])
+    assert gap_after < 0.5 * gap_before
+    assert student.config.softq_mpc_surrogates == before.config.softq_mpc_surrogates
+    assert teacher.config._attn_implementation != "softq_mpc"
