@@ -96,8 +96,9 @@ def distill(
             torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
             opt.step()
             sched.step()
-            (history.stage1 if stage == 1 else history.stage2).append(float(loss.detach()))
-            bar.set_postfix(loss=f"{float(loss):.4f}")
+            value = float(loss.detach())
+            (history.stage1 if stage == 1 else history.stage2).append(value)
+            bar.set_postfix(loss=f"{value:.4f}")
     student.eval()
     for p in teacher.parameters():
         p.requires_grad_(True)
