@@ -33,6 +33,7 @@ after dequantization):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import warnings
 from collections.abc import Mapping
@@ -80,8 +81,11 @@ def _zp_tensor(zp: int, signed: bool) -> torch.Tensor:
 class _QDQFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scale: float, zp: int, qmin: int, qmax: int, signed: bool):  # noqa: ANN001
+        # No "+ 0": the TorchScript peephole pass would rewrite it inside this op's block and crash.
         s = torch.tensor(scale, dtype=x.dtype)
-        return (torch.clamp(torch.round(x / s + zp), qmin, qmax) - zp) * s
+        codes = torch.round(x / s + zp) if zp else torch.round(x / s)
+        codes = torch.clamp(codes, qmin, qmax)
+        return ((codes - zp) if zp else codes) * s
 
     @staticmethod
     def symbolic(g, x, scale: float, zp: int, qmin: int, qmax: int, signed: bool):  # noqa: ANN001
@@ -204,6 +208,14 @@ def _replace_children(model: nn.Module, match, make) -> None:  # noqa: ANN001
                 setattr(parent, name, make(child))
 
 
+def _extend_rows(beta: np.ndarray | None, beta_head: np.ndarray | None, rows: int) -> np.ndarray | None:
+    """Per-row beta padded to ``rows`` query rows with the per-head beta (torch's fallback)."""
+    if beta is None or beta.shape[2] == 1 or beta_head is None or beta.shape[2] >= rows:
+        return beta
+    pad = np.broadcast_to(beta_head, (1, beta.shape[1], rows - beta.shape[2], 1))
+    return np.concatenate([beta, pad], axis=2)
+
+
 def _softmax_params(name: str, points: nn.Module, key: int) -> dict[str, Any]:
     from softq.quant.quantizers import SoftmaxOutputQuantizer
 
@@ -233,6 +245,14 @@ def _softmax_params(name: str, points: nn.Module, key: int) -> dict[str, Any]:
     return {"name": name, "q": q, "beta": beta, "beta_head": beta_head, "causal_rows": bool(probs.causal_rows)}
 
 
+def _max_positions(model: nn.Module) -> int:
+    cfg = model.config
+    for attr in ("n_positions", "max_position_embeddings"):
+        if isinstance(getattr(cfg, attr, None), int):
+            return int(getattr(cfg, attr))
+    return 4096
+
+
 def _export_copy(qmodel: nn.Module, weight_storage: str = "uint8") -> tuple[nn.Module, dict[int, dict[str, Any]]]:
     from softq.attention import attention_points
     from softq.quant.quantizers import QLinear
@@ -240,7 +260,10 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "uint8") -> tuple[nn.M
     model = copy.deepcopy(qmodel).eval()
     layers: dict[int, dict[str, Any]] = {}
     for key, (name, points) in enumerate(attention_points(model)):
-        layers[key] = _softmax_params(name, points, key)
+        layers[key] = info = _softmax_params(name, points, key)
+        if info["causal_rows"]:
+            # longer inputs than calibrated: torch falls back to the per-head beta for them
+            info["beta"] = _extend_rows(info["beta"], info["beta_head"], _max_positions(model))
         tap = _ScoresTap()
         points.scores = tap
         points.probs = _ProbsMarker(tap, key)
@@ -411,6 +434,8 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
         key = next(a.i for a in node.attribute if a.name == "key")
         info = layers[key]
         q: SoftmaxQuant = info["q"]
+        if form == "ort" and q.signed:  # QLinearSoftmax: int8 in, int8 out (zero point -128)
+            q = dataclasses.replace(q, out_signed=True)
         p = f"softq/L{key}/"
         scores, out = node.input[0], node.output[0]
         valid_b = None

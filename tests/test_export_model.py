@@ -245,3 +245,27 @@ def test_cli_export(quantized, tmp_path, capsys):
     assert main(["export", str(tmp_path / "nope"), "-o", str(tmp_path / "x.onnx")]) == 1
     assert "neither a quantized model directory" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "q"]
+
+
+def test_head_row_correction_and_signed_scores(tmp_path):
+    """Per-(head, row) beta of a causal LM is sliced to the query length in the graph; signed
+    (symmetric) softmax inputs give an int8 QLinearSoftmax."""
+    lm = softq.quantize(tiny_model("gpt2"), _calib("gpt2"), softq.QuantConfig(bias_correction="head_row"))
+    for form in ("qdq", "int"):
+        sess = U.session(build_onnx(lm, tiny_inputs("gpt2"), form), "all")
+        for seq in (9, 24, 40):  # shorter than, equal to and longer than the calibration windows
+            inputs = tiny_inputs("gpt2", batch=1, seq=seq, seed=seq)
+            with torch.no_grad():
+                ref = lm(**inputs).logits.numpy()
+            out = sess.run(None, _feeds("gpt2", inputs))[0]
+            assert np.abs(out - ref).max() / np.abs(ref).max() <= LOGIT_TOL
+    vit = softq.quantize(tiny_model("vit"), _calib("vit"), softq.QuantConfig(act_symmetric=True))
+    model = build_onnx(vit, tiny_inputs("vit"), "ort")
+    qls = [n for n in model.graph.node if n.op_type == "QLinearSoftmax"]
+    types = U.value_types(model)
+    assert qls and all(types[n.input[0]] == onnx.TensorProto.INT8 for n in qls)
+    inputs = tiny_inputs("vit", batch=3, seed=6)
+    with torch.no_grad():
+        ref = vit(**inputs).logits.numpy()
+    out = U.run(model, _feeds("vit", inputs), "all")[0]
+    assert np.abs(out - ref).max() / np.abs(ref).max() <= LOGIT_TOL
