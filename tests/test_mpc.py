@@ -323,3 +323,21 @@ def test_two_stage_distillation_brings_the_surrogate_student_closer_to_the_teach
     assert gap_after < 0.5 * gap_before
     assert student.config.softq_mpc_surrogates == before.config.softq_mpc_surrogates
     assert teacher.config._attn_implementation != "softq_mpc"
+
+
+def test_per_layer_surrogates_and_bad_arguments():
+    model = tiny_bert()
+    spec = configure_surrogates(model, softmax=["softmax", "2quad"], gelu={1: "relu"})
+    assert spec.softmax == ["softmax", "2quad"] and spec.gelu == [None, "relu"]
+    assert type(model.bert.encoder.layer[1].intermediate.intermediate_act_fn).__name__ == "SurrogateGELU"
+    assert type(model.bert.encoder.layer[0].intermediate.intermediate_act_fn).__name__ != "SurrogateGELU"
+    with pytest.raises(ValueError, match="2 per-layer choices|per-layer"):
+        configure_surrogates(tiny_bert(), softmax=["2quad"])
+    with pytest.raises(ValueError, match="unknown GELU"):
+        configure_surrogates(tiny_bert(), gelu="swish")
+    with pytest.raises(ValueError, match="cannot run under MPC"):
+        configure_surrogates(tiny_bert(), softmax="softpick")
+    with pytest.raises(ValueError, match="at least 2 parties"):
+        run(tiny_bert(), bert_inputs(), world_size=1)
+    with pytest.raises(ValueError, match="provider"):
+        run(tiny_bert(), bert_inputs(), provider="HE")
