@@ -27,6 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--weight-storage", choices=["uint8", "int8"], default="uint8",
                    help="storage of the symmetric 8-bit weight codes (default uint8 with zero point 128; "
                         "int8 triggers onnxruntime's u8s8 saturation on AVX2-only x86 CPUs)")
+    p.add_argument("--embeddings", choices=["float", "int8"], default="float",
+                   help="also store embedding tables as per-row int8 (smaller file; default %(default)s)")
     g = p.add_argument_group("when MODEL is a reference workload")
     g.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
     g.add_argument("--calib-size", type=int, default=16, help="calibration windows/images (default 16)")
@@ -66,7 +68,8 @@ def _export(args: argparse.Namespace) -> int:
     onnx_utils.check_writable(args.output, args.overwrite)  # before any slow work
     qmodel = load_quantized(args)
     written = to_onnx(qmodel, args.output, _example_inputs(qmodel), softmax=args.softmax,
-                      overwrite=args.overwrite, weight_storage=args.weight_storage)
+                      overwrite=args.overwrite, weight_storage=args.weight_storage,
+                      embeddings=args.embeddings)
     size = Path(written).stat().st_size
     print(f"wrote {written} ({size / 1e6:.2f} MB, softmax={args.softmax})")
     return 0

@@ -66,7 +66,7 @@ class ExportError(ValueError):
 
 @dataclass
 class _ExportState:
-    weights: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    weights: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, int]] = field(default_factory=dict)
     softmax: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -106,13 +106,13 @@ class _WeightDQFn(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, w, key: int):  # noqa: ANN001
-        codes, scale, zp = _STATE.weights[key]
+        codes, scale, zp, axis = _STATE.weights[key]
         args = [g.op("Constant", value_t=torch.from_numpy(codes)),
                 g.op("Constant", value_t=torch.from_numpy(scale)),
                 g.op("Constant", value_t=torch.from_numpy(zp))]
         if scale.ndim == 0:
             return g.op("DequantizeLinear", *args)
-        return g.op("DequantizeLinear", *args, axis_i=1)
+        return g.op("DequantizeLinear", *args, axis_i=axis)
 
 
 class _SoftmaxMarkerFn(torch.autograd.Function):
@@ -157,7 +157,7 @@ class _ExportLinear(nn.Module):
         if storage == "uint8":  # same symmetric grid, stored shifted by 128 (see to_onnx)
             codes_t = (codes_t.astype(np.int16) + 128).astype(np.uint8)
             zp = np.full(scale_np.shape, 128, np.uint8)
-        _STATE.weights[key] = (codes_t, scale_np.astype(np.float32), zp)
+        _STATE.weights[key] = (codes_t, scale_np.astype(np.float32), zp, 1)
         self.key = key
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
         self.input_act = layer.input_act
@@ -165,6 +165,27 @@ class _ExportLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.matmul(self.input_act(x), _WeightDQFn.apply(self.w_deq, self.key))
         return y if self.bias is None else y + self.bias
+
+
+class _ExportEmbedding(nn.Module):
+    """Weight-only int8 embedding table (symmetric, one scale per row) -> DequantizeLinear(axis=0) -> Gather.
+
+    Not part of softq's torch model (which keeps embeddings float): an export-time
+    option that shrinks the file (GPT-2's 1024-row position table is float otherwise).
+    """
+
+    def __init__(self, emb: nn.Embedding, key: int) -> None:
+        super().__init__()
+        w = emb.weight.detach().to(torch.float32)
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        codes = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+        _STATE.weights[key] = (codes.numpy(), scale.numpy().astype(np.float32), np.zeros(scale.shape, np.int8), 0)
+        self.key = key
+        self.padding_idx = emb.padding_idx
+        self.register_buffer("w_deq", codes.float() * scale[:, None])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, _WeightDQFn.apply(self.w_deq, self.key), self.padding_idx)
 
 
 class _ScoresTap(nn.Module):
@@ -253,7 +274,8 @@ def _max_positions(model: nn.Module) -> int:
     return 4096
 
 
-def _export_copy(qmodel: nn.Module, weight_storage: str = "uint8") -> tuple[nn.Module, dict[int, dict[str, Any]]]:
+def _export_copy(qmodel: nn.Module, weight_storage: str = "uint8",
+                 embeddings: str = "float") -> tuple[nn.Module, dict[int, dict[str, Any]]]:
     from softq.attention import attention_points
     from softq.quant.quantizers import QLinear
 
@@ -270,6 +292,9 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "uint8") -> tuple[nn.M
     counter = iter(range(10**9))
     _replace_children(model, lambda m: isinstance(m, QLinear), lambda m: _ExportLinear(m, next(counter), weight_storage))
     _replace_children(model, _is_act_quantizer, _ExportAct)
+    if embeddings == "int8":
+        # exact nn.Embedding only: subclasses (OPT's learned positions) have their own forward
+        _replace_children(model, lambda m: type(m) is nn.Embedding, lambda m: _ExportEmbedding(m, next(counter)))
     return model, layers
 
 
@@ -534,19 +559,21 @@ def check_exportable_ops(model: onnx.ModelProto, form: str) -> None:
 
 
 def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str = "qdq", probs_outputs: bool = False,
-               weight_storage: str = "uint8") -> onnx.ModelProto:
+               weight_storage: str = "uint8", embeddings: str = "float") -> onnx.ModelProto:
     """The checked ONNX model of a softq-quantized model (not written anywhere)."""
     from softq.quant import is_quantized
 
     check_form(softmax)
     if weight_storage not in WEIGHT_STORAGE:
         raise ExportError(f"weight_storage must be one of {WEIGHT_STORAGE}, got {weight_storage!r}")
+    if embeddings not in ("float", "int8"):
+        raise ExportError(f"embeddings must be 'float' or 'int8', got {embeddings!r}")
     if not is_quantized(qmodel):
         raise ExportError(
             f"{type(qmodel).__name__} was not quantized by softq (no softq_quant_config); run softq.quantize(model, "
             "calib_data) first, or use softq.export.to_onnx_float for a float model"
         )
-    model, layers = _export_copy(qmodel, weight_storage)
+    model, layers = _export_copy(qmodel, weight_storage, embeddings)
     wrapper, names = wrap_for_export(model)
     feeds = example_feeds(qmodel, example_inputs, names)
     if softmax == "ort" and "attention_mask" in names:
@@ -593,7 +620,7 @@ def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> 
 
 
 def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str = "qdq", overwrite: bool = False,
-            probs_outputs: bool = False, weight_storage: str = "uint8") -> str:
+            probs_outputs: bool = False, weight_storage: str = "uint8", embeddings: str = "float") -> str:
     """Export a softq-quantized model to ONNX with an integer softmax; returns the path written.
 
     ``softmax``: ``"qdq"`` (portable default), ``"ort"`` (com.microsoft.QLinearSoftmax)
@@ -610,9 +637,11 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str = "q
     kernel on x86 CPUs without VNNI (AVX2 only) saturates int16 partial sums and
     gives wrong results at the default optimisation level (measured: errors of
     20% of the output range); use ``"int8"`` for runtimes/CPUs without that issue.
+    ``embeddings="int8"`` also stores embedding tables as per-row int8 (weight
+    only; softq's torch model keeps them float, so outputs move slightly).
     """
     onnx_utils.check_writable(path, overwrite)  # fail before the (slow) export
-    model = build_onnx(qmodel, example_inputs, softmax, probs_outputs, weight_storage)
+    model = build_onnx(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings)
     return str(onnx_utils.save_atomic(model, path, overwrite))
 
 

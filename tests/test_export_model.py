@@ -269,3 +269,19 @@ def test_head_row_correction_and_signed_scores(tmp_path):
         ref = vit(**inputs).logits.numpy()
     out = U.run(model, _feeds("vit", inputs), "all")[0]
     assert np.abs(out - ref).max() / np.abs(ref).max() <= LOGIT_TOL
+
+
+def test_int8_embeddings_option(quantized):
+    qmodel = quantized[("gpt2", None)]
+    plain = build_onnx(qmodel, tiny_inputs("gpt2"), "int")
+    small = build_onnx(qmodel, tiny_inputs("gpt2"), "int", embeddings="int8")
+    gathers = [n for n in small.graph.node if n.op_type == "DequantizeLinear"
+               and any(a.name == "axis" and a.i == 0 for a in n.attribute)]
+    assert len(gathers) == 2  # wte and wpe
+    assert len(small.SerializeToString()) < len(plain.SerializeToString())
+    inputs = tiny_inputs("gpt2", seed=12)
+    with torch.no_grad():
+        ref = qmodel(**inputs).logits.numpy()
+    out = U.run(small, _feeds("gpt2", inputs), "all")[0]
+    assert np.abs(out - ref).max() / np.abs(ref).max() <= 0.05
+    assert (out.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
