@@ -341,3 +341,16 @@ def test_per_layer_surrogates_and_bad_arguments():
         run(tiny_bert(), bert_inputs(), world_size=1)
     with pytest.raises(ValueError, match="provider"):
         run(tiny_bert(), bert_inputs(), provider="HE")
+
+
+def test_opt_with_public_attention_mask(crypten1):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(11)
+    model = OPTForCausalLM(OPTConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                     num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=32,
+                                     init_std=0.2, pad_token_id=None, bos_token_id=None, eos_token_id=None)).eval()
+    ids = torch.randint(0, 40, (1, 8), generator=torch.Generator().manual_seed(12))
+    out, plain = encrypted_local(crypten1, model, {"input_ids": ids, "attention_mask": torch.ones(1, 8, dtype=torch.long)},
+                                 "2quad", None)
+    assert (out - plain).abs().max() < 1e-2
