@@ -1,0 +1,136 @@
+"""softq.calib.train and ``softq train``: function-preserving gated conversion, fine-tuning, resumable runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from softq import workloads as W
+from softq.calib.train import convert_to_gated, finetune_to_gated, load_checkpoint
+from softq.cli import main as softq_main
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _model_and_input(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if family == "vit":
+        model = W.build_model(W.vit_config("tiny"))
+        x = {"pixel_values": W.digits_data("heldout", 16)[0][:4]}
+    else:
+        tok = W.CharTokenizer()
+        model = W.build_model(W.lm_config("tiny", family, vocab_size=tok.vocab_size))
+        x = W.lm_eval_inputs(128, 2, tok)[1]
+    # Give weights a trained-like spread so a wrong conversion cannot hide behind tiny activations.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 or "cls_token" in name:
+                p.normal_(0.0, 0.2)
+    return model.eval(), x
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "vit"])
+def test_convert_to_gated_preserves_function(family: str) -> None:
+    model, x = _model_and_input(family)
+    with torch.no_grad():
+        before = model(**x).logits
+    convert_to_gated(model, pi_init=0.25)
+    points = [m.softq for _, m in __import__("softq.models", fromlist=["x"]).attention_modules(model)]
+    assert all(p.gate is not None for p in points) and model.config.softq_gated
+    assert torch.allclose(torch.sigmoid(points[0].gate.bias), torch.full((points[0].num_heads,), 0.25))
+    with torch.no_grad():
+        after = model(**x).logits
+    assert (after - before).abs().max() < 1e-2 * max(1.0, float(before.abs().max())) / 10
+    # Without the output-projection compensation, the same gates do change the function.
+    naive, _ = _model_and_input(family)
+    from softq.attention import configure_attention
+
+    configure_attention(naive, gated=True, gate_pi_init=0.25)
+    with torch.no_grad():
+        assert (naive(**x).logits - before).abs().max() > 1e-1
+    with pytest.raises(ValueError, match="already has gated attention"):
+        convert_to_gated(model)
+
+
+def test_convert_keeps_softmax_variant_and_rejects_bad_pi() -> None:
+    model, x = _model_and_input("gpt2")
+    from softq.attention import configure_attention
+
+    configure_attention(model, softmax="clipped", alpha=4.0)
+    with torch.no_grad():
+        before = model(**x).logits
+    convert_to_gated(model, pi_init=0.5)
+    assert model.config.softq_softmax == "clipped"
+    with torch.no_grad():
+        assert (model(**x).logits - before).abs().max() < 1e-3
+    other, _ = _model_and_input("gpt2")
+    with pytest.raises(ValueError, match="pi_init"):
+        convert_to_gated(other, pi_init=1.0)
+
+
+def test_finetune_to_gated_trains_gates_and_round_trips(tmp_path: Path) -> None:
+    tok = W.CharTokenizer()
+    model = W.train_lm("tiny", seed=0, steps=30, tokenizer=tok, progress=False)
+    evals = W.lm_eval_inputs(128, 3, tok)
+    base = W.perplexity(model, evals)
+    model, losses = finetune_to_gated(model, steps=15, pi_init=0.5, lr=1e-3, tokenizer=tok, progress=False)
+    assert len(losses) == 15
+    gate = model.transformer.h[0].attn.softq.gate
+    assert gate.weight.abs().max() > 0  # the gates learned something
+    assert W.perplexity(model, evals) < base * 1.05  # fine-tuning did not break the model
+    W.save_model(model, tmp_path / "m", tok)
+    loaded = W.load_model(tmp_path / "m")
+    with torch.no_grad():
+        assert torch.equal(loaded(**evals[0]).logits, model(**evals[0]).logits)
+
+
+def _train(out: Path, *extra: str) -> int:
+    return softq_main(["train", "--model", "lm", "--size", "tiny", "--steps", "6", "--checkpoint-every", "2",
+                       "--softmax", "clipped", "--out", str(out), "--quiet", *extra])
+
+
+def test_train_cli_resume_continues_from_saved_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _train(tmp_path / "full") == 0
+    assert _train(tmp_path / "split", "--stop-after", "3") == 0
+    assert "stopped at step 3/6" in capsys.readouterr().out
+    ckpt = load_checkpoint(tmp_path / "split" / "checkpoint.pt")
+    assert ckpt["step"] == 3 and len(ckpt["losses"]) == 3
+    assert not (tmp_path / "split" / "model").exists()
+    # Starting again without --resume would silently lose the run.
+    assert _train(tmp_path / "split") == 1
+    assert "pass --resume" in capsys.readouterr().err
+    assert _train(tmp_path / "split", "--resume") == 0
+    assert "heldout perplexity" in capsys.readouterr().out
+    resumed = load_checkpoint(tmp_path / "split" / "checkpoint.pt")
+    full = load_checkpoint(tmp_path / "full" / "checkpoint.pt")
+    assert resumed["step"] == 6 and resumed["losses"] == full["losses"]
+    for name, value in full["state_dict"].items():
+        assert torch.equal(value, resumed["state_dict"][name]), name
+    model = W.load_model(tmp_path / "split" / "model")
+    assert model.config.softq_softmax == "clipped"
+
+
+def test_train_cli_resume_rejects_other_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _train(tmp_path / "r", "--stop-after", "2") == 0
+    assert softq_main(["train", "--model", "lm", "--size", "tiny", "--steps", "6", "--seed", "1",
+                       "--out", str(tmp_path / "r"), "--quiet", "--resume", "--softmax", "clipped"]) == 1
+    assert "seed" in capsys.readouterr().err
+    assert softq_main(["train", "--model", "vit", "--size", "tiny", "--out", str(tmp_path / "none"),
+                       "--quiet", "--resume"]) == 1
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_train_cli_vit_gated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert softq_main(["train", "--model", "vit", "--size", "tiny", "--steps", "3", "--gated", "--pi", "0.25",
+                       "--out", str(tmp_path / "v"), "--quiet"]) == 0
+    assert "heldout top-1" in capsys.readouterr().out
+    model = W.load_model(tmp_path / "v" / "model")
+    assert model.config.softq_gated
