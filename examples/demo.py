@@ -46,6 +46,11 @@ def main() -> int:
 
     step("2. INT8 vision transformer (digits)")
     quantize_and_compare("vit", None)
+
+    step("3. Encrypted inference (CrypTen, 2 party processes on loopback): reference ViT")
+    from softq.mpc.demo import encrypted_demo
+
+    encrypted_demo(samples=16)
     return 0
 
 
