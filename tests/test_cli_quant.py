@@ -1,0 +1,37 @@
+"""`softq quantize` and `softq report` end to end on tiny reference models (trained in seconds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from softq.cli import main
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SOFTQ_CACHE", str(tmp_path_factory.getbasetemp() / "softq-cache"))
+
+
+def test_quantize_cli_evaluates_and_saves(tmp_path, capsys) -> None:
+    out = tmp_path / "q"
+    assert main(["quantize", "vit", "--size", "tiny", "--bias-correction", "head", "--eval-limit", "64",
+                 "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "float     top-1 %" in text and "quantized top-1 %" in text
+    assert (out / "model.pt").is_file()
+    # an existing output is not overwritten without --overwrite, and the failure is a clear message
+    assert main(["quantize", "vit", "--size", "tiny", "--output", str(out), "--no-eval"]) == 1
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+
+
+def test_quantize_cli_refuses_bad_bits(capsys) -> None:
+    assert main(["quantize", "lm", "--size", "tiny", "--softmax-bits", "1"]) == 1
+    assert "softmax_bits must be an integer from 2 to 16" in capsys.readouterr().err
+
+
+def test_report_cli_prints_tables_and_writes_plot(tmp_path, capsys) -> None:
+    png = tmp_path / "r.png"
+    assert main(["report", "lm", "--size", "tiny", "--eval-limit", "2", "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "sink-rate" in text and "kurtosis" in text and "sensitivity" in text and "all (W8A8)" in text
+    assert png.read_bytes()[:4] == b"\x89PNG"
