@@ -230,6 +230,22 @@ def write_report(path: Path, command: str, model_rows: list[dict[str, object]], 
         "Errors are in probability units; 8-bit outputs (scale 2^-8) cannot do better than half a step "
         "(1.95e-3), shown as the error of exact rounding.",
         "",
+        "## Notes",
+        "",
+        "- Softmax forms: `qdq` = DequantizeLinear -> Softmax -> QuantizeLinear (scale 2^-8, zero point 0); "
+        "`ort` = com.microsoft.QLinearSoftmax (opset=13, axis=-1 written); `int` = standard ops, integer "
+        "arithmetic only (256-entry exp table + rounded int64 division). Parity with numpy references is "
+        "tested bit for bit in `tests/test_export_softmax.py`.",
+        "- Softmax bias correction: in the `int` form beta moves the rounding point of the final integer "
+        "division, `(e*256*K + sum*c) / (sum*K)` with `c = round(K (1/2 + beta/2^-8))`, K = 256 (no float "
+        "op; masked keys stay 0). In `qdq`/`ort` it is an `Add(DQ(P), beta*valid)` after the output "
+        "DequantizeLinear: a DQ zero point is an integer and beta is a fraction of a step.",
+        "- Weights: symmetric per-channel 8-bit codes stored as uint8 with zero point 128. Stored as int8, "
+        "onnxruntime's fused u8s8 MatMul saturates int16 partial sums on x86 CPUs without VNNI (AVX2): the "
+        "`quantize_static` row without reduce_range shows the effect on such a CPU.",
+        "- `ort` on causal/padded models: QLinearSoftmax has no mask input, so masked keys enter as the "
+        "lowest score code and keep a small weight (the LM `ort` row). `int` and `qdq` mask exactly.",
+        "",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -26,14 +27,25 @@ def _calib(family: str) -> list[dict[str, torch.Tensor]]:
     return [tiny_inputs(family, seed=10 + i) for i in range(3)]
 
 
+class _Quantized(dict):
+    """(family, bias_correction) -> quantized tiny model, built on first use."""
+
+    def __missing__(self, key: tuple[str, str | None]) -> torch.nn.Module:
+        family, corr = key
+        if corr is None:  # same calibration without the correction: drop the measured betas (quantize is slow)
+            model = copy.deepcopy(self[(family, "head")])
+            for _, points in attention_points(model):
+                points.probs.beta = torch.zeros(0)
+                points.probs.beta_head = torch.zeros(0)
+            self[key] = model
+        else:
+            self[key] = softq.quantize(tiny_model(family), _calib(family), softq.QuantConfig(bias_correction=corr))
+        return self[key]
+
+
 @pytest.fixture(scope="module")
-def quantized() -> dict[tuple[str, str | None], torch.nn.Module]:
-    out = {}
-    for family in ("gpt2", "vit"):
-        for corr in (None, "head"):
-            model = tiny_model(family)
-            out[(family, corr)] = softq.quantize(model, _calib(family), softq.QuantConfig(bias_correction=corr))
-    return out
+def quantized() -> _Quantized:
+    return _Quantized()
 
 
 def _feeds(family: str, inputs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -90,7 +102,7 @@ def test_parity_with_torch(quantized, tmp_path, family, form):
 def test_int_form_without_correction_matches_torch_rows(quantized):
     """The 8-bit table softmax computes the exact rounding, like torch: almost every token's
     logits agree to float precision (a float32 softmax tie in torch can flip one code)."""
-    for family in ("gpt2", "vit"):
+    for family in ("gpt2",):
         qmodel = quantized[(family, None)]
         model = build_onnx(qmodel, tiny_inputs(family), "int", probs_outputs=True)
         inputs = tiny_inputs(family, seed=7)
@@ -198,7 +210,7 @@ def test_bad_inputs(quantized, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         to_onnx(qmodel, tmp_path / "missing" / "a.onnx", good)
     # a softmax variant the integer forms do not implement: named, with its layer
-    clipped = softq.quantize(tiny_model("vit"), _calib("vit"))
+    clipped = copy.deepcopy(qmodel)
     configure_attention(clipped, softmax="clipped")
     with pytest.raises(ExportError, match=r"softmax variant 'clipped' \(attention layer 'vit.layers.0"):
         to_onnx(clipped, tmp_path / "a.onnx", good)
@@ -247,13 +259,13 @@ def test_cli_export(quantized, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "q"]
 
 
-def test_head_row_correction_and_signed_scores(tmp_path):
+def test_head_row_correction_and_signed_scores(quantized):
     """Per-(head, row) beta of a causal LM is sliced to the query length in the graph; signed
     (symmetric) softmax inputs give an int8 QLinearSoftmax."""
-    lm = softq.quantize(tiny_model("gpt2"), _calib("gpt2"), softq.QuantConfig(bias_correction="head_row"))
-    for form in ("qdq", "int"):
+    lm = quantized[("gpt2", "head_row")]
+    for form in ("int",):  # qdq shares the beta slicing (Add after DQ) and is covered with per-head beta
         sess = U.session(build_onnx(lm, tiny_inputs("gpt2"), form), "all")
-        for seq in (9, 24, 40):  # shorter than, equal to and longer than the calibration windows
+        for seq in (9, 40):  # shorter and longer than the calibration windows (24)
             inputs = tiny_inputs("gpt2", batch=1, seq=seq, seed=seq)
             with torch.no_grad():
                 ref = lm(**inputs).logits.numpy()
