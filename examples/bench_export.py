@@ -237,9 +237,10 @@ def write_report(path: Path, command: str, model_rows: list[dict[str, object]], 
         "arithmetic only (256-entry exp table + rounded int64 division). Parity with numpy references is "
         "tested bit for bit in `tests/test_export_softmax.py`.",
         "- Softmax bias correction: in the `int` form beta moves the rounding point of the final integer "
-        "division, `(e*256*K + sum*c) / (sum*K)` with `c = round(K (1/2 + beta/2^-8))`, K = 256 (no float "
-        "op; masked keys stay 0). In `qdq`/`ort` it is an `Add(DQ(P), beta*valid)` after the output "
-        "DequantizeLinear: a DQ zero point is an integer and beta is a fraction of a step.",
+        "division, `(e*256*K + sum*c) / (sum*K)` with `c = round(K (1/2 + beta/2^-8))`, K = 256: one "
+        "extra integer Mul, no float op, masked keys stay 0. In `qdq`/`ort` it is an "
+        "`Add(DQ(P), beta*valid)` after the output DequantizeLinear: a DQ zero point is an integer and "
+        "beta is a fraction of a step.",
         "- Weights: symmetric per-channel 8-bit codes stored as uint8 with zero point 128. Stored as int8, "
         "onnxruntime's fused u8s8 MatMul saturates int16 partial sums on x86 CPUs without VNNI (AVX2): the "
         "`quantize_static` row without reduce_range shows the effect on such a CPU.",

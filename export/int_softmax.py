@@ -37,8 +37,11 @@ Bias correction (``int`` only; see :func:`rounding_constants`): the additive
 softmax correction ``beta`` (probability units, per head or per head and row)
 moves the rounding point of the final integer division from 1/2 to
 ``1/2 + beta / 2**-8``: ``out = (e*256*K + sum*c) / (sum*K)`` with the integer
-constant ``c = round(K (1/2 + beta/S_out))``, ``K = 2**8``.  No float op, and
-masked keys stay exactly 0 because ``c < K``.
+constant ``c = round(K (1/2 + beta/S_out))``, ``K = 2**8``.  Cost against the
+uncorrected form: one integer Mul by a constant (``sum*K``; ``sum*c`` replaces
+``sum/2``), no float op, and masked keys stay exactly 0 because ``c < K``.  (A
+zero-op fold is not possible: DequantizeLinear zero points are integers and beta
+is a fraction of an output step.)
 """
 
 from __future__ import annotations

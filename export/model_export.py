@@ -24,7 +24,8 @@ Softmax bias correction ``beta`` (``softq.quant`` adds it to valid entries
 after dequantization):
 
 * ``int`` form: folded into the rounding point of the integer division
-  (:func:`softq.export.int_softmax.rounding_constants`), no float op;
+  (:func:`softq.export.int_softmax.rounding_constants`): one extra integer Mul,
+  no float op;
 * ``qdq``/``ort``: an explicit ``Add(DQ(P), beta * valid)`` after the output
   DequantizeLinear (one Mul and one Add; a DQ zero point must be an integer and
   beta is a fraction of a step, so it cannot be absorbed there).
