@@ -214,6 +214,14 @@ def test_bad_inputs(quantized, tmp_path):
     configure_attention(clipped, softmax="clipped")
     with pytest.raises(ExportError, match=r"softmax variant 'clipped' \(attention layer 'vit.layers.0"):
         to_onnx(clipped, tmp_path / "a.onnx", good)
+    wide = copy.deepcopy(qmodel)
+    attention_points(wide)[1][1].scores.bits = 12
+    with pytest.raises(ExportError, match="vit.layers.1.*12-bit softmax inputs"):
+        to_onnx(wide, tmp_path / "a.onnx", good)
+    float_softmax = copy.deepcopy(qmodel)
+    attention_points(float_softmax)[0][1].scores = torch.nn.Identity()
+    with pytest.raises(ExportError, match="float softmax"):
+        to_onnx(float_softmax, tmp_path / "a.onnx", good)
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 
 
