@@ -50,20 +50,34 @@ def onnx_logits(sess: ort.InferenceSession, batch: dict[str, torch.Tensor]) -> n
     return sess.run(["logits"], feeds)[0]
 
 
-def onnx_metric(task_name: str, sess: ort.InferenceSession, task) -> float:  # noqa: ANN001
+@torch.no_grad()
+def torch_logits(model: torch.nn.Module, task) -> list[np.ndarray]:  # noqa: ANN001
+    return [model(**batch).logits.numpy() for batch in task.eval_inputs]
+
+
+def parity(outs: list[np.ndarray], refs: list[np.ndarray]) -> tuple[float, float]:
+    """(argmax agreement %, max |logit diff| / max |logit|) of ONNX vs torch over the eval set."""
+    agree = np.concatenate([(o.argmax(-1) == r.argmax(-1)).ravel() for o, r in zip(outs, refs)])
+    diff = max(float(np.abs(o - r).max()) for o, r in zip(outs, refs))
+    scale = max(float(np.abs(r).max()) for r in refs)
+    return 100.0 * float(agree.mean()), diff / scale
+
+
+def onnx_metric(task_name: str, sess: ort.InferenceSession, task) -> tuple[float, list[np.ndarray]]:  # noqa: ANN001
+    outs = [onnx_logits(sess, batch) for batch in task.eval_inputs]
     if task_name == "lm":
         nll, count = 0.0, 0
-        for batch in task.eval_inputs:
-            logits = onnx_logits(sess, batch)[:, :-1].astype(np.float64)
+        for batch, out in zip(task.eval_inputs, outs):
+            logits = out[:, :-1].astype(np.float64)
             target = batch["input_ids"][:, 1:].numpy()
             logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
             picked = np.take_along_axis(logits, target[..., None], -1)[..., 0]
             nll += float((logz - picked).sum())
             count += target.size
-        return math.exp(nll / count)
-    preds = np.concatenate([onnx_logits(sess, b).argmax(-1) for b in task.eval_inputs])
+        return math.exp(nll / count), outs
+    preds = np.concatenate([o.argmax(-1) for o in outs])
     images, labels = workloads.digits_data("heldout", task.model.config.image_size)
-    return 100.0 * float((preds == labels[: len(preds)].numpy()).mean())
+    return 100.0 * float((preds == labels[: len(preds)].numpy()).mean()), outs
 
 
 def latency_ms(sess: ort.InferenceSession, batch: dict[str, torch.Tensor], repeats: int) -> float:
@@ -117,11 +131,14 @@ def bench_task(name: str, args: argparse.Namespace, workdir: Path) -> list[dict[
     names = ["input_ids", "attention_mask"] if name == "lm" else ["pixel_values"]
     rows: list[dict[str, object]] = []
 
+    ref_float, ref_q = torch_logits(task.model, task), torch_logits(qmodel, task)
+
     def add(label: str, path: Path | None, torch_metric: float | None) -> None:
         row: dict[str, object] = {"task": task.name, "model": label, "torch": torch_metric}
         if path is not None:
             sess = U.session(path, "all", threads=args.threads)
-            row["onnx"] = onnx_metric(name, sess, task)
+            row["onnx"], outs = onnx_metric(name, sess, task)
+            row["agree"], row["rel"] = parity(outs, ref_q if label.startswith("softq") else ref_float)
             row["ms"] = latency_ms(sess, lat_batch, args.repeats)
             row["mb"] = path.stat().st_size / 1e6
         rows.append(row)
@@ -203,21 +220,25 @@ def write_report(path: Path, command: str, model_rows: list[dict[str, object]], 
         f"ViT latency: batch {args.vit_batch}. Metric: perplexity (LM, lower is better) or top-1 % (ViT) on "
         f"the held-out split{f' (first {args.eval_limit} windows/images)' if args.eval_limit else ''}.",
         "",
-        "| task | model | torch metric | ONNX metric | latency ms | latency / FP32 | size MB | size / FP32 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | model | torch metric | ONNX metric | argmax = torch % | max rel logit diff | latency ms "
+        "| latency / FP32 | size MB | size / FP32 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     fp = {r["task"]: r for r in model_rows if r["model"] == "FP32 ONNX"}
     for r in model_rows:
         base = fp[r["task"]]
         lines.append(
             f"| {r['task']} | {r['model']} | {fmt(r['torch'], '.3f')} | {fmt(r.get('onnx'), '.3f')} | "
+            f"{fmt(r.get('agree'), '.2f')} | {fmt(r.get('rel'), '.2e')} | "
             f"{fmt(r.get('ms'), '.2f')} | {fmt(r['ms'] / base['ms'], '.2f')} | {fmt(r.get('mb'), '.2f')} | "
             f"{fmt(r['mb'] / base['mb'], '.2f')} |")
     lines += [
         "",
         "torch metric of the INT8 rows is softq's fake-quant torch model; the ONNX metric is the exported file "
-        "run in onnxruntime. quantize_static rows use the same calibration batches on softq's float export "
-        "(its softmax output scale is 1/255 and it runs the float softmax between Q/DQ).",
+        "run in onnxruntime. Parity columns compare each ONNX model's logits on the whole eval set with torch: "
+        "softq rows with softq's fake-quant model, the FP32 and quantize_static rows with the float model. "
+        "quantize_static rows use the same calibration batches on softq's float export (its softmax output "
+        "scale is 1/255 and it runs the float softmax between Q/DQ).",
         "",
         f"## Integer softmax alone (uint8 scores [1, 4, {args.softmax_len}, {args.softmax_len}], scale 0.06)",
         "",
