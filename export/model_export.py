@@ -284,9 +284,8 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "uint8",
     layers: dict[int, dict[str, Any]] = {}
     for key, (name, points) in enumerate(attention_points(model)):
         layers[key] = info = _softmax_params(name, points, key)
-        if info["causal_rows"]:
-            # longer inputs than calibrated: torch falls back to the per-head beta for them
-            info["beta"] = _extend_rows(info["beta"], info["beta_head"], _max_positions(model))
+        # longer inputs than calibrated: torch falls back to the per-head beta for them
+        info["beta"] = _extend_rows(info["beta"], info["beta_head"], _max_positions(model))
         tap = _ScoresTap()
         points.scores = tap
         points.probs = _ProbsMarker(tap, key)
@@ -407,12 +406,11 @@ def _beta_nodes(prefix: str, info: dict[str, Any], scores: str, form: str) -> tu
     beta = info["beta"]
     if beta is None:
         return [], [], None, None
-    if beta.shape[2] == 1:
-        static = beta
-    elif info["causal_rows"]:
-        static = None
-    else:  # per-row beta without causal structure: torch falls back to the per-head beta for other lengths
-        static = info["beta_head"]
+    # Per-row beta is sliced to the query length at run time (rows past the calibrated ones hold the
+    # per-head beta, see _export_copy).  torch does the same for causal models and for inputs as long as
+    # the calibration windows (always, for ViT); for other lengths of non-causal models torch uses the
+    # per-head beta for every row.
+    static = beta if beta.shape[2] == 1 else None
     if form == "int":
         source = static if static is not None else beta
         values = source.astype(np.float64)

@@ -305,3 +305,22 @@ def test_int8_embeddings_option(quantized):
     out = U.run(small, _feeds("gpt2", inputs), "all")[0]
     assert np.abs(out - ref).max() / np.abs(ref).max() <= 0.05
     assert (out.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def test_vit_head_row_correction_matches_torch(quantized):
+    """ViT inputs always have the calibrated length, so torch uses the per-row beta: so must the graph."""
+    vit = quantized[("vit", "head_row")]
+    inputs = tiny_inputs("vit", batch=2, seed=21)
+    ref_logits, ref_probs = _torch_run(vit, inputs)
+    outs = U.run(build_onnx(vit, tiny_inputs("vit"), "qdq", probs_outputs=True), _feeds("vit", inputs), "disable")
+    np.testing.assert_allclose(outs[0], ref_logits, atol=1e-4 * np.abs(ref_logits).max())
+    for layer, (p, r) in enumerate(zip(outs[1:], ref_probs)):
+        probs = attention_points(vit)[layer][1].probs
+        # per-row and per-head corrections differ by far more than float rounding
+        assert np.abs(probs.beta.numpy() - probs.beta_head.numpy()).max() > 1e-5
+        codes = np.rint((r - probs.beta.numpy()) * 256)
+        near_tie = np.abs(codes - (r - probs.beta.numpy()) * 256) > 1e-3  # none expected: r - beta is on the grid
+        assert not near_tie.any()
+        same_code = np.rint((p - probs.beta.numpy()) * 256) == codes
+        assert same_code.mean() > 0.99  # float softmax ties may flip a code
+        np.testing.assert_allclose(p[same_code], r[same_code], atol=1e-6)
