@@ -311,7 +311,11 @@ class _LMWrapper(nn.Module):
         if self.causal:
             pos = torch.arange(input_ids.shape[1], device=input_ids.device)
             pad = pad & (pos[None, :] <= pos[:, None])[None, None]
-        return self.model(input_ids=input_ids, attention_mask=pad, use_cache=False).logits
+        extra = {}
+        if self.model.config.model_type == "opt":  # OPT derives positions from the 2-D mask, as here
+            mask = attention_mask.to(torch.long)
+            extra["position_ids"] = torch.cumsum(mask, dim=1) * mask - 1
+        return self.model(input_ids=input_ids, attention_mask=pad, use_cache=False, **extra).logits
 
 
 class _VisionWrapper(nn.Module):

@@ -324,3 +324,17 @@ def test_vit_head_row_correction_matches_torch(quantized):
         same_code = np.rint((p - probs.beta.numpy()) * 256) == codes
         assert same_code.mean() > 0.99  # float softmax ties may flip a code
         np.testing.assert_allclose(p[same_code], r[same_code], atol=1e-6)
+
+
+def test_opt_padded_batch(quantized):
+    """OPT derives positions from the 2-D mask; the exported graph does the same."""
+    opt = quantized[("opt", "head")]
+    model = build_onnx(opt, tiny_inputs("opt"), "int")
+    inputs = tiny_inputs("opt", batch=2, seq=18, seed=5)
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[1, 12:] = 0
+    with torch.no_grad():
+        ref = opt(input_ids=inputs["input_ids"], attention_mask=mask).logits.numpy()
+    out = U.run(model, {"input_ids": inputs["input_ids"].numpy(), "attention_mask": mask.numpy()}, "all")[0]
+    valid = mask.numpy().astype(bool)
+    assert np.abs(out - ref)[valid].max() / np.abs(ref).max() <= LOGIT_TOL
