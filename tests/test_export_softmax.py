@@ -84,13 +84,18 @@ def test_int_wide_inputs_bit_exact_and_close_to_exact_softmax(bits, opt):
         _assert_matches("qdq", _run("qdq", q, x, valid, opt), x, q, valid)
 
 
-def test_int_8bit_table_equals_exact_softmax():
-    """The 2**20 exp table with a rounded division gives the exactly rounded softmax here."""
+def test_int_8bit_table_is_the_exact_rounding_away_from_ties():
+    """The 2**16 (int32) exp table with a rounded division gives the exactly rounded softmax
+    except within 2e-3 of a rounding tie (a handful in 10**5 entries), by one step at most."""
     rng = np.random.default_rng(3)
     for scale in (1e-3, 0.05, 0.5):
         q = SoftmaxQuant(scale=scale)
-        x = _codes(rng, q, (64, 50))
-        np.testing.assert_array_equal(reference("int", x, q), reference_qdq(x, q))
+        x = _codes(rng, q, (2000, 50))
+        diff = reference("int", x, q).astype(int) - reference_qdq(x, q).astype(int)
+        assert np.abs(diff).max() <= 1 and (diff != 0).sum() <= 20
+        assert np.all(diff[tie_distance(x, q) >= 2e-3] == 0)
+    with pytest.raises(ValueError, match="at most 32767 keys"):
+        reference("int", np.zeros((1, 2**15), np.uint8), SoftmaxQuant(scale=0.1))
 
 
 @pytest.mark.parametrize("form", FORMS)
