@@ -256,7 +256,7 @@ def write_report(path: Path, command: str, model_rows: list[dict[str, object]], 
         "",
         "- Softmax forms: `qdq` = DequantizeLinear -> Softmax -> QuantizeLinear (scale 2^-8, zero point 0); "
         "`ort` = com.microsoft.QLinearSoftmax (opset=13, axis=-1 written); `int` = standard ops, integer "
-        "arithmetic only (256-entry exp table + rounded int64 division). Parity with numpy references is "
+        "arithmetic only (256-entry exp table + rounded integer division; int32, or int64 with bias correction). Parity with numpy references is "
         "tested bit for bit in `tests/test_export_softmax.py`.",
         "- Softmax bias correction: in the `int` form beta moves the rounding point of the final integer "
         "division, `(e*256*K + sum*c) / (sum*K)` with `c = round(K (1/2 + beta/2^-8))`, K = 256: one "
