@@ -100,11 +100,14 @@ GELU_CLASSES = frozenset(
 # LayerNorm
 # ---------------------------------------------------------------------------
 
-# Public thresholds that bracket the variance for the inverse square root's initial
-# guess: var in [4^k, 4^(k+1)) starts at 1/sqrt(2 * 4^k), within a factor sqrt 2 of
-# the answer, where Newton-Raphson converges quadratically.  Covers 6e-5 .. 6.5e4.
-_LN_THRESHOLDS = [4.0**k for k in range(-7, 8)]
-LN_NR_ITERS = 5
+# Public thresholds that bracket the (scaled) variance for the normaliser guess:
+# var in [4^k, 4^(k+1)) gets 1/sqrt(2 * 4^k), within a factor sqrt 2 of 1/sqrt(var).
+_LN_THRESHOLDS = [4.0**k for k in range(-6, 12)]
+# Centred values are multiplied by this public integer (exact in fixed point: no
+# truncation) before squaring, so small variances keep their precision.
+_LN_INT_SCALE = 16
+LN_NR_ITERS = 4
+_NR_START = 0.84  # 1/sqrt(z) for z in [0.5, 2]: converges to ~1e-4 in 4 iterations
 
 
 def _bits_to_fixed(bits: Any) -> Any:
@@ -123,40 +126,58 @@ def _bits_to_fixed(bits: Any) -> Any:
     return out
 
 
-def inv_sqrt(var: Any, iters: int = LN_NR_ITERS) -> Any:
-    """``1 / sqrt(var)`` for positive ``var`` (plaintext: exact; CrypTensor: Newton-Raphson).
-
-    CrypTen's own ``inv_sqrt`` starts from an exp-based guess that is only good for
-    var in roughly [0.05, 100]; LayerNorm inputs of real (and freshly initialised)
-    models leave that range.  Here the guess comes from one batched secure
-    comparison of ``var`` against public powers of 4 (cheap: ``var`` has one entry
-    per token), followed by CrypTen's Newton-Raphson step
-    ``y <- y (3 - var y^2) / 2``.
-    """
-    if _plain(var):
-        return var.rsqrt()
+def _range_guess(var: Any) -> Any:
+    """A secret ``g`` with ``g^2 var`` in [1/2, 2]: one batched comparison against public powers of 4."""
     thresholds = torch.tensor(_LN_THRESHOLDS)
     guesses = [1.0 / math.sqrt(2.0 * _LN_THRESHOLDS[0] / 4.0)] + [1.0 / math.sqrt(2.0 * t) for t in _LN_THRESHOLDS]
     steps = torch.tensor([b - a for a, b in zip(guesses[:-1], guesses[1:])])
-    above = _bits_to_fixed(var.gt(thresholds))  # [..., 1] vs [K] -> [..., K] bits, one comparison
-    y = (above * steps).sum(dim=-1, keepdim=True) + guesses[0]
+    above = _bits_to_fixed(var.gt(thresholds))  # [..., 1] vs [K] -> [..., K] bits
+    return (above * steps).sum(dim=-1, keepdim=True) + guesses[0]
+
+
+def _nr_inv_sqrt(z: Any, y: Any, iters: int) -> Any:
+    """CrypTen's Newton-Raphson step for 1/sqrt(z): ``y <- y (3 - z y^2) / 2``."""
     for _ in range(iters):
-        y = y * (3.0 - var * y.square()) * 0.5
+        y_sq = y * y if isinstance(y, float) else y.square()
+        y = (3.0 - z * y_sq) * y * 0.5
     return y
 
 
+def inv_sqrt(var: Any, iters: int = 5) -> Any:
+    """``1 / sqrt(var)`` for positive ``var`` (plaintext: exact; CrypTensor: Newton-Raphson).
+
+    CrypTen's own ``inv_sqrt`` starts from an exp-based guess that is only good for
+    var in roughly [0.05, 100]; here the start comes from :func:`_range_guess`
+    (covers 2.4e-4 .. 1.7e7).
+    """
+    if _plain(var):
+        return var.rsqrt()
+    return _nr_inv_sqrt(var, _range_guess(var), iters)
+
+
 def layer_norm(x: Any, normalized_shape: Sequence[int], weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
-    """LayerNorm over the last ``len(normalized_shape)`` dims, exact up to fixed point."""
-    dims = list(range(-len(normalized_shape), 0))
-    if len(dims) != 1:
-        x_flat = x.reshape(*x.shape[: -len(dims)], -1) if not _plain(x) else x.flatten(-len(dims))
+    """LayerNorm over the last ``len(normalized_shape)`` dims, exact up to fixed point.
+
+    Under MPC every intermediate is kept near 1 so 16-bit fixed point stays
+    accurate for rows of any scale: a normaliser ``s ~ 1/std`` is picked by one
+    batched comparison of the variance (of the centred values times 16, an exact
+    integer scaling) with public powers of 4; then ``u = (x - mean) s`` has
+    variance ``z`` in [1/2, 2] and the output is ``u / sqrt(z + eps s^2)``, with the
+    inverse square root by Newton-Raphson from a fixed start.
+    """
+    n_dims = len(normalized_shape)
+    flat = x.flatten(-n_dims) if n_dims > 1 else x
+    centred = flat - flat.mean(dim=-1, keepdim=True)
+    if _plain(x):
+        out = centred * (centred.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
     else:
-        x_flat = x
-    mean = x_flat.mean(dim=-1, keepdim=True)
-    centred = x_flat - mean
-    var = centred.square().mean(dim=-1, keepdim=True)
-    out = centred * inv_sqrt(var + eps)
-    if len(dims) != 1:
+        k = _LN_INT_SCALE
+        var_k = (centred * k).square().mean(dim=-1, keepdim=True)  # k^2 var, precise for small var
+        s = _range_guess(var_k + eps * k * k) * k  # ~ 1/std within sqrt 2
+        u = centred * s
+        z = u.square().mean(dim=-1, keepdim=True) + s.square() * eps
+        out = u * _nr_inv_sqrt(z, _NR_START, LN_NR_ITERS)
+    if n_dims > 1:
         out = out.reshape(*x.shape) if not _plain(out) else out.view(x.shape)
     if weight is not None:
         out = out * weight
