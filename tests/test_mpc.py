@@ -354,3 +354,10 @@ def test_opt_with_public_attention_mask(crypten1):
     out, plain = encrypted_local(crypten1, model, {"input_ids": ids, "attention_mask": torch.ones(1, 8, dtype=torch.long)},
                                  "2quad", None)
     assert (out - plain).abs().max() < 1e-2
+
+
+def test_cli_reports_bad_model_clearly(capsys):
+    from softq.cli import main
+
+    assert main(["mpc", "run", "--model", "/nonexistent/model"]) == 1
+    assert "neither 'lm', 'vit' nor a model directory" in capsys.readouterr().err
