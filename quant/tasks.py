@@ -7,6 +7,7 @@ thing everywhere.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,13 @@ from softq import workloads
 TASKS = ("lm", "vit")
 
 
+@torch.no_grad()
+def _cross_entropy(model: nn.Module, inputs: list[dict[str, torch.Tensor]], labels: torch.Tensor) -> float:
+    model.eval()
+    logits = torch.cat([model(**batch).logits for batch in inputs])
+    return torch.nn.functional.cross_entropy(logits, labels).item()
+
+
 @dataclass
 class Task:
     name: str
@@ -28,9 +36,15 @@ class Task:
     metric_name: str
     higher_is_better: bool
     _metric: Callable[[nn.Module, list[dict[str, torch.Tensor]]], float]
+    _loss: Callable[[nn.Module, list[dict[str, torch.Tensor]]], float]
 
     def evaluate(self, model: nn.Module | None = None) -> float:
+        """The task's headline metric (perplexity or top-1 %)."""
         return self._metric(self.model if model is None else model, self.eval_inputs)
+
+    def loss(self, model: nn.Module | None = None) -> float:
+        """Mean held-out cross-entropy (nats): continuous, so it resolves what top-1 on few images cannot."""
+        return self._loss(self.model if model is None else model, self.eval_inputs)
 
 
 def reference_task(
@@ -60,8 +74,9 @@ def reference_task(
             raise ValueError(f"context {context} exceeds the reference LM's {full} positions")
         calib = workloads.lm_calib_inputs(calib_size, context, tokenizer, seed=1000 + seed)
         eval_inputs = workloads.lm_eval_inputs(context, eval_limit, tokenizer)
-        return Task(f"lm@{context}", model, calib, eval_inputs, "perplexity", False,
-                    lambda m, inputs: workloads.perplexity(m, inputs, progress=False))
+        ppl = lambda m, inputs: workloads.perplexity(m, inputs, progress=False)  # noqa: E731
+        return Task(f"lm@{context}", model, calib, eval_inputs, "perplexity", False, ppl,
+                    lambda m, inputs: math.log(ppl(m, inputs)))
     if name == "vit":
         model = workloads.reference_vit(seed, attention, size=size, steps=steps, progress=progress)
         image_size = model.config.image_size
@@ -71,5 +86,6 @@ def reference_task(
             images, labels = images[:eval_limit], labels[:eval_limit]
         eval_inputs = [{"pixel_values": images[i:i + 128]} for i in range(0, len(images), 128)]
         return Task("vit", model, calib, eval_inputs, "top-1 %", True,
-                    lambda m, inputs: workloads.top1(m, inputs, labels))
+                    lambda m, inputs: workloads.top1(m, inputs, labels),
+                    lambda m, inputs: _cross_entropy(m, inputs, labels))
     raise ValueError(f"unknown task '{name}'; choose one of {', '.join(TASKS)}")
