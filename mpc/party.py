@@ -350,6 +350,21 @@ def settings_from_args(args: argparse.Namespace) -> PartySettings:
     )
 
 
+def _exit_with_launcher() -> None:
+    """A party started by softq.mpc.run stops when its launcher is gone (no orphans)."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(4)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_arg_parser()
     parser.add_argument("--settings-json", help=argparse.SUPPRESS)  # used by softq.mpc.run
@@ -357,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.settings_json:
             s = PartySettings(**json.loads(Path(args.settings_json).read_text()))
+            _exit_with_launcher()
         else:
             s = settings_from_args(args)
         result = run_party(s)
