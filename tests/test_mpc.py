@@ -361,3 +361,13 @@ def test_cli_reports_bad_model_clearly(capsys):
 
     assert main(["mpc", "run", "--model", "/nonexistent/model"]) == 1
     assert "neither 'lm', 'vit' nor a model directory" in capsys.readouterr().err
+
+
+def test_ttp_provider_runs_with_a_separate_dealer_process():
+    model, inputs = tiny_bert(), bert_inputs()
+    result = run(model, inputs, softmax="2quad", gelu="quad", provider="TTP", timeout=60)
+    ref = copy.deepcopy(model)
+    configure_surrogates(ref, softmax="2quad", gelu="quad")
+    with torch.no_grad():
+        assert (result.logits - ref(**inputs).logits).abs().max() < 1e-2
+    assert result.report.provider == "TTP" and result.report.rounds > 0
