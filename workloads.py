@@ -51,11 +51,11 @@ VIT_SIZES: dict[str, dict[str, int]] = {
 }
 # Training budgets (steps, batch size, peak learning rate) per size.
 LM_BUDGETS: dict[str, dict[str, float]] = {
-    "reference": {"steps": 1200, "batch_size": 4, "lr": 3e-3},
+    "reference": {"steps": 800, "batch_size": 4, "lr": 3e-3},
     "tiny": {"steps": 30, "batch_size": 8, "lr": 3e-3},
 }
 VIT_BUDGETS: dict[str, dict[str, float]] = {
-    "reference": {"steps": 1500, "batch_size": 64, "lr": 1e-3},
+    "reference": {"steps": 600, "batch_size": 64, "lr": 2e-3},
     "tiny": {"steps": 300, "batch_size": 32, "lr": 3e-3},
 }
 
