@@ -123,7 +123,7 @@ def ort_quantize_static(float_path: Path, out_path: Path, calib: list[dict[str, 
 
 def bench_task(name: str, args: argparse.Namespace, workdir: Path) -> list[dict[str, object]]:
     task = reference_task(name, context=args.context if name == "lm" else None, calib_size=args.calib_size,
-                          eval_limit=args.eval_limit, size=args.size, progress=True)
+                          eval_limit=args.eval_limit if name == "lm" else None, size=args.size, progress=True)
     qmodel = softq.quantize(task.model, task.calib, softq.QuantConfig(bias_correction=args.bias_correction))
     example = task.eval_inputs[0]
     lat_batch = {k: v[:1] for k, v in example.items()} if name == "lm" else {
@@ -218,7 +218,8 @@ def write_report(path: Path, command: str, model_rows: list[dict[str, object]], 
         f"{args.threads} intra-op thread(s), graph optimisation ORT_ENABLE_ALL, median of {args.repeats} runs. "
         f"Softmax bias correction: {args.bias_correction}. LM latency: batch 1 x {args.context} tokens; "
         f"ViT latency: batch {args.vit_batch}. Metric: perplexity (LM, lower is better) or top-1 % (ViT) on "
-        f"the held-out split{f' (first {args.eval_limit} windows/images)' if args.eval_limit else ''}.",
+        f"the held-out split (LM: {f'first {args.eval_limit} windows' if args.eval_limit else 'all windows'}; "
+        "ViT: all images).",
         "",
         "| task | model | torch metric | ONNX metric | argmax = torch % | max rel logit diff | latency ms "
         "| latency / FP32 | size MB | size / FP32 |",
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tasks", nargs="+", default=["lm", "vit"], choices=["lm", "vit"])
     p.add_argument("--context", type=int, default=256, help="LM window length (eval and latency)")
-    p.add_argument("--eval-limit", type=int, default=16, help="held-out LM windows / ViT images (0: all)")
+    p.add_argument("--eval-limit", type=int, default=16, help="held-out LM windows (0: all); ViT uses all images")
     p.add_argument("--calib-size", type=int, default=16)
     p.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
     p.add_argument("--threads", type=int, default=1)
