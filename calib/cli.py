@@ -2,6 +2,8 @@
 
     softq train --model lm --softmax clipped --steps 1000 --out runs/lm-clipped
     softq train --model lm --softmax clipped --steps 1000 --out runs/lm-clipped --resume
+    softq train --model lm --finetune-gated ~/.cache/softq/lm-gpt2-reference-vanilla-seed0-steps800-v1 \
+        --pi 0.5 --steps 100 --out runs/lm-to-gated
 
 The run writes ``<out>/checkpoint.pt`` every ``--checkpoint-every`` steps
 (atomically) and, when finished, the model directory ``<out>/model`` (loadable
@@ -21,26 +23,26 @@ def attention_from_args(args: argparse.Namespace) -> dict | None:
     return attention_options(args.softmax, args.alpha, args.gated, args.pi)
 
 
-def _train(args: argparse.Namespace) -> int:
-    import torch
-
+def _finetune_gated(args: argparse.Namespace) -> int:
+    """Convert a saved model to gated attention (function-preserving) and fine-tune it briefly."""
     from softq import workloads as W
-    from softq.calib.train import train_resumable
+    from softq.calib.train import finetune_to_gated
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.resume or args.stop_after:
+        raise ValueError("--finetune-gated runs are short and not checkpointed; drop --resume/--stop-after")
+    model = W.load_model(args.finetune_gated)
+    if model.config.model_type != ("vit" if args.model == "vit" else args.family):
+        raise ValueError(f"{args.finetune_gated} holds a {model.config.model_type} model, not --model {args.model}")
+    steps = 100 if args.steps is None else args.steps
+    model, losses = finetune_to_gated(model, steps, args.pi, lr=args.lr, seed=args.seed, progress=not args.quiet)
+    return _finish(args, model, steps, f"gated (pi_init {args.pi}) fine-tuned {steps} steps from {args.finetune_gated}")
+
+
+def _finish(args: argparse.Namespace, model: object, step: int, what: str) -> int:
+    """Evaluate on held-out data and save ``<out>/model`` (loadable with ``workloads.load_model``)."""
+    from softq import workloads as W
+
     out = Path(args.out)
-    model, step = train_resumable(
-        args.model, size=args.size, seed=args.seed, steps=args.steps, attention=attention_from_args(args),
-        family=args.family, checkpoint=out / "checkpoint.pt", checkpoint_every=args.checkpoint_every,
-        resume=args.resume, stop_after=args.stop_after, progress=not args.quiet,
-    )
-    from softq.calib.train import load_checkpoint
-
-    total = load_checkpoint(out / "checkpoint.pt")["run"]["steps"]
-    if step < total:
-        print(f"stopped at step {step}/{total}; continue with --resume (checkpoint {out / 'checkpoint.pt'})")
-        return 0
     if args.model == "lm":
         tokenizer = W.CharTokenizer()
         ctx = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
@@ -50,9 +52,32 @@ def _train(args: argparse.Namespace) -> int:
         size = model.config.image_size
         metric = f"heldout top-1 {W.top1(model, W.vit_eval_inputs(size), W.digits_data('heldout', size)[1]):.2f}%"
         W.save_model(model, out / "model", None, {"steps": step})
-    print(f"trained {args.model} {args.size} {W.variant_name(attention_from_args(args))} to step {step}: "
-          f"{metric}; model saved to {out / 'model'}")
+    print(f"{what}: {metric}; model saved to {out / 'model'}")
     return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from softq import workloads as W
+    from softq.calib.train import load_checkpoint, train_resumable
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.finetune_gated:
+        return _finetune_gated(args)
+    out = Path(args.out)
+    model, step = train_resumable(
+        args.model, size=args.size, seed=args.seed, steps=args.steps, attention=attention_from_args(args),
+        family=args.family, checkpoint=out / "checkpoint.pt", checkpoint_every=args.checkpoint_every,
+        resume=args.resume, stop_after=args.stop_after, progress=not args.quiet,
+    )
+    total = load_checkpoint(out / "checkpoint.pt")["run"]["steps"]
+    if step < total:
+        print(f"stopped at step {step}/{total}; continue with --resume (checkpoint {out / 'checkpoint.pt'})")
+        return 0
+    return _finish(args, model, step, f"trained {args.model} {args.size} "
+                   f"{W.variant_name(attention_from_args(args))} to step {step}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -73,6 +98,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
     p.add_argument("--stop-after", type=int, default=None, help="stop this invocation after N steps (resume later)")
+    p.add_argument("--finetune-gated", metavar="MODEL_DIR", default=None,
+                   help="instead of training from scratch: convert this saved model to gated attention "
+                        "(function-preserving) and fine-tune it for --steps (default 100) steps at --lr")
+    p.add_argument("--lr", type=float, default=3e-4, help="learning rate of --finetune-gated")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=_train)

@@ -134,3 +134,21 @@ def test_train_cli_vit_gated(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "heldout top-1" in capsys.readouterr().out
     model = W.load_model(tmp_path / "v" / "model")
     assert model.config.softq_gated
+
+
+def test_train_cli_finetune_gated_from_saved_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tok = W.CharTokenizer()
+    W.save_model(W.train_lm("tiny", seed=0, steps=5, tokenizer=tok, progress=False), tmp_path / "base", tok)
+    args = ["train", "--model", "lm", "--size", "tiny", "--finetune-gated", str(tmp_path / "base"), "--steps", "3",
+            "--pi", "0.25", "--out", str(tmp_path / "g"), "--quiet"]
+    assert softq_main(args) == 0
+    assert "fine-tuned 3 steps" in capsys.readouterr().out
+    gated = W.load_model(tmp_path / "g" / "model")
+    assert gated.config.softq_gated
+    # A gated model cannot be converted again (its output projection is already rescaled).
+    args[args.index("--finetune-gated") + 1] = str(tmp_path / "g" / "model")
+    assert softq_main(args) == 1
+    assert "already has gated attention" in capsys.readouterr().err
+    assert softq_main(["train", "--model", "vit", "--finetune-gated", str(tmp_path / "base"),
+                       "--out", str(tmp_path / "x"), "--quiet"]) == 1
+    assert "holds a gpt2 model" in capsys.readouterr().err
