@@ -58,4 +58,27 @@ def load_crypten() -> Any:
         if err.name and err.name.split(".")[0] == "crypten":
             raise CrypTenMissingError(INSTALL_HINT) from None
         raise
+    _fix_decode(crypten)
     return crypten
+
+
+def _fix_decode(crypten: Any) -> None:
+    """Correct CrypTen 0.4.1's fixed-point decoding of negative numbers.
+
+    ``FixedPointEncoder.decode`` floor-divides negative values by ``scale - 1``, so a
+    value ``-k - f`` (``k`` integer, fractional part ``f`` within ``k / 2^16`` of 1)
+    decodes exactly 1.0 too low: revealed logits of magnitude ~20 had a few entries
+    off by 1.0.  Decoding as ``int / scale`` in float64 is exact for |x| < 2^37.
+    """
+    encoder_cls = crypten.encoder.FixedPointEncoder
+    if getattr(encoder_cls.decode, "_softq_fixed", False):
+        return
+    original = encoder_cls.decode
+
+    def decode(self: Any, tensor: Any) -> Any:
+        if tensor is None or self._scale <= 1:
+            return original(self, tensor)
+        return (tensor.double() / self._scale).float()
+
+    decode._softq_fixed = True  # type: ignore[attr-defined]
+    encoder_cls.decode = decode

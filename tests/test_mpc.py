@@ -371,3 +371,10 @@ def test_ttp_provider_runs_with_a_separate_dealer_process():
     with torch.no_grad():
         assert (result.logits - ref(**inputs).logits).abs().max() < 1e-2
     assert result.report.provider == "TTP" and result.report.rounds > 0
+
+
+def test_negative_fixed_point_values_decode_correctly():
+    crypten = load_crypten()
+    enc = crypten.encoder.FixedPointEncoder()
+    x = torch.tensor([-63.9999, -20.99995, -5.25, 3.5, -1.0])
+    assert (enc.decode(enc.encode(x)) - x).abs().max() < 1e-4  # CrypTen 0.4.1 alone is off by 1.0 here
