@@ -44,7 +44,7 @@ def _write(section: str, text: str) -> None:
     else:
         doc = doc.rstrip() + "\n\n" + block + "\n"
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS.with_name(f".{RESULTS.name}.tmp")
+    tmp = RESULTS.with_name(f".{RESULTS.name}.tmp{os.getpid()}")
     tmp.write_text(doc)
     os.replace(tmp, RESULTS)
 
