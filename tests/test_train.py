@@ -10,6 +10,7 @@ import torch
 from softq import workloads as W
 from softq.calib.train import convert_to_gated, finetune_to_gated, load_checkpoint
 from softq.cli import main as softq_main
+from softq.models import attention_modules
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -43,7 +44,7 @@ def test_convert_to_gated_preserves_function(family: str) -> None:
     with torch.no_grad():
         before = model(**x).logits
     convert_to_gated(model, pi_init=0.25)
-    points = [m.softq for _, m in __import__("softq.models", fromlist=["x"]).attention_modules(model)]
+    points = [m.softq for _, m in attention_modules(model)]
     assert all(p.gate is not None for p in points) and model.config.softq_gated
     assert torch.allclose(torch.sigmoid(points[0].gate.bias), torch.full((points[0].num_heads,), 0.25))
     with torch.no_grad():
