@@ -21,10 +21,16 @@ TASKS = ("lm", "vit")
 
 
 @torch.no_grad()
-def _cross_entropy(model: nn.Module, inputs: list[dict[str, torch.Tensor]], labels: torch.Tensor) -> float:
+def _classify(model: nn.Module, inputs: list[dict[str, torch.Tensor]], labels: torch.Tensor) -> tuple[float, float]:
+    """(top-1 %, mean cross-entropy) of an image classifier."""
+    was_training = model.training
     model.eval()
-    logits = torch.cat([model(**batch).logits for batch in inputs])
-    return torch.nn.functional.cross_entropy(logits, labels).item()
+    try:
+        logits = torch.cat([model(**batch).logits for batch in inputs])
+    finally:
+        model.train(was_training)
+    top1 = 100.0 * (logits.argmax(-1) == labels).float().mean().item()
+    return top1, torch.nn.functional.cross_entropy(logits, labels).item()
 
 
 @dataclass
@@ -35,16 +41,18 @@ class Task:
     eval_inputs: list[dict[str, torch.Tensor]]
     metric_name: str
     higher_is_better: bool
-    _metric: Callable[[nn.Module, list[dict[str, torch.Tensor]]], float]
-    _loss: Callable[[nn.Module, list[dict[str, torch.Tensor]]], float]
+    _measure: Callable[[nn.Module, list[dict[str, torch.Tensor]]], tuple[float, float]]
 
     def evaluate(self, model: nn.Module | None = None) -> float:
         """The task's headline metric (perplexity or top-1 %)."""
-        return self._metric(self.model if model is None else model, self.eval_inputs)
+        return self.measure(model)[0]
 
-    def loss(self, model: nn.Module | None = None) -> float:
-        """Mean held-out cross-entropy (nats): continuous, so it resolves what top-1 on few images cannot."""
-        return self._loss(self.model if model is None else model, self.eval_inputs)
+    def measure(self, model: nn.Module | None = None) -> tuple[float, float]:
+        """(metric, mean held-out cross-entropy in nats) from one pass over the held-out set.
+
+        The loss is continuous, so it resolves what top-1 on a few hundred images cannot.
+        """
+        return self._measure(self.model if model is None else model, self.eval_inputs)
 
 
 def reference_task(
@@ -74,9 +82,11 @@ def reference_task(
             raise ValueError(f"context {context} exceeds the reference LM's {full} positions")
         calib = workloads.lm_calib_inputs(calib_size, context, tokenizer, seed=1000 + seed)
         eval_inputs = workloads.lm_eval_inputs(context, eval_limit, tokenizer)
-        ppl = lambda m, inputs: workloads.perplexity(m, inputs, progress=False)  # noqa: E731
-        return Task(f"lm@{context}", model, calib, eval_inputs, "perplexity", False, ppl,
-                    lambda m, inputs: math.log(ppl(m, inputs)))
+        def lm_measure(m: nn.Module, inputs: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+            ppl = workloads.perplexity(m, inputs, progress=False)
+            return ppl, math.log(ppl)
+
+        return Task(f"lm@{context}", model, calib, eval_inputs, "perplexity", False, lm_measure)
     if name == "vit":
         model = workloads.reference_vit(seed, attention, size=size, steps=steps, progress=progress)
         image_size = model.config.image_size
@@ -86,6 +96,5 @@ def reference_task(
             images, labels = images[:eval_limit], labels[:eval_limit]
         eval_inputs = [{"pixel_values": images[i:i + 128]} for i in range(0, len(images), 128)]
         return Task("vit", model, calib, eval_inputs, "top-1 %", True,
-                    lambda m, inputs: workloads.top1(m, inputs, labels),
-                    lambda m, inputs: _cross_entropy(m, inputs, labels))
+                    lambda m, inputs: _classify(m, inputs, labels))
     raise ValueError(f"unknown task '{name}'; choose one of {', '.join(TASKS)}")
