@@ -52,8 +52,9 @@ VIT_SIZES: dict[str, dict[str, int]] = {
 # Training budgets (steps, batch size, peak learning rate) per size.  The reference LM
 # budget is set by wall-clock on a shared 2-core machine, not by convergence: at 800
 # steps of 4 x 1024 characters the model is just leaving the bigram plateau (its loss
-# is still near the corpus bigram entropy), so more steps lower its perplexity a lot.  Changing a budget changes
-# the cache key (it contains the step count), so cached models never go stale silently.
+# is still near the corpus bigram entropy), so more steps lower its perplexity a lot.
+# Changing a budget changes the cache key (it contains the step count), so cached
+# models never go stale silently.
 LM_BUDGETS: dict[str, dict[str, float]] = {
     "reference": {"steps": 800, "batch_size": 4, "lr": 3e-3},
     "tiny": {"steps": 30, "batch_size": 8, "lr": 3e-3},
