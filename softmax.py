@@ -73,7 +73,10 @@ def _valid_count(scores: Any, valid: torch.Tensor | None, dim: int = -1) -> torc
     """Number of valid keys per row (public): the row length T of the papers."""
     if valid is None:
         return float(scores.shape[dim])
-    return torch.broadcast_to(valid, scores.shape).sum(dim=dim, keepdim=True).clamp_min(1.0)
+    if valid.shape[dim] != scores.shape[dim]:  # mask broadcast along keys: count the full row
+        valid = valid.expand(*valid.shape[:dim % valid.dim()], scores.shape[dim], *valid.shape[dim % valid.dim() + 1:])
+    # Summing the (small) mask before broadcasting to the heads keeps this O(b * q * k).
+    return valid.sum(dim=dim, keepdim=True).clamp_min(1.0)
 
 
 def _masked_for_max(scores: Any, valid: torch.Tensor | None) -> Any:
