@@ -35,6 +35,9 @@ from bench_quant import write_atomic  # noqa: E402
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "vanilla": None,
     "clipped": {"softmax": "clipped", "alpha": 4.0},
+    # alpha < 1 keeps a uniform row (every fresh model's attention) above zero: with alpha > T/(T-1)
+    # the clip zeroes whole uniform rows at initialisation and no gradient reaches attention.
+    "clipped-a0.5": {"softmax": "clipped", "alpha": 0.5},
     "gated": {"gated": True, "gate_pi_init": 0.25},
     "softpick": {"softmax": "softpick"},
 }
