@@ -42,6 +42,7 @@ def export_and_run(task, qmodel: torch.nn.Module, out_dir: Path) -> None:
     from softq.export import to_onnx
     from softq.export.onnx_utils import session
 
+    out_dir.mkdir(parents=True, exist_ok=True)
     path = to_onnx(qmodel, str(out_dir / "vit_int8.onnx"), task.calib[0], softmax="int", overwrite=True)
     sess = session(path)
     preds = torch.cat([torch.from_numpy(sess.run(["logits"], {"pixel_values": b["pixel_values"].numpy()})[0]).argmax(-1)
