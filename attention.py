@@ -102,6 +102,33 @@ def valid_from_mask(attention_mask: torch.Tensor | None, key_len: int) -> torch.
     return (mask > torch.finfo(mask.dtype).min / 2).to(torch.float32)
 
 
+def attention_inputs(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]:
+    """What every softq attention function needs first: (key, value, valid mask, scaling).
+
+    Repeats K/V for grouped-query attention, turns the Hugging Face mask into a
+    public 0/1 ``valid`` tensor (a causal one when the module is causal and got
+    no mask), and defaults ``scaling`` to ``1/sqrt(head_dim)``.
+    """
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if key.shape[1] != query.shape[1]:  # grouped-query attention
+        rep = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(rep, dim=1)
+        value = value.repeat_interleave(rep, dim=1)
+    valid = valid_from_mask(attention_mask, key.shape[-2])
+    if valid is None and getattr(module, "is_causal", False) and query.shape[-2] > 1:
+        q_len, k_len = query.shape[-2], key.shape[-2]
+        valid = torch.ones(q_len, k_len, device=query.device).tril(k_len - q_len)
+    return key, value, valid, scaling
+
+
 def softq_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -114,16 +141,7 @@ def softq_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with softq's softmax variant and quantization points; [b, s, h, d] out."""
     points: AttentionPoints | None = getattr(module, "softq", None)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    if key.shape[1] != query.shape[1]:  # grouped-query attention
-        rep = query.shape[1] // key.shape[1]
-        key = key.repeat_interleave(rep, dim=1)
-        value = value.repeat_interleave(rep, dim=1)
-    valid = valid_from_mask(attention_mask, key.shape[-2])
-    if valid is None and getattr(module, "is_causal", False) and query.shape[-2] > 1:
-        q_len, k_len = query.shape[-2], key.shape[-2]
-        valid = torch.ones(q_len, k_len, device=query.device).tril(k_len - q_len)
+    key, value, valid, scaling = attention_inputs(module, query, key, value, attention_mask, scaling)
 
     if points is None:
         scores = torch.matmul(query, key.transpose(-1, -2)) * scaling

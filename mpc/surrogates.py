@@ -34,7 +34,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from softq.attention import AttentionPoints, configure_attention, valid_from_mask
+from softq.attention import AttentionPoints, attention_inputs, configure_attention
 from softq.models import attention_modules, model_family
 from softq.softmax import get_softmax
 
@@ -274,16 +274,7 @@ def mpc_attention(
         isinstance(getattr(points, n), nn.Identity) for n in ("q", "k", "scores", "v")
     ):
         raise ValueError("softq.mpc does not run quantized or gated attention; pass the float model")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    if key.shape[1] != query.shape[1]:
-        rep = query.shape[1] // key.shape[1]
-        key = key.repeat_interleave(rep, dim=1)
-        value = value.repeat_interleave(rep, dim=1)
-    valid = valid_from_mask(attention_mask, key.shape[-2])
-    if valid is None and getattr(module, "is_causal", False) and query.shape[-2] > 1:
-        q_len, k_len = query.shape[-2], key.shape[-2]
-        valid = torch.ones(q_len, k_len).tril(k_len - q_len)
+    key, value, valid, scaling = attention_inputs(module, query, key, value, attention_mask, scaling)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
     probs = torch.ops.softq_mpc.softmax(scores, valid, softmax_spec(points.softmax_name, points.softmax_params))
     out = torch.matmul(probs, value)
