@@ -240,6 +240,24 @@ def sensitivity(qmodel: nn.Module, metric: Callable[[nn.Module], float]) -> list
     return results
 
 
+def plot_sensitivity(rows: list[tuple[str, float]], metric_name: str, path: str | os.PathLike) -> Path:
+    """Bar chart of the metric change each quantized part causes alone (PNG, atomic)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ref = rows[0][1]
+    parts = rows[1:]
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(parts) + 1.2))
+    ax.barh([name for name, _ in parts], [value - ref for _, value in parts], color="tab:red")
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.invert_yaxis()
+    ax.set(title=f"{metric_name}: change with only this part quantized", xlabel=f"{metric_name} - float")
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
 def format_sensitivity(rows: list[tuple[str, float]], higher_is_better: bool) -> str:
     ref = rows[0][1]
     ranked = sorted(rows[1:-1], key=lambda r: (ref - r[1]) if higher_is_better else (r[1] - ref), reverse=True)

@@ -102,8 +102,11 @@ def _report(args: argparse.Namespace) -> int:
     for label, diag in results.items():
         print(f"== {task.name}, {label}\n{diag.table()}\n")
     if not args.no_sensitivity:
-        rows = diagnostics.sensitivity(qmodel, task.evaluate)
-        print(f"== sensitivity: {task.metric_name} with one part quantized at a time (worst first)")
-        print(diagnostics.format_sensitivity(rows, task.higher_is_better))
+        # Held-out loss, not the headline metric: it is continuous, so small effects still rank.
+        rows = diagnostics.sensitivity(qmodel, lambda m: task.measure(m)[1])
+        print("== sensitivity: held-out loss (nats) with one part quantized at a time (worst first)")
+        print(diagnostics.format_sensitivity(rows, higher_is_better=False))
+        bars = args.plot.with_name(f"{args.plot.stem}-sensitivity{args.plot.suffix}")
+        print(f"sensitivity plot written to {diagnostics.plot_sensitivity(rows, 'held-out loss', bars)}")
     print(f"plot written to {diagnostics.plot(results, args.plot)}")
     return 0
