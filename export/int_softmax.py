@@ -268,17 +268,21 @@ def _ibert_exp(d: np.ndarray, c: IbertConsts) -> np.ndarray:
     return poly // (np.int64(1) << np.minimum(z, MAX_SHIFT))
 
 
-def reference_qdq(x: np.ndarray, q: SoftmaxQuant, axis: int = -1, valid: np.ndarray | None = None) -> np.ndarray:
-    """Exact softmax (float64) of the dequantized input, quantized half-to-even to ``2**-8``."""
-    xi = _check_input(x, q)
-    v = _check_valid(xi, valid)
+def _exact_probs(xi: np.ndarray, q: SoftmaxQuant, axis: int, v: np.ndarray | None) -> np.ndarray:
+    """Exact float64 softmax of the dequantized codes ``xi`` over valid keys (fully masked rows: 0)."""
     xf = (xi - q.zero_point).astype(np.float64) * float(q.scale32)
     if v is not None:
         xf = np.where(v, xf, -np.inf)
     m = xf.max(axis=axis, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(xf - m)
-    p = e / np.maximum(e.sum(axis=axis, keepdims=True), np.finfo(np.float64).tiny)
+    e = np.exp(xf - np.where(np.isfinite(m), m, 0.0))
+    return e / np.maximum(e.sum(axis=axis, keepdims=True), np.finfo(np.float64).tiny)
+
+
+def reference_qdq(x: np.ndarray, q: SoftmaxQuant, axis: int = -1, valid: np.ndarray | None = None) -> np.ndarray:
+    """Exact softmax (float64) of the dequantized input, quantized half-to-even to ``2**-8``."""
+    xi = _check_input(x, q)
+    v = _check_valid(xi, valid)
+    p = _exact_probs(xi, q, axis, v)
     if v is not None:
         p = np.where(v, p, 0.0)
     return _finish(np.rint(p * 256.0).astype(np.int64), q)
@@ -290,13 +294,7 @@ def tie_distance(x: np.ndarray, q: SoftmaxQuant, axis: int = -1, valid: np.ndarr
     Float runtimes may round the other way where this is within float32 noise.
     """
     xi = _check_input(x, q)
-    v = _check_valid(xi, valid)
-    xf = (xi - q.zero_point).astype(np.float64) * float(q.scale32)
-    if v is not None:
-        xf = np.where(v, xf, -np.inf)
-    m = xf.max(axis=axis, keepdims=True)
-    e = np.exp(xf - np.where(np.isfinite(m), m, 0.0))
-    y = 256.0 * e / np.maximum(e.sum(axis=axis, keepdims=True), np.finfo(np.float64).tiny)
+    y = 256.0 * _exact_probs(xi, q, axis, _check_valid(xi, valid))
     return np.abs(y - np.floor(y) - 0.5)
 
 
