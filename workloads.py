@@ -569,6 +569,30 @@ def variant_name(attention: dict[str, Any] | None) -> str:
     return ",".join(parts).replace("/", "_")
 
 
+def add_training_args(parser: Any, sizes: Iterable[str]) -> None:
+    """The command-line flags shared by ``examples/train_lm.py`` and ``examples/train_vit.py``."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default: the size's budget)")
+    parser.add_argument("--size", choices=sorted(sizes), default="reference")
+    parser.add_argument("--softmax", default=None, help="softq softmax variant to train with (e.g. clipped)")
+    parser.add_argument("--alpha", type=float, default=4.0, help="clipped softmax: gamma = -alpha / T")
+    parser.add_argument("--gated", action="store_true", help="train with gated attention")
+    parser.add_argument("--pi", type=float, default=0.5, help="gated attention: initial gate opening")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--force", action="store_true", help="retrain even if the model is cached")
+
+
+def attention_from_args(parser: Any, args: Any) -> dict[str, Any] | None:
+    """Validate the flags of :func:`add_training_args` (a parser error on bad ones) and apply --threads."""
+    try:
+        attention = attention_options(args.softmax, args.alpha, args.gated, args.pi)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return attention
+
+
 def attention_options(
     softmax: str | None = None, alpha: float = 4.0, gated: bool = False, pi_init: float = 0.5
 ) -> dict[str, Any] | None:

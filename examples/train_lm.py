@@ -16,37 +16,22 @@ import argparse
 import sys
 import time
 
-import torch
-
 from softq import workloads as W
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=None, help="training steps (default: the size's budget)")
-    parser.add_argument("--size", choices=sorted(W.LM_SIZES), default="reference")
+    W.add_training_args(parser, W.LM_SIZES)
     parser.add_argument("--family", choices=("gpt2", "opt"), default="gpt2")
-    parser.add_argument("--softmax", default=None, help="softq softmax variant to train with (e.g. clipped)")
-    parser.add_argument("--alpha", type=float, default=4.0, help="clipped softmax: gamma = -alpha / T")
-    parser.add_argument("--gated", action="store_true", help="train with gated attention")
-    parser.add_argument("--pi", type=float, default=0.5, help="gated attention: initial gate opening")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--force", action="store_true", help="retrain even if the model is cached")
     args = parser.parse_args(argv)
-    try:
-        W.attention_options(args.softmax, args.alpha, args.gated, args.pi)
-    except ValueError as err:
-        parser.error(str(err))
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    attention = W.attention_from_args(parser, args)
     start = time.time()
-    model, tokenizer = W.reference_lm(args.seed, W.attention_options(args.softmax, args.alpha, args.gated, args.pi), args.family,
+    model, tokenizer = W.reference_lm(args.seed, attention, args.family,
                                       size=args.size, steps=args.steps, force=args.force)
     elapsed = time.time() - start
     context = W.LM_SIZES[args.size]["context"]
     ppl = W.perplexity(model, W.lm_eval_inputs(context, None, tokenizer))
-    print(f"{args.family} {args.size} {W.variant_name(W.attention_options(args.softmax, args.alpha, args.gated, args.pi))} seed {args.seed}: "
+    print(f"{args.family} {args.size} {W.variant_name(attention)} seed {args.seed}: "
           f"heldout perplexity {ppl:.3f} (context {context}; {elapsed:.0f} s to train or load)")
     return 0
 
