@@ -16,6 +16,8 @@ registers the eager mask builder under the same name.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from softq.models import attention_modules, model_family, num_heads
-from softq.softmax import get_softmax
+from softq.softmax import compiled_softmax, get_softmax
 
 ATTN_IMPLEMENTATION = "softq"
 
@@ -79,6 +81,9 @@ class AttentionPoints(nn.Module):
         self.probs: nn.Module = ProbsQuantizer()
         self.v: nn.Module = nn.Identity()
         self.gate: AttentionGate | None = None
+        # Set by :func:`fast_training` while a training loop runs: exact softmax goes through
+        # PyTorch SDPA, other variants through their torch.compile'd form.
+        self.fast_training = False
         # The attention module's input, stashed by a pre-hook when a gate needs it.
         self._hidden: torch.Tensor | None = None
 
@@ -143,6 +148,8 @@ def softq_attention(
     points: AttentionPoints | None = getattr(module, "softq", None)
     key, value, valid, scaling = attention_inputs(module, query, key, value, attention_mask, scaling)
 
+    if points is not None and points.fast_training and module.training and _points_are_identity(points):
+        return _fast_training_attention(points, query, key, value, valid, scaling, dropout)
     if points is None:
         scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
         probs = get_softmax("softmax")(scores, valid)
@@ -159,6 +166,57 @@ def softq_attention(
         out = out * points.gate(points._hidden)
         points._hidden = None
     return out.transpose(1, 2).contiguous(), probs
+
+
+def _points_are_identity(points: AttentionPoints) -> bool:
+    """True when no quantizer or observer is attached (so nothing needs the probabilities)."""
+    return (all(isinstance(m, nn.Identity) for m in (points.q, points.k, points.scores, points.v))
+            and type(points.probs) is ProbsQuantizer)
+
+
+def _fast_training_attention(
+    points: AttentionPoints,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor | None,
+    scaling: float,
+    dropout: float,
+) -> tuple[torch.Tensor, None]:
+    """The same function as the eager path, computed faster for training (no probabilities returned)."""
+    if points.softmax_name == "softmax":
+        mask = None if valid is None else valid.to(torch.bool)
+        out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                                         scale=scaling)
+    else:
+        scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+        probs = compiled_softmax(points.softmax_name)(scores, valid, **points.softmax_params)
+        out = torch.matmul(nn.functional.dropout(probs, p=dropout, training=True), value)
+    if points.gate is not None:
+        if points._hidden is None:
+            raise RuntimeError("gated attention needs the module input; use softq.attention.configure_attention")
+        out = out * points.gate(points._hidden)
+        points._hidden = None
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def fast_training(model: nn.Module) -> Iterator[None]:
+    """Train faster without changing the function: SDPA for exact softmax, fused variants otherwise.
+
+    Only layers without quantizers or observers take the fast path, and only in
+    training mode; evaluation and calibration always see the eager path (which
+    also returns the probabilities).
+    """
+    points = [module.softq for _, module in attention_modules(model) if getattr(module, "softq", None) is not None]
+    before = [p.fast_training for p in points]
+    for p in points:
+        p.fast_training = True
+    try:
+        yield
+    finally:
+        for p, flag in zip(points, before):
+            p.fast_training = flag
 
 
 def _stash_hidden(module: nn.Module, args: tuple, kwargs: dict) -> None:

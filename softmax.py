@@ -23,6 +23,7 @@ tensor type.  That is what lets ``softq.mpc`` run the very same surrogates.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -200,6 +201,37 @@ def get_softmax(name: str) -> SoftmaxVariant:
         return SOFTMAX_VARIANTS[name]
     except KeyError:
         raise ValueError(f"unknown softmax variant '{name}'; choose one of {sorted(SOFTMAX_VARIANTS)}") from None
+
+
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+
+def compiled_softmax(name: str) -> Callable[..., Any]:
+    """The variant ``name`` fused by ``torch.compile`` for plaintext training (same maths).
+
+    Eager variants run one memory pass per elementwise op over the
+    ``[b, h, q, k]`` scores; fused, clipped softmax and softpick train 3-4x faster
+    on CPU.  If this machine cannot compile (no C++ compiler, unsupported
+    platform) the eager variant is used from then on, with a warning.
+    """
+    if name not in _COMPILED:
+        variant = get_softmax(name)
+        fused = torch.compile(variant.fn, dynamic=False)
+
+        def run(scores: Any, valid: torch.Tensor | None = None, **params: float) -> Any:
+            if _COMPILED[name] is not run:  # compilation failed earlier
+                return variant(scores, valid, **params)
+            try:
+                return fused(scores, valid, **{**variant.defaults, **params})
+            except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager
+                warnings.warn(f"torch.compile of softmax variant '{name}' failed ({type(error).__name__}: "
+                              f"{error}); training with the eager variant", RuntimeWarning, stacklevel=2)
+                _COMPILED[name] = variant
+                return variant(scores, valid, **params)
+
+        variant(torch.zeros(1, 2), None)  # unknown names fail here, not inside the compiler
+        _COMPILED[name] = run
+    return _COMPILED[name]
 
 
 for _v in (

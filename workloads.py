@@ -398,24 +398,33 @@ def _optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.
 
 
 class _FastAttention:
-    """Train a model that has no softq attention with PyTorch SDPA, then switch back to eager.
+    """Train with the fastest path that computes the same function, then switch back.
 
-    SDPA computes the same function as eager attention (exact softmax) about 3x
-    faster on CPU at context 1024; models with a softq variant must run softq's
-    attention function instead, so they are left alone.
+    A model without softq attention trains with PyTorch SDPA (about 3x faster than
+    eager attention on CPU at context 1024); a model with a softq variant or gates
+    trains through :func:`softq.attention.fast_training` (SDPA for exact softmax,
+    ``torch.compile``'d variants otherwise).
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.active = getattr(model.config, "softq_softmax", None) is None
+        self.plain = getattr(model.config, "softq_softmax", None) is None
+        self.softq: Any = None
 
     def __enter__(self) -> None:
-        if self.active:
+        if self.plain:
             self.model.set_attn_implementation("sdpa")
+        else:
+            from softq.attention import fast_training
+
+            self.softq = fast_training(self.model)
+            self.softq.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        if self.active:
+        if self.plain:
             self.model.set_attn_implementation("eager")
+        elif self.softq is not None:
+            self.softq.__exit__(*exc)
 
 
 def run_training(

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_inputs, tiny_model
 
-from softq.attention import AttentionGate, attention_points, configure_attention
+from softq.attention import AttentionGate, attention_points, configure_attention, fast_training
 from softq.softmax import SOFTMAX_VARIANTS, get_softmax
 
 CAUSAL = torch.ones(7, 7).tril()
@@ -128,3 +128,82 @@ def test_variant_choice_is_written_to_the_config_and_changes_the_model() -> None
     assert model.config.softq_softmax == "clipped" and model.config.softq_softmax_params == {"alpha": 4.0}
     assert not torch.allclose(ref, clipped)
     assert math.isfinite(clipped.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "family, options",
+    [("gpt2", {"softmax": "clipped", "alpha": 0.5}), ("bert", {"softmax": "softpick"}), ("gpt2", {"gated": True}),
+     ("bert", {"gated": True, "softmax": "clipped", "zeta": 1.1})],
+)
+def test_fast_training_path_computes_the_same_loss_and_gradients(family: str, options: dict) -> None:
+    """SDPA (exact softmax) and torch.compile'd variants must train the very same function."""
+    model = tiny_model(family)
+    configure_attention(model, **options)
+    with torch.no_grad():  # open the gates' weights so a wrong gate path would show
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    x = tiny_inputs(family)
+    if family == "bert":  # padded second sequence: the fast path must honour the mask
+        x["attention_mask"] = torch.ones_like(x["input_ids"])
+        x["attention_mask"][1, 15:] = 0
+    model.train()
+    for module in model.modules():  # dropout draws differ between paths; the maths must not
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+    def loss_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        logits = model(**x).logits
+        loss = (logits * torch.linspace(-1, 1, logits.shape[-1])).sum()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    ref_loss, ref_grads = loss_and_grads()
+    with fast_training(model):
+        assert all(points.fast_training for _, points in attention_points(model))
+        loss, grads = loss_and_grads()
+    assert not any(points.fast_training for _, points in attention_points(model))
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-4)
+    assert len(grads) == len(ref_grads)
+    for g, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_fast_training_path_is_not_taken_by_quantized_or_evaluating_models() -> None:
+    """Quantizers and observers need the eager path (they see the probabilities)."""
+    model = tiny_model("gpt2")
+    configure_attention(model, softmax="clipped", alpha=0.5)
+    x = tiny_inputs("gpt2")
+    seen: list[torch.Tensor] = []
+    _, points = attention_points(model)[0]
+    handle = points.probs.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    with fast_training(model), torch.no_grad():
+        model.eval()
+        model(**x)
+        assert len(seen) == 1  # eval mode: eager path, probabilities observed
+        model.train()
+        model(**x)
+        assert len(seen) == 1  # training, no quantizer: fast path
+        points.v = torch.nn.Linear(8, 8)  # any attached point (here a stand-in quantizer) disables it
+        model(**x)
+        assert len(seen) == 2
+    handle.remove()
+
+
+def test_compiled_variant_falls_back_to_eager_when_the_compiler_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    import softq.softmax as S
+
+    def broken_compile(fn, **_kw):
+        def run(*_a, **_k):
+            raise OSError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(S, "_COMPILED", {})
+    monkeypatch.setattr(S.torch, "compile", broken_compile)
+    s, valid = scores(), torch.ones(7, 7).tril()
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        out = S.compiled_softmax("clipped")(s, valid, alpha=0.5)
+    torch.testing.assert_close(out, get_softmax("clipped")(s, valid, alpha=0.5))
+    torch.testing.assert_close(S.compiled_softmax("clipped")(s, valid, alpha=0.5), out)  # eager from now on
+    with pytest.raises(ValueError, match="unknown softmax"):
+        S.compiled_softmax("sofmax")
