@@ -503,12 +503,14 @@ def train_lm(
     attention: dict[str, Any] | None = None,
     tokenizer: CharTokenizer | None = None,
     progress: bool = True,
+    on_step: Any = None,
 ) -> nn.Module:
     """Train a character LM from scratch, deterministically by ``seed``; returns it in eval mode.
 
     ``attention`` (e.g. ``{"softmax": "clipped", "alpha": 4.0}`` or
     ``{"gated": True, "gate_pi_init": 0.25}``) configures softq attention before
-    the first step, so the variant is what gets trained.
+    the first step, so the variant is what gets trained.  ``on_step`` is passed
+    to :func:`run_training` (checkpoints, measurements during training).
     """
     _check_choice("LM size", size, LM_SIZES)
     budget = LM_BUDGETS[size]
@@ -520,7 +522,7 @@ def train_lm(
     batches = lm_batches("train", config.max_position_embeddings if family == "opt" else config.n_positions,
                          int(batch_size or budget["batch_size"]), seed, tokenizer)
     run_training(model, batches, int(steps or budget["steps"]), float(lr or budget["lr"]),
-                 progress=progress, desc=f"train {family} {size}")
+                 progress=progress, desc=f"train {family} {size}", on_step=on_step)
     return model
 
 
@@ -534,8 +536,12 @@ def train_vit(
     attention: dict[str, Any] | None = None,
     augment: bool = True,
     progress: bool = True,
+    on_step: Any = None,
 ) -> nn.Module:
-    """Train a digits ViT from scratch, deterministically by ``seed``; returns it in eval mode."""
+    """Train a digits ViT from scratch, deterministically by ``seed``; returns it in eval mode.
+
+    ``on_step(step, model, optimizer, losses)`` runs after every step (see :func:`run_training`).
+    """
     _check_choice("ViT size", size, VIT_SIZES)
     budget = VIT_BUDGETS[size]
     torch.manual_seed(seed)
@@ -544,7 +550,7 @@ def train_vit(
     _configure(model, attention)
     batches = vit_batches("train", config.image_size, int(batch_size or budget["batch_size"]), seed, augment)
     run_training(model, batches, int(steps or budget["steps"]), float(lr or budget["lr"]),
-                 weight_decay=0.05, progress=progress, desc=f"train vit {size}")
+                 weight_decay=0.05, progress=progress, desc=f"train vit {size}", on_step=on_step)
     return model
 
 

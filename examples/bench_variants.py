@@ -9,6 +9,9 @@ Writes docs/results/variants.md (atomically) with the command that produced it.
 
     python examples/bench_variants.py                       # reference budgets, 2 seeds (hours on 2 cores)
     python examples/bench_variants.py --lm-steps 300 --vit-steps 600 --seeds 0,1   # smaller budget
+
+Also writes, per model, a PNG of per-layer inf-norm and kurtosis (and per-head sink rate) of every
+variant, seed 0, next to the markdown.
 """
 
 from __future__ import annotations
@@ -44,14 +47,15 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 WEIGHT_BITS = (8, 6, 4)
 
 
-def measure(task: Task) -> dict[str, float]:
+def measure(task: Task) -> tuple[dict[str, float], diagnostics.Diagnostics]:
     diag = diagnostics.collect(task.model, task.calib)
     out = {"fp": task.evaluate(), "inf_norm": diag.max_inf_norm, "kurtosis": diag.mean_kurtosis,
            "sink": diag.mean_sink_rate}
     for bits in WEIGHT_BITS:
         qmodel = softq.quantize(task.model, task.calib, softq.QuantConfig(weight_bits=bits))
         out[f"w{bits}a8"] = task.evaluate(qmodel)
-    return out
+    out["w8a8_gap"] = out["w8a8"] - out["fp"]
+    return out, diag
 
 
 def fmt(values: list[float], digits: int = 2) -> str:
@@ -63,7 +67,9 @@ def fmt(values: list[float], digits: int = 2) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="lm,vit")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--lm-variants", default=None, help="LM variants (default: --variants)")
+    parser.add_argument("--vit-variants", default=None, help="ViT variants (default: --variants)")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--lm-steps", type=int, default=None, help="training steps (default: reference budget)")
     parser.add_argument("--vit-steps", type=int, default=None)
@@ -71,6 +77,13 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "results" / "variants.md")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    variants_of = {"lm": args.lm_variants or args.variants, "vit": args.vit_variants or args.variants}
+    for model_name in args.models.split(","):
+        if model_name not in variants_of:
+            parser.error(f"unknown model '{model_name}'; choose lm or vit")
+        unknown = set(variants_of[model_name].split(",")) - set(VARIANTS)
+        if unknown:
+            parser.error(f"unknown variant(s) {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     start = time.time()
     lines = ["# Attention variants vs outliers (generated)", "",
              f"Command: `python examples/bench_variants.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`  ",
@@ -82,13 +95,15 @@ def main() -> int:
     for model_name in args.models.split(","):
         steps = args.lm_steps if model_name == "lm" else args.vit_steps
         header = None
-        for variant in args.variants.split(","):
+        curves: dict[str, diagnostics.Diagnostics] = {}
+        for variant in variants_of[model_name].split(","):
             attention = VARIANTS[variant]
             per_seed = []
             for seed in seeds:
                 task = reference_task(model_name, seed=seed, attention=attention, eval_limit=args.eval_limit,
                                       steps=steps)
-                result = measure(task)
+                result, diag = measure(task)
+                curves.setdefault(variant, diag)
                 print(f"[{model_name} {variant} seed {seed}] " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()),
                       flush=True)
                 per_seed.append(result)
@@ -96,13 +111,16 @@ def main() -> int:
                 metric = task.metric_name
                 header = [f"## {model_name} ({metric}; {steps or 'reference'} training steps)", "",
                           f"| variant | FP {metric} | max inf-norm | avg kurtosis | sink rate | "
-                          + " | ".join(f"W{b}A8 {metric}" for b in WEIGHT_BITS) + " |",
-                          "|---|---|---|---|---|" + "---|" * len(WEIGHT_BITS)]
+                          + " | ".join(f"W{b}A8 {metric}" for b in WEIGHT_BITS) + " | W8A8 − FP |",
+                          "|---|---|---|---|---|" + "---|" * (len(WEIGHT_BITS) + 1)]
                 lines += header
             col = lambda key, d=2: fmt([r[key] for r in per_seed], d)  # noqa: E731
             lines.append(f"| {variant} | {col('fp', 3)} | {col('inf_norm', 1)} | {col('kurtosis', 1)} | "
-                         f"{col('sink', 3)} | " + " | ".join(col(f'w{b}a8', 3) for b in WEIGHT_BITS) + " |")
-        lines.append("")
+                         f"{col('sink', 3)} | " + " | ".join(col(f'w{b}a8', 3) for b in WEIGHT_BITS)
+                         + f" | {col('w8a8_gap', 3)} |")
+        png = diagnostics.plot(curves, args.output.with_name(f"{args.output.stem}_{model_name}.png"))
+        shown = png.relative_to(ROOT) if png.is_relative_to(ROOT) else png
+        lines += ["", f"Per-layer inf-norm and kurtosis, per-head sink rate (seed {seeds[0]}): `{shown}`.", ""]
     lines.append(f"Took {(time.time() - start) / 60:.1f} min.")
     write_atomic(args.output, "\n".join(lines) + "\n")
     print(f"wrote {args.output}")

@@ -76,25 +76,43 @@ def reference_task(
     """
     if name == "lm":
         model, tokenizer = workloads.reference_lm(seed, attention, size=size, steps=steps, progress=progress)
-        full = model.config.n_positions
-        context = context or full
-        if context > full:
-            raise ValueError(f"context {context} exceeds the reference LM's {full} positions")
-        calib = workloads.lm_calib_inputs(calib_size, context, tokenizer, seed=1000 + seed)
-        eval_inputs = workloads.lm_eval_inputs(context, eval_limit, tokenizer)
-        def lm_measure(m: nn.Module, inputs: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
-            ppl = workloads.perplexity(m, inputs, progress=False)
-            return ppl, math.log(ppl)
-
-        return Task(f"lm@{context}", model, calib, eval_inputs, "perplexity", False, lm_measure)
+        return lm_task(model, tokenizer, context=context, calib_size=calib_size, eval_limit=eval_limit, seed=seed)
     if name == "vit":
         model = workloads.reference_vit(seed, attention, size=size, steps=steps, progress=progress)
-        image_size = model.config.image_size
-        calib = workloads.vit_calib_inputs(calib_size, image_size, seed=1000 + seed, batch_size=min(calib_size, 16))
-        images, labels = workloads.digits_data("heldout", image_size)
-        if eval_limit is not None:
-            images, labels = images[:eval_limit], labels[:eval_limit]
-        eval_inputs = [{"pixel_values": images[i:i + 128]} for i in range(0, len(images), 128)]
-        return Task("vit", model, calib, eval_inputs, "top-1 %", True,
-                    lambda m, inputs: _classify(m, inputs, labels))
+        return vit_task(model, calib_size=calib_size, eval_limit=eval_limit, seed=seed)
     raise ValueError(f"unknown task '{name}'; choose one of {', '.join(TASKS)}")
+
+
+def lm_task(
+    model: nn.Module,
+    tokenizer: workloads.CharTokenizer,
+    *,
+    context: int | None = None,
+    calib_size: int = 16,
+    eval_limit: int | None = None,
+    seed: int = 0,
+) -> Task:
+    """Perplexity task of any character LM (cached or still training); see :func:`reference_task`."""
+    full = model.config.n_positions
+    context = context or full
+    if context > full:
+        raise ValueError(f"context {context} exceeds the LM's {full} positions")
+    calib = workloads.lm_calib_inputs(calib_size, context, tokenizer, seed=1000 + seed)
+    eval_inputs = workloads.lm_eval_inputs(context, eval_limit, tokenizer)
+
+    def lm_measure(m: nn.Module, inputs: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        ppl = workloads.perplexity(m, inputs, progress=False)
+        return ppl, math.log(ppl)
+
+    return Task(f"lm@{context}", model, calib, eval_inputs, "perplexity", False, lm_measure)
+
+
+def vit_task(model: nn.Module, *, calib_size: int = 16, eval_limit: int | None = None, seed: int = 0) -> Task:
+    """Top-1 task of any digits ViT (cached or still training); see :func:`reference_task`."""
+    image_size = model.config.image_size
+    calib = workloads.vit_calib_inputs(calib_size, image_size, seed=1000 + seed, batch_size=min(calib_size, 16))
+    images, labels = workloads.digits_data("heldout", image_size)
+    if eval_limit is not None:
+        images, labels = images[:eval_limit], labels[:eval_limit]
+    eval_inputs = [{"pixel_values": images[i:i + 128]} for i in range(0, len(images), 128)]
+    return Task("vit", model, calib, eval_inputs, "top-1 %", True, lambda m, inputs: _classify(m, inputs, labels))
