@@ -169,6 +169,24 @@ def test_fast_training_path_computes_the_same_loss_and_gradients(family: str, op
         torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_fast_training_path_handles_a_fully_padded_sequence() -> None:
+    """A row with no valid key gives zeros on the eager path; SDPA (torch 2.13) must too, not NaN."""
+    model = tiny_model("bert")
+    configure_attention(model, gated=True)
+    x = tiny_inputs("bert")
+    x["attention_mask"] = torch.ones_like(x["input_ids"])
+    x["attention_mask"][1] = 0
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    ref = model(**x).logits
+    with fast_training(model):
+        out = model(**x).logits
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref)
+
+
 def test_fast_training_path_is_not_taken_by_quantized_or_evaluating_models() -> None:
     """Quantizers and observers need the eager path (they see the probabilities)."""
     model = tiny_model("gpt2")
