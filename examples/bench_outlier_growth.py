@@ -72,6 +72,8 @@ def main() -> int:
                         "windows, as docs/results/quant.md; ViT: all images if 0)")
     parser.add_argument("--output", type=Path, default=None,
                         help="markdown to write (default docs/results/outlier_growth_<model>[_<variant>].md)")
+    parser.add_argument("--save", type=Path, default=None,
+                        help="also save the final model here (softq.workloads.load_model reads it back)")
     W.add_training_args(parser, W.LM_SIZES)
     args = parser.parse_args()
     attention = W.attention_from_args(parser, args)
@@ -99,11 +101,14 @@ def main() -> int:
               f"kurtosis {row['kurtosis']:.2f} sink {row['sink']:.3f}", flush=True)
 
     if args.model == "lm":
-        W.train_lm(args.size, args.seed, steps, attention=attention, tokenizer=tokenizer, on_step=checkpoint)
+        model = W.train_lm(args.size, args.seed, steps, attention=attention, tokenizer=tokenizer, on_step=checkpoint)
         metric = f"perplexity (first {eval_limit} held-out windows)" if eval_limit else "perplexity"
     else:
-        W.train_vit(args.size, args.seed, steps, attention=attention, on_step=checkpoint)
+        model = W.train_vit(args.size, args.seed, steps, attention=attention, on_step=checkpoint)
         metric = "top-1 %"
+    if args.save is not None:
+        meta = {"kind": args.model, "size": args.size, "attention": attention, "seed": args.seed, "steps": steps}
+        print(f"saved the final model to {W.save_model(model, args.save, tokenizer if args.model == 'lm' else None, meta)}")
     png = plot(rows, f"{args.model} {variant}", output.with_suffix(".png"))
     lines = [f"# Outlier growth over training: {args.model}, {variant}, seed {args.seed} (generated)", "",
              f"Command: `python examples/bench_outlier_growth.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`  ",

@@ -50,6 +50,8 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-size", type=int, default=16, help="calibration windows/images (default 16)")
     p.add_argument("--eval-limit", type=int, default=None, help="evaluate on at most this many windows/images")
     p.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="which cached reference model (training steps; default the reference budget)")
     p.add_argument("--size", choices=["reference", "tiny"], default="reference",
                    help="reference model size; 'tiny' trains in seconds (for trying things out)")
 
@@ -68,7 +70,7 @@ def _task(args: argparse.Namespace):
     from softq.quant.tasks import reference_task
 
     return reference_task(args.model, context=args.context, calib_size=args.calib_size,
-                          eval_limit=args.eval_limit, seed=args.seed, size=args.size)
+                          eval_limit=args.eval_limit, seed=args.seed, size=args.size, steps=args.steps)
 
 
 def _quantize(args: argparse.Namespace) -> int:

@@ -36,3 +36,10 @@ def test_report_cli_prints_tables_and_writes_plot(tmp_path, capsys) -> None:
     assert "sink-rate" in text and "kurtosis" in text and "sensitivity" in text and "all (W8A8)" in text
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "r-sensitivity.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_quantize_cli_steps_selects_another_cached_model(tmp_path_factory, capsys) -> None:
+    cache = tmp_path_factory.getbasetemp() / "softq-cache"
+    assert main(["quantize", "lm", "--size", "tiny", "--steps", "7", "--eval-limit", "1"]) == 0
+    assert "quantized perplexity" in capsys.readouterr().out
+    assert [p.name for p in cache.glob("lm-*-steps7-*")] == ["lm-gpt2-tiny-vanilla-seed0-steps7-v1"]
