@@ -112,6 +112,12 @@ def clipped_softmax(
     any sequence length (the paper's length-robust choice).  Lets a head output
     exact zeros (and ones) with finite logits, which removes the pressure that
     grows outliers.
+
+    Training from scratch: an entry survives only if ``p > alpha / (T + alpha)``
+    (zeta = 1), so with ``alpha >= T / (T - 1)`` (any alpha > 1 on long rows) a
+    uniform row, what a fresh model computes, is clipped to exactly zero and no
+    gradient reaches Q and K.  A class-token ViT then never learns (docs/outliers.md);
+    alpha < 1 keeps every row alive at initialisation.
     """
     if alpha < 0 or zeta < 1:
         raise ValueError(f"clipped softmax needs alpha >= 0 and zeta >= 1, got alpha={alpha}, zeta={zeta}")
@@ -210,13 +216,15 @@ def compiled_softmax(name: str) -> Callable[..., Any]:
     """The variant ``name`` fused by ``torch.compile`` for plaintext training (same maths).
 
     Eager variants run one memory pass per elementwise op over the
-    ``[b, h, q, k]`` scores; fused, clipped softmax and softpick train 3-4x faster
-    on CPU.  If this machine cannot compile (no C++ compiler, unsupported
-    platform) the eager variant is used from then on, with a warning.
+    ``[b, h, q, k]`` scores; fused, clipped softmax and softpick train about twice
+    as fast on CPU (docs/results/train_speed.md).  A second input shape switches
+    the compiled code to dynamic shapes instead of recompiling per length.  If this
+    machine cannot compile (no C++ compiler, unsupported platform) the eager
+    variant is used from then on, with a warning.
     """
     if name not in _COMPILED:
         variant = get_softmax(name)
-        fused = torch.compile(variant.fn, dynamic=False)
+        fused = torch.compile(variant.fn)
 
         def run(scores: Any, valid: torch.Tensor | None = None, **params: float) -> Any:
             if _COMPILED[name] is not run:  # compilation failed earlier
