@@ -9,7 +9,7 @@ Rows, all from the cached reference model (same data, seed and step count for bo
 
 Columns: float metric and held-out loss, max inf-norm and mean kurtosis of block outputs,
 attention-sink rate, and the metric after ``softq.quantize`` (W8A8, 8-bit softmax).
-Compare with the from-scratch variants in docs/results/variants.md.  Writes
+Compare with the from-scratch variants in docs/results/variants_lm.md and variants_vit.md.  Writes
 docs/results/finetune_gated.md (atomically) with the command.
 
     python examples/bench_finetune_gated.py --models vit --steps 100

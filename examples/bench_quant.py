@@ -118,6 +118,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="few eval windows/images (smoke run, numbers are noisy)")
     parser.add_argument("--tasks", default="lm256,lm,vit", help="comma list of lm256, lm (full context), vit")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="use the reference models trained this many steps (default: the reference budget)")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "results" / "quant.md")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -127,9 +129,9 @@ def main() -> int:
     sections = []
     for name in args.tasks.split(","):
         if name == "lm256":
-            task = reference_task("lm", context=256, eval_limit=limit["lm256"])
+            task = reference_task("lm", context=256, eval_limit=limit["lm256"], steps=args.steps)
         elif name in ("lm", "vit"):
-            task = reference_task(name, eval_limit=limit[name])
+            task = reference_task(name, eval_limit=limit[name], steps=args.steps)
         else:
             parser.error(f"unknown task {name}")
         sections.append((task, run_task(task)))

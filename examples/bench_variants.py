@@ -5,13 +5,14 @@ softpick), trained from scratch with the same budget and seeds: float metric, ma
 block outputs, average kurtosis, attention-sink rate, and the metric after ``softq.quantize``
 (W8A8 with 8-bit softmax; also W6A8 and W4A8 weights).  Mean and spread over seeds.
 
-Writes docs/results/variants.md (atomically) with the command that produced it.
+Writes the markdown (atomically; default docs/results/variants.md) with the command that produced it.
+The committed tables are docs/results/variants_lm.md and docs/results/variants_vit.md.
 
     python examples/bench_variants.py                       # reference budgets, 2 seeds (hours on 2 cores)
     python examples/bench_variants.py --lm-steps 300 --vit-steps 600 --seeds 0,1   # smaller budget
 
 Also writes, per model, a PNG of per-layer inf-norm and kurtosis (and per-head sink rate) of every
-variant, seed 0, next to the markdown.
+variant, seed 0, next to the markdown (same name; ``_<model>`` appended when several models run).
 """
 
 from __future__ import annotations
@@ -118,7 +119,9 @@ def main() -> int:
             lines.append(f"| {variant} | {col('fp', 3)} | {col('inf_norm', 1)} | {col('kurtosis', 1)} | "
                          f"{col('sink', 3)} | " + " | ".join(col(f'w{b}a8', 3) for b in WEIGHT_BITS)
                          + f" | {col('w8a8_gap', 3)} |")
-        png = diagnostics.plot(curves, args.output.with_name(f"{args.output.stem}_{model_name}.png"))
+        single = len(args.models.split(",")) == 1
+        png = diagnostics.plot(curves, args.output.with_suffix(".png") if single
+                               else args.output.with_name(f"{args.output.stem}_{model_name}.png"))
         shown = png.relative_to(ROOT) if png.is_relative_to(ROOT) else png
         lines += ["", f"Per-layer inf-norm and kurtosis, per-head sink rate (seed {seeds[0]}): `{shown}`.", ""]
     lines.append(f"Took {(time.time() - start) / 60:.1f} min.")
