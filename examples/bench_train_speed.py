@@ -76,7 +76,7 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "results" / "train_speed.md")
     args = parser.parse_args()
     lines = ["# Training step time per attention variant (generated)", "",
-             f"Command: `python examples/bench_train_speed.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`  ",
+             f"Command: `{' '.join(['python', 'examples/bench_train_speed.py', *map(shlex.quote, sys.argv[1:])])}`  ",
              f"Machine: {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.",
              "", "Reference character LM (4 layers, d=128, context 1024, batch 4), AdamW step included; "
              f"{args.warmup} warm-up steps, then the mean of {args.steps}.", "",
