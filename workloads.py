@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -397,7 +398,8 @@ def _optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.
     )
 
 
-class _FastAttention:
+@contextmanager
+def _fast_attention(model: nn.Module) -> Iterator[None]:
     """Train with the fastest path that computes the same function, then switch back.
 
     A model without softq attention trains with PyTorch SDPA (about 3x faster than
@@ -405,26 +407,17 @@ class _FastAttention:
     trains through :func:`softq.attention.fast_training` (SDPA for exact softmax,
     ``torch.compile``'d variants otherwise).
     """
+    if getattr(model.config, "softq_softmax", None) is not None:
+        from softq.attention import fast_training
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.plain = getattr(model.config, "softq_softmax", None) is None
-        self.softq: Any = None
-
-    def __enter__(self) -> None:
-        if self.plain:
-            self.model.set_attn_implementation("sdpa")
-        else:
-            from softq.attention import fast_training
-
-            self.softq = fast_training(self.model)
-            self.softq.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.plain:
-            self.model.set_attn_implementation("eager")
-        elif self.softq is not None:
-            self.softq.__exit__(*exc)
+        with fast_training(model):
+            yield
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation("eager")
 
 
 def run_training(
@@ -457,7 +450,7 @@ def run_training(
     model.train()
     end_step = steps if end_step is None else min(steps, end_step)
     bar = _progress(range(start_step, end_step), progress, desc=desc, initial=start_step, total=steps)
-    with _FastAttention(model):
+    with _fast_attention(model):
         for step in bar:
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(step, steps, lr, warmup)

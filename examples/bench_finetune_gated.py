@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from softq.quant.tasks import Task, reference_task
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-from bench_quant import write_atomic  # noqa: E402
+from bench_quant import command_line, write_atomic  # noqa: E402
 
 
 def measure(task: Task, model: torch.nn.Module) -> dict[str, float]:
@@ -56,8 +55,7 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "results" / "finetune_gated.md")
     args = parser.parse_args()
     start = time.time()
-    command = "python " + " ".join(shlex.quote(a) for a in ["examples/bench_finetune_gated.py", *sys.argv[1:]])
-    lines = ["# Vanilla -> gated attention by fine-tuning (generated)", "", f"Command: `{command}`  ",
+    lines = ["# Vanilla -> gated attention by fine-tuning (generated)", "", f"Command: `{command_line()}`  ",
              f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}. {args.steps} fine-tuning steps at "
              f"lr {args.lr}, gate opening pi={args.pi} at conversion; W8A8 = `softq.quantize` defaults "
              "(8-bit softmax, no bias correction).", ""]

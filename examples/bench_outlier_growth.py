@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from softq.quant.tasks import Task, lm_task, vit_task
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-from bench_quant import write_atomic  # noqa: E402
+from bench_quant import command_line, write_atomic  # noqa: E402
 
 
 def measure(task: Task) -> dict[str, Any]:
@@ -111,7 +110,7 @@ def main() -> int:
         print(f"saved the final model to {W.save_model(model, args.save, tokenizer if args.model == 'lm' else None, meta)}")
     png = plot(rows, f"{args.model} {variant}", output.with_suffix(".png"))
     lines = [f"# Outlier growth over training: {args.model}, {variant}, seed {args.seed} (generated)", "",
-             f"Command: `python examples/bench_outlier_growth.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`  ",
+             f"Command: `{command_line()}`  ",
              f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}.", "",
              f"One run of {steps} steps ({args.size} recipe, cosine schedule over the whole run). At each step shown, "
              "a frozen copy is measured: inf-norm = max |x| of any transformer block output, kurtosis = mean over "

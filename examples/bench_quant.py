@@ -106,6 +106,11 @@ def markdown(sections: list[tuple[Task, list[tuple[str, float, float, str]]]], c
     return "\n".join(lines)
 
 
+def command_line() -> str:
+    """How this benchmark was run, as written at the top of its results file."""
+    return " ".join(["python", f"examples/{Path(sys.argv[0]).name}", *map(shlex.quote, sys.argv[1:])])
+
+
 def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -135,8 +140,7 @@ def main() -> int:
         else:
             parser.error(f"unknown task {name}")
         sections.append((task, run_task(task)))
-    command = "python " + " ".join(shlex.quote(a) for a in [f"examples/{Path(__file__).name}", *sys.argv[1:]])
-    write_atomic(args.output, markdown(sections, command, time.time() - start))
+    write_atomic(args.output, markdown(sections, command_line(), time.time() - start))
     print(f"wrote {args.output}")
     return 0
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from softq.attention import fast_training
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-from bench_quant import write_atomic  # noqa: E402
+from bench_quant import command_line, write_atomic  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "vanilla": None,
@@ -76,7 +75,7 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "results" / "train_speed.md")
     args = parser.parse_args()
     lines = ["# Training step time per attention variant (generated)", "",
-             f"Command: `{' '.join(['python', 'examples/bench_train_speed.py', *map(shlex.quote, sys.argv[1:])])}`  ",
+             f"Command: `{command_line()}`  ",
              f"Machine: {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.",
              "", "Reference character LM (4 layers, d=128, context 1024, batch 4), AdamW step included; "
              f"{args.warmup} warm-up steps, then the mean of {args.steps}.", "",

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ from softq.quant.tasks import Task, reference_task
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-from bench_quant import write_atomic  # noqa: E402
+from bench_quant import command_line, write_atomic  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "vanilla": None,
@@ -87,7 +86,7 @@ def main() -> int:
             parser.error(f"unknown variant(s) {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     start = time.time()
     lines = ["# Attention variants vs outliers (generated)", "",
-             f"Command: `python examples/bench_variants.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`  ",
+             f"Command: `{command_line()}`  ",
              f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}.", "",
              "Inf-norm: max |x| of any transformer block output; kurtosis: mean over blocks of the Pearson kurtosis",
              "of the block output (3 = Gaussian); sink: mean attention mass on the first key. W*A8: `softq.quantize`",

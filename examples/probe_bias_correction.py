@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from softq.quant.tasks import reference_task
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-from bench_quant import write_atomic  # noqa: E402
+from bench_quant import command_line, write_atomic  # noqa: E402
 
 
 class OracleProbs(ProbsQuantizer):
@@ -92,8 +91,7 @@ def main() -> int:
         err_beta = (((q + beta * valid) @ v - ref).norm() / ref.norm()).item()
         anatomy.append((index, deficit, truncated, err, err_beta))
 
-    command = "python " + " ".join(shlex.quote(a) for a in ["examples/probe_bias_correction.py", *sys.argv[1:]])
-    lines = ["# Softmax bias correction: oracle study (generated)", "", f"Command: `{command}`  ",
+    lines = ["# Softmax bias correction: oracle study (generated)", "", f"Command: `{command_line()}`  ",
              f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}. Model: reference {task.name}; "
              f"only the softmax output is quantized; {len(task.eval_inputs)} held-out batches.", "",
              f"| softmax output | {task.metric_name} | held-out loss |", "|---|---|---|"]
