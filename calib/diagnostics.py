@@ -1,9 +1,18 @@
 """Outlier and softmax diagnostics per layer and head, and a per-part sensitivity ranking.
 
-Per transformer layer (the block's output hidden state, i.e. the residual stream):
-  * ``inf_norm``: max |x| -- what sets a per-tensor activation scale;
-  * ``kurtosis``: Pearson kurtosis of all the layer's output values (3 for a
-    Gaussian), averaged over calibration batches; outlier channels drive it up.
+Per transformer layer, at the three places outliers live:
+  * ``inf_norm`` / ``kurtosis``: max |x| and Pearson kurtosis (3 for a Gaussian,
+    averaged over calibration batches) of the block's output hidden state.  In a
+    pre-LN model (GPT-2, OPT, ViT) that is the residual stream itself;
+  * ``ln_input_inf_norm`` / ``ln_input_kurtosis``: the same over the inputs of the
+    block's LayerNorms.  In a post-LN model (BERT, RoBERTa) the block output has
+    just been normalised (|x| ~ 10 in all-MiniLM-L6-v2) and the outliers sit here,
+    in the residual sum entering the LayerNorm (|x| = 223): this is what a
+    per-tensor 8-bit residual stream has to cover;
+  * ``ffn_inf_norm``: max |x| of the FFN output (the block's last Linear), the
+    source of those residual outliers;
+  * ``outlier_dims``: the hidden dimensions with the largest |x| at the
+    LayerNorm inputs (Bondarenko et al. 2021 find a few fixed ones in BERT).
 Per attention head (softmax output as the model computes it, quantized or not):
   * ``sink_rate``: mean attention mass on the first key (query rows that can see
     more than one key), the "attention sink" that heads use to do nothing;
@@ -28,16 +37,39 @@ from softq.calib.data import Batch, run_batches
 from softq.models import transformer_blocks
 
 
+OUTLIER_DIMS = 3  # dimensions listed per layer
+
+
 @dataclass
 class LayerStats:
     layer: int
     inf_norm: float = 0.0
     kurtosis_sum: float = 0.0
     batches: int = 0
+    ln_input_inf_norm: float = 0.0
+    ln_kurtosis_sum: float = 0.0
+    ln_batches: int = 0
+    ffn_inf_norm: float = 0.0
+    dim_max: torch.Tensor | None = None  # max |x| per hidden dimension at the LayerNorm inputs
 
     @property
     def kurtosis(self) -> float:
         return self.kurtosis_sum / max(self.batches, 1)
+
+    @property
+    def ln_input_kurtosis(self) -> float:
+        return self.ln_kurtosis_sum / max(self.ln_batches, 1)
+
+    @property
+    def residual_inf_norm(self) -> float:
+        """Largest |x| anywhere on the residual stream of this layer (block output or LayerNorm input)."""
+        return max(self.inf_norm, self.ln_input_inf_norm)
+
+    @property
+    def outlier_dims(self) -> list[int]:
+        if self.dim_max is None:
+            return []
+        return torch.topk(self.dim_max, min(OUTLIER_DIMS, self.dim_max.numel())).indices.tolist()
 
 
 @dataclass
@@ -62,6 +94,14 @@ class Diagnostics:
         return sum(s.kurtosis for s in self.layers) / len(self.layers)
 
     @property
+    def max_residual_inf_norm(self) -> float:
+        return max(s.residual_inf_norm for s in self.layers)
+
+    @property
+    def max_ffn_inf_norm(self) -> float:
+        return max(s.ffn_inf_norm for s in self.layers)
+
+    @property
     def mean_sink_rate(self) -> float:
         return sum(h.sink_rate for h in self.heads) / len(self.heads)
 
@@ -71,11 +111,15 @@ class Diagnostics:
 
     def table(self) -> str:
         """Plain-text tables: one row per layer, then one row per head."""
-        lines = ["layer  inf-norm  kurtosis", "-----  --------  --------"]
-        lines += [f"{s.layer:>5}  {s.inf_norm:>8.2f}  {s.kurtosis:>8.1f}" for s in self.layers]
+        lines = ["layer  block-out inf-norm  kurtosis  LN-input inf-norm  kurtosis  FFN-out inf-norm  top LN-input dims",
+                 "-----  ------------------  --------  -----------------  --------  ----------------  -----------------"]
+        lines += [f"{s.layer:>5}  {s.inf_norm:>18.2f}  {s.kurtosis:>8.1f}  {s.ln_input_inf_norm:>17.2f}  "
+                  f"{s.ln_input_kurtosis:>8.1f}  {s.ffn_inf_norm:>16.2f}  {','.join(map(str, s.outlier_dims)):>17}"
+                  for s in self.layers]
         lines += ["", "layer  head  sink-rate  row-sum deficit", "-----  ----  ---------  ---------------"]
         lines += [f"{h.layer:>5}  {h.head:>4}  {h.sink_rate:>9.3f}  {h.row_sum_deficit:>15.5f}" for h in self.heads]
-        lines += ["", f"max inf-norm {self.max_inf_norm:.2f}   mean kurtosis {self.mean_kurtosis:.1f}   "
+        lines += ["", f"max inf-norm {self.max_inf_norm:.2f} (block outputs), {self.max_residual_inf_norm:.2f} "
+                  f"(residual stream incl. LayerNorm inputs), {self.max_ffn_inf_norm:.2f} (FFN outputs)   mean kurtosis {self.mean_kurtosis:.1f}   "
                   f"mean sink rate {self.mean_sink_rate:.3f}   mean row-sum deficit {self.mean_row_sum_deficit:.5f}"]
         return "\n".join(lines)
 
@@ -123,8 +167,31 @@ def collect(model: nn.Module, batches: list[Batch]) -> Diagnostics:
             s.batches += 1
         return hook
 
+    def on_ln_input(index: int) -> Callable:
+        def hook(_m: nn.Module, inputs: tuple) -> None:
+            x = inputs[0].detach()
+            s = layer_stats[index]
+            dim_max = x.abs().reshape(-1, x.shape[-1]).amax(0).float()
+            s.dim_max = dim_max if s.dim_max is None or s.dim_max.shape != dim_max.shape else s.dim_max.maximum(dim_max)
+            s.ln_input_inf_norm = max(s.ln_input_inf_norm, dim_max.max().item())
+            s.ln_kurtosis_sum += kurtosis(x)
+            s.ln_batches += 1
+        return hook
+
+    def on_ffn(index: int) -> Callable:
+        def hook(_m: nn.Module, _inputs: tuple, out: torch.Tensor) -> None:
+            s = layer_stats[index]
+            s.ffn_inf_norm = max(s.ffn_inf_norm, out.detach().abs().max().item())
+        return hook
+
     for i, (_, block) in enumerate(transformer_blocks(model)):
         handles.append(block.register_forward_hook(on_block(i)))
+        for module in block.modules():
+            if isinstance(module, nn.LayerNorm):
+                handles.append(module.register_forward_pre_hook(on_ln_input(i)))
+        ffn = _last_linear(block)
+        if ffn is not None:
+            handles.append(ffn.register_forward_hook(on_ffn(i)))
     try:
         run_batches(model, batches, desc="diagnostics")
     finally:
@@ -132,6 +199,12 @@ def collect(model: nn.Module, batches: list[Batch]) -> Diagnostics:
             h.remove()
     heads = [HeadStats(l, h, v[0] / v[2], v[1] / v[2]) for (l, h), v in sorted(head_sums.items())]
     return Diagnostics(layer_stats, heads)
+
+
+def _last_linear(block: nn.Module) -> nn.Module | None:
+    """The block's last Linear (GPT-2 Conv1D included): the FFN output projection in every supported family."""
+    linears = [m for m in block.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
+    return linears[-1] if linears else None
 
 
 def plot(diagnostics: dict[str, Diagnostics], path: str | os.PathLike) -> Path:
@@ -144,10 +217,15 @@ def plot(diagnostics: dict[str, Diagnostics], path: str | os.PathLike) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for label, diag in diagnostics.items():
         xs = [s.layer for s in diag.layers]
-        axes[0].plot(xs, [s.inf_norm for s in diag.layers], marker="o", label=label)
+        line = axes[0].plot(xs, [s.inf_norm for s in diag.layers], marker="o", label=f"{label}: block output")[0]
+        if any(s.ln_batches for s in diag.layers):
+            axes[0].plot(xs, [s.ln_input_inf_norm for s in diag.layers], marker="s", linestyle="--",
+                         color=line.get_color(), label=f"{label}: LayerNorm input")
+            axes[0].plot(xs, [s.ffn_inf_norm for s in diag.layers], marker="^", linestyle=":",
+                         color=line.get_color(), label=f"{label}: FFN output")
         axes[1].plot(xs, [s.kurtosis for s in diag.layers], marker="o", label=label)
         axes[2].plot(range(len(diag.heads)), [h.sink_rate for h in diag.heads], marker=".", label=label)
-    axes[0].set(title="max |x| per layer (inf-norm)", xlabel="layer", yscale="log")
+    axes[0].set(title="max |x| per layer: residual stream and FFN output", xlabel="layer", yscale="log")
     axes[1].set(title="kurtosis per layer", xlabel="layer", yscale="log")
     axes[2].set(title="attention-sink rate per head", xlabel="layer * heads + head", ylim=(0, 1))
     for ax in axes:

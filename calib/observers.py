@@ -154,6 +154,42 @@ def fake_quant_range(x: torch.Tensor, r: QuantRange, bits: int, signed: bool) ->
     return (torch.clamp(torch.round(x / scale + zp), qmin, qmax) - zp) * scale
 
 
+class ChannelRange(Observer):
+    """Per-channel min/max over the last dimension, turned into per-embedding-group parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lo: torch.Tensor | None = None
+        self.hi: torch.Tensor | None = None
+
+    def _update(self, x: torch.Tensor) -> None:
+        flat = x.reshape(-1, x.shape[-1])
+        lo, hi = flat.amin(0), flat.amax(0)
+        if self.lo is not None and self.lo.shape != lo.shape:
+            raise ValueError(f"channel count changed during calibration ({self.lo.numel()} -> {lo.numel()})")
+        self.lo = lo if self.lo is None else torch.minimum(self.lo, lo)
+        self.hi = hi if self.hi is None else torch.maximum(self.hi, hi)
+
+    def _range(self, bits: int, signed: bool) -> tuple[float, float]:
+        return float(self.lo.min()), float(self.hi.max())
+
+    def group_params(self, groups: int, bits: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero point) vectors over the channels: equal-size groups of channels sorted by range."""
+        if self.batches == 0 or self.lo is None or self.hi is None:
+            raise RuntimeError("observer saw no data: the calibration set never reached this layer")
+        lo, hi = self.lo.clamp_max(0.0), self.hi.clamp_min(0.0)
+        channels = lo.numel()
+        groups = min(groups, channels)
+        width = hi.abs().maximum(lo.abs()) if signed else hi - lo
+        order = torch.argsort(width)
+        scale = torch.empty(channels)
+        zero_point = torch.empty(channels)
+        for members in torch.tensor_split(order, groups):
+            s, z = scale_and_zero_point(QuantRange(float(lo[members].min()), float(hi[members].max())), bits, signed)
+            scale[members], zero_point[members] = s, z
+        return scale, zero_point
+
+
 OBSERVERS = {"minmax": MinMaxObserver, "percentile": PercentileObserver, "mse": MSEObserver}
 
 

@@ -1,4 +1,4 @@
-"""``softq export``: a quantized model (saved directory or reference workload) -> ONNX file."""
+"""``softq export``: a quantized model (saved directory, Hugging Face directory or reference workload) -> ONNX."""
 
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "QDQ activations) with the softmax as 'qdq' (DequantizeLinear->Softmax->QuantizeLinear, portable), "
             "'ort' (com.microsoft.QLinearSoftmax) or 'int' (standard ops, integer arithmetic only). MODEL is a "
             "directory written by `softq quantize --output` or a reference workload name ('lm', 'vit'), which is "
-            "then quantized here first."
+            "then quantized here first, or a Hugging Face model directory, quantized here first with the default "
+            "QuantConfig on --calib texts. Headless encoders (BertModel...) output last_hidden_state; --pooled adds "
+            "the sentence embedding (the directory's sentence-transformers pooling and normalisation)."
         ),
     )
-    p.add_argument("model", help="quantized model directory, or 'lm' / 'vit' (reference workload)")
+    p.add_argument("model", help="quantized model directory (softq quantize --output), Hugging Face model "
+                                 "directory, or 'lm' / 'vit' (reference workload)")
     p.add_argument("--softmax", choices=["qdq", "ort", "int"], default="qdq", help="softmax form (default: %(default)s)")
     p.add_argument("--output", "-o", type=Path, required=True, help="ONNX file to write")
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
@@ -29,9 +32,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "int8 triggers onnxruntime's u8s8 saturation on AVX2-only x86 CPUs)")
     p.add_argument("--embeddings", choices=["float", "int8"], default="float",
                    help="also store embedding tables as per-row int8 (smaller file; default %(default)s)")
+    p.add_argument("--pooled", action="store_true",
+                   help="headless text encoders: also output 'sentence_embedding' (pooling from the directory's "
+                        "sentence-transformers files, else mean pooling)")
+    h = p.add_argument_group("when MODEL is a Hugging Face model directory (quantized here first)")
+    h.add_argument("--calib", type=Path, default=None, metavar="FILE",
+                   help="calibration texts, one per line or JSONL with 'text' (default: Python documentation paragraphs)")
+    h.add_argument("--max-length", type=int, default=128, help="tokens per calibration text (default 128)")
     g = p.add_argument_group("when MODEL is a reference workload")
     g.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
-    g.add_argument("--calib-size", type=int, default=16, help="calibration windows/images (default 16)")
+    p.add_argument("--calib-size", type=int, default=16, help="calibration windows/images/texts (default 16)")
     g.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
     p.set_defaults(handler=_export)
 
@@ -55,10 +65,29 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
         return softq.quantize(task.model, task.calib, softq.QuantConfig(bias_correction=args.bias_correction))
     path = Path(args.model)
     if not path.is_dir():
-        raise FileNotFoundError(f"{path} is neither a quantized model directory nor one of {', '.join(REFERENCE_NAMES)}")
-    from softq.quant.io import load
+        raise FileNotFoundError(f"{path} is neither a model directory nor one of {', '.join(REFERENCE_NAMES)}")
+    if (path / "quant_config.json").is_file():
+        from softq.quant.io import load
 
-    return load(path)
+        return load(path)
+    import softq
+    from softq import hf
+    from softq.quant.tasks import model_dir_task
+
+    calib = hf.read_text_file(args.calib) if args.calib is not None else None
+    task = model_dir_task(hf.load_model_dir(path, max_length=args.max_length), calib, [], calib_size=args.calib_size)
+    return softq.quantize(task.model, task.calib, softq.QuantConfig(bias_correction=args.bias_correction))
+
+
+def _pooling(args: argparse.Namespace, qmodel) -> tuple[str | None, bool]:  # noqa: ANN001
+    """(pooling, normalize) for --pooled: the model directory's sentence-transformers settings, else mean."""
+    if not args.pooled:
+        return None, False
+    from softq import hf
+
+    path = Path(args.model)
+    pooling, normalize = hf.sentence_pooling(path) if path.is_dir() else (None, False)
+    return pooling or "mean", normalize
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -67,9 +96,12 @@ def _export(args: argparse.Namespace) -> int:
 
     onnx_utils.check_writable(args.output, args.overwrite)  # before any slow work
     qmodel = load_quantized(args)
+    pooling, normalize = _pooling(args, qmodel)
     written = to_onnx(qmodel, args.output, _example_inputs(qmodel), softmax=args.softmax,
                       overwrite=args.overwrite, weight_storage=args.weight_storage,
-                      embeddings=args.embeddings)
+                      embeddings=args.embeddings, pooling=pooling, normalize=normalize)
     size = Path(written).stat().st_size
-    print(f"wrote {written} ({size / 1e6:.2f} MB, softmax={args.softmax})")
+    outputs = "last_hidden_state, sentence_embedding" if pooling else None
+    print(f"wrote {written} ({size / 1e6:.2f} MB, softmax={args.softmax}"
+          + (f", outputs {outputs}" if outputs else "") + ")")
     return 0

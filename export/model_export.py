@@ -68,6 +68,7 @@ class ExportError(ValueError):
 @dataclass
 class _ExportState:
     weights: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, int]] = field(default_factory=dict)
+    acts: dict[int, tuple[np.ndarray, np.ndarray, bool]] = field(default_factory=dict)
     softmax: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -100,6 +101,21 @@ class _QDQFn(torch.autograd.Function):
         return g.op("DequantizeLinear", q, s, z)
 
 
+class _GroupQDQFn(torch.autograd.Function):
+    """Per-embedding-group activation QDQ: per-axis QuantizeLinear/DequantizeLinear over the last dimension."""
+
+    @staticmethod
+    def forward(ctx, x, scale, zp, key: int, qmin: int, qmax: int):  # noqa: ANN001
+        return (torch.clamp(torch.round(x / scale + zp), qmin, qmax) - zp) * scale
+
+    @staticmethod
+    def symbolic(g, x, scale, zp, key: int, qmin: int, qmax: int):  # noqa: ANN001
+        scale_np, zp_np, signed = _STATE.acts[key]
+        s = g.op("Constant", value_t=torch.from_numpy(scale_np))
+        z = g.op("Constant", value_t=torch.from_numpy(zp_np))
+        return g.op("DequantizeLinear", g.op("QuantizeLinear", x, s, z, axis_i=-1), s, z, axis_i=-1)
+
+
 class _WeightDQFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, key: int):  # noqa: ANN001
@@ -130,17 +146,31 @@ class _SoftmaxMarkerFn(torch.autograd.Function):
 
 
 class _ExportAct(nn.Module):
-    def __init__(self, quantizer: nn.Module) -> None:
+    def __init__(self, quantizer: nn.Module, key: int) -> None:
         super().__init__()
-        self.scale = float(quantizer.scale)
-        self.zp = int(round(float(quantizer.zero_point)))
         self.signed = bool(quantizer.signed)
         bits = int(quantizer.bits)
         if bits > 8:
             raise ExportError(f"softq exports activations of at most 8 bits (ONNX opset {TORCH_OPSET}); got {bits}")
         self.qmin, self.qmax = ((-(2 ** (bits - 1)) + 1, 2 ** (bits - 1) - 1) if self.signed else (0, 2**bits - 1))
+        self.key = key
+        self.grouped = quantizer.scale.numel() > 1
+        if self.grouped:  # per-embedding-group: one (scale, zero point) per hidden channel
+            if (self.qmin, self.qmax) not in ((0, 255), (-127, 127)):
+                raise ExportError(f"per-group activations export at 8 bits only; got {bits}")
+            scale = quantizer.scale.detach().float().reshape(-1)
+            zp = quantizer.zero_point.detach().round().reshape(-1)
+            _STATE.acts[key] = (scale.numpy().astype(np.float32),
+                                zp.numpy().astype(np.int8 if self.signed else np.uint8), self.signed)
+            self.register_buffer("scale_v", scale)
+            self.register_buffer("zp_v", zp.float())
+        else:
+            self.scale = float(quantizer.scale)
+            self.zp = int(round(float(quantizer.zero_point)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grouped:
+            return _GroupQDQFn.apply(x, self.scale_v, self.zp_v, self.key, self.qmin, self.qmax)
         return _QDQFn.apply(x, self.scale, self.zp, self.qmin, self.qmax, self.signed)
 
 
@@ -291,22 +321,32 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "uint8",
         points.probs = _ProbsMarker(tap, key)
     counter = iter(range(10**9))
     _replace_children(model, lambda m: isinstance(m, QLinear), lambda m: _ExportLinear(m, next(counter), weight_storage))
-    _replace_children(model, _is_act_quantizer, _ExportAct)
+    _replace_children(model, _is_act_quantizer, lambda m: _ExportAct(m, next(counter)))
     if embeddings == "int8":
         # exact nn.Embedding only: subclasses (OPT's learned positions) have their own forward
         _replace_children(model, lambda m: type(m) is nn.Embedding, lambda m: _ExportEmbedding(m, next(counter)))
     return model, layers
 
 
-class _LMWrapper(nn.Module):
-    """input_ids, attention_mask -> logits, with the 4-D mask built from traceable ops."""
+TEXT_OUTPUTS = ("logits", "last_hidden_state", "sentence_embedding")
 
-    def __init__(self, model: nn.Module, causal: bool) -> None:
+
+class _TextWrapper(nn.Module):
+    """input_ids, attention_mask -> logits (models with a head) or last_hidden_state (headless encoders),
+    plus the pooled sentence embedding when asked; the 4-D mask is built from traceable ops."""
+
+    def __init__(self, model: nn.Module, causal: bool, outputs: tuple[str, ...], pooling: str | None,
+                 normalize: bool) -> None:
         super().__init__()
         self.model = model
         self.causal = causal
+        self.outputs = outputs
+        self.pooling = pooling
+        self.normalize = normalize
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        from softq.hf import pool
+
         pad = attention_mask.to(torch.bool)[:, None, None, :]
         if self.causal:
             pos = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -315,7 +355,13 @@ class _LMWrapper(nn.Module):
         if self.model.config.model_type == "opt":  # OPT derives positions from the 2-D mask, as here
             mask = attention_mask.to(torch.long)
             extra["position_ids"] = torch.cumsum(mask, dim=1) * mask - 1
-        return self.model(input_ids=input_ids, attention_mask=pad, use_cache=False, **extra).logits
+        out = self.model(input_ids=input_ids, attention_mask=pad, use_cache=False, **extra)
+        if self.outputs == ("logits",):
+            return out.logits
+        hidden = out.last_hidden_state
+        if self.outputs == ("last_hidden_state",):
+            return hidden
+        return hidden, pool(hidden, attention_mask, self.pooling or "mean", self.normalize)
 
 
 class _VisionWrapper(nn.Module):
@@ -324,17 +370,36 @@ class _VisionWrapper(nn.Module):
         self.model = model
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.model(pixel_values=pixel_values).logits
+        out = self.model(pixel_values=pixel_values)
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-def wrap_for_export(model: nn.Module) -> tuple[nn.Module, list[str]]:
-    """The module that is traced, and its ONNX input names."""
+def is_headless(model: nn.Module) -> bool:
+    """A bare encoder/decoder (``BertModel``, ``GPT2Model``, ``ViTModel``...): no task head, no logits."""
+    return type(model).__name__.endswith("Model") and not hasattr(model, "lm_head") and not hasattr(model, "classifier")
+
+
+def wrap_for_export(model: nn.Module, pooling: str | None = None,
+                    normalize: bool = False) -> tuple[nn.Module, list[str], list[str]]:
+    """The module that is traced, its ONNX input names and its output names.
+
+    Models with a head output ``logits``; headless encoders output
+    ``last_hidden_state`` and, with ``pooling`` ("mean", "cls", "max"), also the
+    sentence embedding ``sentence_embedding`` (L2-normalised with ``normalize``).
+    """
+    from softq.hf import POOLING_MODES
     from softq.models import attention_modules
 
+    headless = is_headless(model)
+    if pooling is not None and (pooling not in POOLING_MODES or not headless):
+        raise ExportError(f"pooling={pooling!r}: a sentence embedding needs a headless text encoder and one of "
+                          f"{POOLING_MODES}" + ("" if headless else f"; {type(model).__name__} has a task head"))
     if getattr(model, "main_input_name", "input_ids") == "pixel_values":
-        return _VisionWrapper(model).eval(), ["pixel_values"]
+        return _VisionWrapper(model).eval(), ["pixel_values"], ["last_hidden_state" if headless else "logits"]
+    outputs = ("logits",) if not headless else ("last_hidden_state",) if pooling is None else (
+        "last_hidden_state", "sentence_embedding")
     causal = any(bool(getattr(m, "is_causal", False)) for _, m in attention_modules(model))
-    return _LMWrapper(model, causal).eval(), ["input_ids", "attention_mask"]
+    return _TextWrapper(model, causal, outputs, pooling, normalize).eval(), ["input_ids", "attention_mask"], list(outputs)
 
 
 def example_feeds(model: nn.Module, example_inputs: Any, names: list[str]) -> dict[str, torch.Tensor]:
@@ -346,6 +411,10 @@ def example_feeds(model: nn.Module, example_inputs: Any, names: list[str]) -> di
     if not isinstance(example_inputs, Mapping):
         raise ExportError(f"example_inputs must be a tensor or a dict of tensors, got {type(example_inputs).__name__}")
     feeds = dict(example_inputs)
+    types = feeds.pop("token_type_ids", None)
+    if types is not None and bool(types.any()):
+        raise ExportError("example token_type_ids are not all 0: the exported graph takes one segment "
+                          "(input_ids, attention_mask) and uses token type 0")
     unknown = set(feeds) - set(names)
     if unknown:
         raise ExportError(f"example_inputs has unexpected key(s) {sorted(unknown)}; this model takes {names}")
@@ -373,29 +442,25 @@ def example_feeds(model: nn.Module, example_inputs: Any, names: list[str]) -> di
     return {n: feeds[n] for n in names}
 
 
-def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str]) -> onnx.ModelProto:
+def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str], outputs: list[str]) -> onnx.ModelProto:
     dynamic = {n: {0: "batch", 1: "seq"} for n in names if n != "pixel_values"}
     if "pixel_values" in names:
-        dynamic = {"pixel_values": {0: "batch"}, "logits": {0: "batch"}}
+        dynamic = {"pixel_values": {0: "batch"}}
+        dynamic.update({o: {0: "batch"} for o in outputs})
     else:
-        dynamic["logits"] = {0: "batch", 1: "seq"}
+        dynamic.update({o: {0: "batch"} if o == "sentence_embedding" else {0: "batch", 1: "seq"} for o in outputs})
     buf = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(
                 wrapper, tuple(feeds[n] for n in names), buf, dynamo=False, opset_version=TORCH_OPSET,
-                input_names=names, output_names=["logits"], dynamic_axes=dynamic,
+                input_names=names, output_names=outputs, dynamic_axes=dynamic,
                 custom_opsets={MARKER_DOMAIN: 1}, do_constant_folding=True,
             )
         except torch.onnx.errors.UnsupportedOperatorError as err:
             raise ExportError(f"softq cannot export this model: {err}") from err
     return onnx.load_from_string(buf.getvalue())
-
-
-# ---------------------------------------------------------------------------
-# Graph rewriting
-# ---------------------------------------------------------------------------
 
 
 def _init(name: str, value: np.ndarray) -> TensorProto:
@@ -562,7 +627,8 @@ def check_exportable_ops(model: onnx.ModelProto, form: str) -> None:
 
 
 def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str = "qdq", probs_outputs: bool = False,
-               weight_storage: str = "uint8", embeddings: str = "float") -> onnx.ModelProto:
+               weight_storage: str = "uint8", embeddings: str = "float", pooling: str | None = None,
+               normalize: bool = False) -> onnx.ModelProto:
     """The checked ONNX model of a softq-quantized model (not written anywhere)."""
     from softq.quant import is_quantized
 
@@ -577,7 +643,7 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str = "qdq", pro
             "calib_data) first, or use softq.export.to_onnx_float for a float model"
         )
     model, layers = _export_copy(qmodel, weight_storage, embeddings)
-    wrapper, names = wrap_for_export(model)
+    wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
     feeds = example_feeds(qmodel, example_inputs, names)
     if softmax == "ort" and "attention_mask" in names:
         warnings.warn(
@@ -587,7 +653,7 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str = "qdq", pro
             UserWarning, stacklevel=2,
         )
     _run_once(wrapper, feeds, "the quantized model")
-    onnx_model = _trace(wrapper, feeds, names)
+    onnx_model = _trace(wrapper, feeds, names, outputs)
     onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
     onnx_model = prune(onnx_model)
     check_exportable_ops(onnx_model, softmax)
@@ -596,7 +662,8 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str = "qdq", pro
     return onnx_model
 
 
-def build_onnx_float(model: nn.Module, example_inputs: Any) -> onnx.ModelProto:
+def build_onnx_float(model: nn.Module, example_inputs: Any, pooling: str | None = None,
+                     normalize: bool = False) -> onnx.ModelProto:
     """The float ONNX model (softq attention, no quantization) with the same inputs and outputs."""
     from softq.attention import configure_attention
     from softq.quant import is_quantized
@@ -605,10 +672,10 @@ def build_onnx_float(model: nn.Module, example_inputs: Any) -> onnx.ModelProto:
         raise ExportError("build_onnx_float takes the float model; this one is quantized (use to_onnx)")
     model = copy.deepcopy(model).eval()
     configure_attention(model)
-    wrapper, names = wrap_for_export(model)
+    wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
     feeds = example_feeds(model, example_inputs, names)
     _run_once(wrapper, feeds, "the float model")
-    onnx_model = prune(_trace(wrapper, feeds, names))
+    onnx_model = prune(_trace(wrapper, feeds, names, outputs))
     onnx.checker.check_model(onnx_model, full_check=True)
     return onnx_model
 
@@ -623,7 +690,8 @@ def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> 
 
 
 def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str = "qdq", overwrite: bool = False,
-            probs_outputs: bool = False, weight_storage: str = "uint8", embeddings: str = "float") -> str:
+            probs_outputs: bool = False, weight_storage: str = "uint8", embeddings: str = "float",
+            pooling: str | None = None, normalize: bool = False) -> str:
     """Export a softq-quantized model to ONNX with an integer softmax; returns the path written.
 
     ``softmax``: ``"qdq"`` (portable default), ``"ort"`` (com.microsoft.QLinearSoftmax)
@@ -642,13 +710,19 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str = "q
     20% of the output range); use ``"int8"`` for runtimes/CPUs without that issue.
     ``embeddings="int8"`` also stores embedding tables as per-row int8 (weight
     only; softq's torch model keeps them float, so outputs move slightly).
+
+    Models with a head output ``logits``.  Headless encoders (``BertModel``...)
+    output ``last_hidden_state``; with ``pooling`` ("mean", "cls", "max") they also
+    output ``sentence_embedding`` (L2-normalised with ``normalize``), what a
+    sentence-transformers folder computes (``softq.hf.load_model_dir`` reads both).
     """
     onnx_utils.check_writable(path, overwrite)  # fail before the (slow) export
-    model = build_onnx(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings)
+    model = build_onnx(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling, normalize)
     return str(onnx_utils.save_atomic(model, path, overwrite))
 
 
-def to_onnx_float(model: nn.Module, path: str, example_inputs: Any, overwrite: bool = False) -> str:
+def to_onnx_float(model: nn.Module, path: str, example_inputs: Any, overwrite: bool = False,
+                  pooling: str | None = None, normalize: bool = False) -> str:
     """Export the float model with the same interface (the FP32 baseline of the benchmarks)."""
     onnx_utils.check_writable(path, overwrite)
-    return str(onnx_utils.save_atomic(build_onnx_float(model, example_inputs), path, overwrite))
+    return str(onnx_utils.save_atomic(build_onnx_float(model, example_inputs, pooling, normalize), path, overwrite))

@@ -9,14 +9,16 @@ from pathlib import Path
 def register(subparsers: argparse._SubParsersAction) -> None:
     q = subparsers.add_parser(
         "quantize",
-        help="W8A8-quantize a reference model (softmax included), evaluate it, optionally save it",
+        help="W8A8-quantize a Hugging Face model directory or a reference model (softmax included), evaluate it, save it",
         description=(
-            "Quantize the reference LM ('lm') or ViT ('vit') -- trained and cached in $SOFTQ_CACHE on first use -- "
-            "with softq's calibration passes, print float vs quantized metric, and optionally save the quantized "
-            "model directory for `softq export`."
+            "Quantize MODEL with softq's calibration passes, print float vs quantized metric, and optionally save the "
+            "quantized model directory for `softq export`. MODEL is a Hugging Face model directory (config.json, "
+            "weights, tokenizer; sentence-transformers folders included), calibrated on --calib texts and compared "
+            "with its float self by cosine similarity of the sentence embedding (or logits); or the reference LM "
+            "('lm') or ViT ('vit'), trained and cached in $SOFTQ_CACHE on first use."
         ),
     )
-    q.add_argument("model", choices=["lm", "vit"], help="reference workload to quantize")
+    q.add_argument("model", help="Hugging Face model directory, or 'lm' / 'vit' (reference workloads)")
     _add_quant_options(q)
     q.add_argument("--output", type=Path, help="save the quantized model to this directory")
     q.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
@@ -27,12 +29,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "report",
         help="per-layer/head outlier and softmax diagnostics, sensitivity ranking, PNG plot",
         description=(
-            "Print per-layer inf-norm and kurtosis, per-head attention-sink rate and quantized softmax row-sum "
-            "deficit for a reference model (float and W8A8), rank which quantized part costs the most, and write "
+            "Print per-layer inf-norm and kurtosis (block outputs, LayerNorm inputs, FFN outputs), per-head "
+            "attention-sink rate and quantized softmax row-sum deficit for a model directory or a reference model "
+            "(float and W8A8), rank which quantized part costs the most, and write "
             "a plot."
         ),
     )
-    r.add_argument("model", choices=["lm", "vit"], help="reference workload to diagnose")
+    r.add_argument("model", help="Hugging Face model directory, or 'lm' / 'vit' (reference workloads)")
     _add_quant_options(r)
     r.add_argument("--plot", type=Path, default=Path("softq-report.png"), help="PNG to write (default: %(default)s)")
     r.add_argument("--no-sensitivity", action="store_true", help="skip the one-part-at-a-time sensitivity pass")
@@ -46,8 +49,19 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
     p.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA", help="SmoothQuant migration strength")
     p.add_argument("--observer", choices=["minmax", "percentile", "mse"], default="minmax")
+    p.add_argument("--residual-groups", type=int, default=None, metavar="K",
+                   help="per-embedding-group quantization of the residual stream with K groups "
+                        "(default: QuantConfig's; 1 = per tensor)")
+    p.add_argument("--no-residual", action="store_true", help="leave the residual stream (LayerNorm inputs) float")
+    p.add_argument("--calib", type=Path, default=None, metavar="FILE",
+                   help="model directory: calibration texts, one per line or JSONL with a 'text' field "
+                        "(default: paragraphs of Python's documentation)")
+    p.add_argument("--eval", type=Path, default=None, metavar="FILE",
+                   help="model directory: evaluation texts, same format (default: other documentation paragraphs)")
+    p.add_argument("--max-length", type=int, default=128, help="model directory: tokens per text (default 128)")
     p.add_argument("--context", type=int, default=None, help="LM window length (default: the model's full context)")
-    p.add_argument("--calib-size", type=int, default=16, help="calibration windows/images (default 16)")
+    p.add_argument("--calib-size", type=int, default=None,
+                   help="calibration windows/images (default 16) or texts (default 64)")
     p.add_argument("--eval-limit", type=int, default=None, help="evaluate on at most this many windows/images")
     p.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
     p.add_argument("--steps", type=int, default=None,
@@ -59,18 +73,35 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace):
     from softq.quant.config import QuantConfig
 
+    extra = {} if args.residual_groups is None else {"residual_groups": args.residual_groups}
     return QuantConfig(
         weight_bits=args.weight_bits, act_bits=args.act_bits,
         softmax_bits=args.softmax_bits or None, bias_correction=args.bias_correction,
-        smoothquant_alpha=args.smoothquant, observer=args.observer,
+        smoothquant_alpha=args.smoothquant, observer=args.observer, quantize_residual=not args.no_residual, **extra,
     )
 
 
-def _task(args: argparse.Namespace):
-    from softq.quant.tasks import reference_task
+REFERENCE_NAMES = ("lm", "vit")
 
-    return reference_task(args.model, context=args.context, calib_size=args.calib_size,
-                          eval_limit=args.eval_limit, seed=args.seed, size=args.size, steps=args.steps)
+
+def _task(args: argparse.Namespace):
+    from softq.quant.tasks import model_dir_task, reference_task
+
+    if args.model in REFERENCE_NAMES:
+        if args.calib is not None or args.eval is not None:
+            raise ValueError("--calib/--eval take text files for a model directory, not the reference workloads")
+        return reference_task(args.model, context=args.context, calib_size=args.calib_size or 16,
+                              eval_limit=args.eval_limit, seed=args.seed, size=args.size, steps=args.steps)
+    from softq import hf
+
+    # Read the texts before loading the model: a bad file fails in a second, not after the load.
+    calib = hf.read_text_file(args.calib) if args.calib is not None else None
+    evaluation = hf.read_text_file(args.eval) if args.eval is not None else None
+    loaded = hf.load_model_dir(args.model, max_length=args.max_length)
+    task = model_dir_task(loaded, calib, evaluation, calib_size=args.calib_size or 64,
+                          eval_limit=args.eval_limit if args.eval_limit is not None else 128)
+    task.source = loaded
+    return task
 
 
 def _quantize(args: argparse.Namespace) -> int:
@@ -84,12 +115,15 @@ def _quantize(args: argparse.Namespace) -> int:
     print(f"{task.name}: {config.describe()}")
     if not args.no_eval:
         fp, q = task.evaluate(), task.evaluate(qmodel)
-        print(f"  float     {task.metric_name}: {fp:.4f}")
-        print(f"  quantized {task.metric_name}: {q:.4f}  ({(q - fp) / fp * 100:+.2f}% relative)")
+        digits = 5 if task.metric_name.startswith("cosine") else 4
+        print(f"  float     {task.metric_name}: {fp:.{digits}f}")
+        print(f"  quantized {task.metric_name}: {q:.{digits}f}  ({(q - fp) / fp * 100:+.3f}% relative)")
     if args.output is not None:
         from softq.quant.io import save
 
-        print(f"  saved to {save(qmodel, args.output, overwrite=args.overwrite)}")
+        source = getattr(task, "source", None)
+        written = save(qmodel, args.output, overwrite=args.overwrite, sidecars_from=source.path if source else None)
+        print(f"  saved to {written}")
     return 0
 
 

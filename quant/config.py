@@ -46,6 +46,7 @@ class QuantConfig:
     bias_correction: Literal["tensor", "head", "head_row"] | None = None
     smoothquant_alpha: float | None = None
     quantize_residual: bool = True
+    residual_groups: int = 1
     exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -65,6 +66,8 @@ class QuantConfig:
             )
         if self.bias_correction is not None and self.softmax_bits is None:
             raise ValueError("bias_correction corrects the quantized softmax output; it needs softmax_bits")
+        if not isinstance(self.residual_groups, int) or isinstance(self.residual_groups, bool) or self.residual_groups < 1:
+            raise ValueError(f"residual_groups must be a positive integer, got {self.residual_groups!r}")
         if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
             raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
 

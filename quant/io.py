@@ -28,13 +28,19 @@ from torch import nn
 from softq.attention import configure_from_config
 from softq.quant.config import QuantConfig
 from softq.quant.quantize import is_quantized, prepare, set_mode
-from softq.quant.quantizers import SoftmaxOutputQuantizer
+from softq.quant.quantizers import ActQuantizer, SoftmaxOutputQuantizer
 
 FORMAT_VERSION = 1
 
 
-def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Write ``qmodel`` (from :func:`softq.quantize`) to the directory ``path``, atomically."""
+def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
+         sidecars_from: str | os.PathLike | None = None) -> Path:
+    """Write ``qmodel`` (from :func:`softq.quantize`) to the directory ``path``, atomically.
+
+    ``sidecars_from``: a Hugging Face model directory whose tokenizer and
+    sentence-transformers files (pooling, normalisation) are copied along, so the
+    quantized directory is as usable as the original (``softq export --pooled``).
+    """
     if not is_quantized(qmodel):
         raise ValueError("softq.quant.save expects a model returned by softq.quantize")
     target = Path(path)
@@ -50,6 +56,10 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False) ->
         meta = {"format": FORMAT_VERSION, "quant_config": dataclasses.asdict(qmodel.softq_quant_config), "softmax_outputs": probs}
         (tmp / "quant_config.json").write_text(json.dumps(meta, indent=2))
         torch.save(qmodel.state_dict(), tmp / "model.pt")
+        if sidecars_from is not None:
+            from softq.hf import copy_sidecars
+
+            copy_sidecars(sidecars_from, tmp)
         if target.exists():
             old = target.with_name(f".{target.name}.old")
             os.replace(target, old)
@@ -84,6 +94,11 @@ def load(path: str | os.PathLike) -> nn.Module:
     prepare(model, config)
     state = torch.load(source / "model.pt", map_location="cpu", weights_only=True)
     modules = dict(model.named_modules())
+    for name, module in modules.items():  # per-group activation points keep vector scales
+        for buffer in ("scale", "zero_point"):
+            saved = state.get(f"{name}.{buffer}")
+            if isinstance(module, ActQuantizer) and saved is not None and saved.shape != getattr(module, buffer).shape:
+                setattr(module, buffer, torch.zeros_like(saved))
     for name, info in meta["softmax_outputs"].items():
         quantizer = modules[name]
         for buffer in ("beta", "beta_head"):

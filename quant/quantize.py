@@ -45,8 +45,8 @@ class QLayerNorm(nn.LayerNorm):
         return super().forward(self.input_act(x))
 
 
-def _act(config: QuantConfig) -> ActQuantizer:
-    return ActQuantizer(config.act_bits, config.act_symmetric, config.observer, config.percentile)
+def _act(config: QuantConfig, groups: int = 1) -> ActQuantizer:
+    return ActQuantizer(config.act_bits, config.act_symmetric, config.observer, config.percentile, groups)
 
 
 def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
@@ -59,7 +59,7 @@ def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
             if type(child) is nn.Linear:
                 setattr(parent, child_name, QLinear(child, config.weight_bits, config.weight_per_channel, _act(config)))
             elif type(child) is nn.LayerNorm and config.quantize_residual:
-                setattr(parent, child_name, QLayerNorm(child, _act(config)))
+                setattr(parent, child_name, QLayerNorm(child, _act(config, config.residual_groups)))
 
 
 def _attach_attention_quantizers(points: AttentionPoints, config: QuantConfig) -> None:

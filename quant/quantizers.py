@@ -25,7 +25,7 @@ from brevitas.quant import Int8WeightPerChannelFloat, Int8WeightPerTensorFloat
 from torch import nn
 
 from softq.attention import ProbsQuantizer
-from softq.calib.observers import Observer, make_observer, scale_and_zero_point
+from softq.calib.observers import ChannelRange, Observer, make_observer, scale_and_zero_point
 
 Mode = Literal["float", "observe", "quant"]
 
@@ -39,14 +39,27 @@ def _brevitas_int_quant(signed: bool) -> IntQuant:
 
 
 class ActQuantizer(nn.Module):
-    """Per-tensor activation quantizer with an observer-fitted scale and zero point."""
+    """Activation quantizer with an observer-fitted scale and zero point.
 
-    def __init__(self, bits: int, signed: bool, observer: str = "minmax", percentile: float = 99.99):
+    ``groups=1`` (the default) is per-tensor.  ``groups=K > 1`` is per-embedding-group
+    quantization (PEG, Bondarenko et al. 2021) over the last (hidden) dimension:
+    channels are sorted by their calibrated range and split into K groups of equal
+    size, so the few outlier dimensions share a group (and a scale) and the rest keep
+    a fine one.  Scale and zero point then are vectors over the hidden dimension,
+    which ONNX expresses as a per-axis ``QuantizeLinear``.  Group ranges are the
+    min/max of their channels (the ``observer`` rule applies to per-tensor points).
+    """
+
+    def __init__(self, bits: int, signed: bool, observer: str = "minmax", percentile: float = 99.99,
+                 groups: int = 1):
         super().__init__()
+        if not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"activation groups must be a positive integer, got {groups!r}")
         self.bits = bits
         self.signed = signed
+        self.groups = groups
         self.mode: Mode = "float"
-        self.observer: Observer | None = make_observer(observer, percentile)
+        self.observer: Observer | None = make_observer(observer, percentile) if groups == 1 else ChannelRange()
         self.quant = _brevitas_int_quant(signed)
         self.register_buffer("scale", torch.tensor(1.0))
         self.register_buffer("zero_point", torch.tensor(0.0))
@@ -54,19 +67,36 @@ class ActQuantizer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "quant":
-            return self.quant(self.scale, self.zero_point, self.bit_width, x)
+            if torch.is_grad_enabled():
+                return self.quant(self.scale, self.zero_point, self.bit_width, x)
+            return self.fake_quant_inference(x)
         if self.mode == "observe" and self.observer is not None:
             self.observer.update(x)
         return x
+
+    def fake_quant_inference(self, x: torch.Tensor) -> torch.Tensor:
+        """Brevitas' ``IntQuant`` arithmetic, op for op (divide, add zero point, round half to even, clamp,
+        subtract, multiply), in place and with one ``clamp`` instead of two ``where``s: the same numbers
+        about twice as fast, for evaluation without gradients (tests check it equals ``self.quant``)."""
+        qmin = float(self.quant.min_int(self.bit_width))
+        qmax = float(self.quant.max_int(self.bit_width))
+        y = x / self.scale
+        y.add_(self.zero_point).round_().clamp_(qmin, qmax).sub_(self.zero_point)
+        return y.mul_(self.scale)
 
     def finish_calibration(self) -> None:
         """Fix scale and zero point from what the observer saw, then drop the observer."""
         if self.observer is None:
             return
-        r = self.observer.range(self.bits, self.signed)
-        scale, zero_point = scale_and_zero_point(r, self.bits, self.signed)
-        self.scale.fill_(scale)
-        self.zero_point.fill_(zero_point)
+        if isinstance(self.observer, ChannelRange):
+            scale, zero_point = self.observer.group_params(self.groups, self.bits, self.signed)
+            self.scale = scale.to(self.scale.dtype)
+            self.zero_point = zero_point.to(self.zero_point.dtype)
+        else:
+            r = self.observer.range(self.bits, self.signed)
+            scale, zero_point = scale_and_zero_point(r, self.bits, self.signed)
+            self.scale.fill_(scale)
+            self.zero_point.fill_(zero_point)
         self.observer = None
 
     def int_repr(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,6 +104,9 @@ class ActQuantizer(nn.Module):
         return self.quant.to_int(self.scale, self.zero_point, self.bit_width, x)
 
     def extra_repr(self) -> str:
+        if self.scale.numel() > 1:
+            return (f"bits={self.bits}, signed={self.signed}, mode={self.mode}, groups={self.groups}, "
+                    f"scales={self.scale.unique().numel()} in [{self.scale.min().item():.4g}, {self.scale.max().item():.4g}]")
         return f"bits={self.bits}, signed={self.signed}, mode={self.mode}, scale={self.scale.item():.4g}, zp={self.zero_point.item():g}"
 
 

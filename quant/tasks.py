@@ -42,6 +42,7 @@ class Task:
     metric_name: str
     higher_is_better: bool
     _measure: Callable[[nn.Module, list[dict[str, torch.Tensor]]], tuple[float, float]]
+    source: Any = None  # the softq.hf.HFModel a model-directory task was built from
 
     def evaluate(self, model: nn.Module | None = None) -> float:
         """The task's headline metric (perplexity or top-1 %)."""
@@ -116,3 +117,50 @@ def vit_task(model: nn.Module, *, calib_size: int = 16, eval_limit: int | None =
         images, labels = images[:eval_limit], labels[:eval_limit]
     eval_inputs = [{"pixel_values": images[i:i + 128]} for i in range(0, len(images), 128)]
     return Task("vit", model, calib, eval_inputs, "top-1 %", True, lambda m, inputs: _classify(m, inputs, labels))
+
+
+def model_dir_task(
+    loaded: Any,
+    calib_texts: list[str] | None = None,
+    eval_texts: list[str] | None = None,
+    *,
+    calib_size: int = 64,
+    eval_limit: int | None = 128,
+    batch_size: int = 16,
+) -> Task:
+    """Fidelity task of any Hugging Face model directory (:class:`softq.hf.HFModel`): cosine to FP32.
+
+    Headless encoders are compared on their sentence embedding (the directory's
+    sentence-transformers pooling, else mean pooling), models with a head on their
+    logits (per example).  Calibration texts default to paragraphs of Python's
+    documentation, the evaluation texts to disjoint ones (``softq.hf.text_split``).
+    The loss used by the sensitivity ranking is ``1 - mean cosine``.
+    """
+    from softq import hf
+
+    if not loaded.is_text:
+        raise ValueError(f"{loaded.path}: softq's model-directory commands take text models; "
+                         "quantize vision models from Python with softq.quantize(model, calib_images)")
+    calib_texts = calib_texts if calib_texts is not None else hf.text_split("calib", calib_size)
+    eval_texts = eval_texts if eval_texts is not None else hf.text_split("eval", eval_limit)
+    calib = loaded.batches(calib_texts[:calib_size], batch_size)
+    eval_inputs = loaded.batches(eval_texts, batch_size)
+
+    @torch.no_grad()
+    def outputs(m: nn.Module, inputs: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        from softq.export.model_export import is_headless
+
+        if is_headless(loaded.model):
+            return loaded.encode(inputs, m)
+        m.eval()
+        return torch.cat([m(**b).logits.flatten(1) for b in inputs])
+
+    reference: list[torch.Tensor] = []
+
+    def cosine_measure(m: nn.Module, inputs: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        if not reference:
+            reference.append(outputs(loaded.model, inputs))
+        cos = nn.functional.cosine_similarity(outputs(m, inputs), reference[0], dim=-1).mean().item()
+        return cos, 1.0 - cos
+
+    return Task(loaded.path.name, loaded.model, calib, eval_inputs, "cosine to FP32", True, cosine_measure)

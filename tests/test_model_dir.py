@@ -1,0 +1,296 @@
+"""Hugging Face model directories end to end: loading, the CLI, residual-stream outliers, headless export.
+
+The models are tiny BERTs built from configs (with a word-level tokenizer written
+here); one outlier dimension is planted in the residual stream the way real
+post-LN models have them (all-MiniLM-L6-v2: |x| = 223 at a LayerNorm input).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import softq
+from softq import hf
+from softq.calib import diagnostics
+from softq.cli import main
+from softq.export import to_onnx, to_onnx_float
+from softq.export.onnx_utils import session
+
+WORDS = ("the a of to and in is it for on with as was at by an be this that from or are not have".split()
+         + "python function class module value list return object string type error file data".split())
+OUTLIER_DIM = 5
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SOFTQ_CACHE", str(tmp_path_factory.getbasetemp() / "softq-cache"))
+
+
+def _tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    return transformers.BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True)
+
+
+def tiny_bert(outlier: float = 60.0) -> transformers.BertModel:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    with torch.no_grad():  # one residual dimension carries a large FFN output, as in real BERTs
+        for layer in model.encoder.layer:
+            layer.output.dense.bias[OUTLIER_DIM] = outlier
+    return model
+
+
+def sentence_folder(path: Path, outlier: float = 60.0) -> Path:
+    """A sentence-transformers folder: BertModel + tokenizer + mean pooling + Normalize."""
+    path.mkdir(parents=True, exist_ok=True)
+    model = tiny_bert(outlier)
+    model.save_pretrained(path)
+    _tokenizer(path).save_pretrained(path)
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False}))
+    return path
+
+
+def texts(n: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(4, 14)))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return sentence_folder(tmp_path_factory.mktemp("st") / "tiny-st")
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+def test_load_sentence_folder_pools_like_sentence_transformers(folder) -> None:
+    loaded = hf.load_model_dir(folder)
+    assert (loaded.pooling, loaded.normalize, type(loaded.model).__name__) == ("mean", True, "BertModel")
+    batch = loaded.tokenize(["the python module", "a list of string data for the function"])
+    emb = loaded.encode([batch])
+    hidden = loaded.model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    expected = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+    torch.testing.assert_close(emb, expected)
+    assert torch.allclose(emb.norm(dim=-1), torch.ones(2))
+
+
+def test_pydoc_splits_are_disjoint_and_retrieval_scores_itself() -> None:
+    calib, evaluation = hf.text_split("calib"), hf.text_split("eval")
+    assert len(calib) > 50 and len(evaluation) > 200 and not set(calib) & set(evaluation)
+    first, second = hf.halves(evaluation[:3])
+    assert [f"{a} {b}" for a, b in zip(first, second)] == evaluation[:3]
+    emb = torch.eye(4)
+    assert hf.recall_at_1(emb, emb) == 1.0 and hf.recall_at_1(emb, emb.flip(0)) == 0.0
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p / "missing", "is not a directory"),
+    (lambda p: p, "no config.json"),
+])
+def test_bad_model_dirs_fail_with_one_line(tmp_path, make, message) -> None:
+    with pytest.raises(hf.ModelDirError, match=message):
+        hf.load_model_dir(make(tmp_path))
+
+
+def test_model_dir_without_tokenizer_or_with_unsupported_family(tmp_path) -> None:
+    tiny_bert().save_pretrained(tmp_path / "bare")
+    with pytest.raises(hf.ModelDirError, match="has no tokenizer"):
+        hf.load_model_dir(tmp_path / "bare")
+    transformers.T5Config(vocab_size=50, d_model=16, num_layers=1, num_heads=2, d_ff=32).save_pretrained(tmp_path / "t5")
+    with pytest.raises(ValueError, match="does not support model_type 't5'; supported"):
+        hf.load_model_dir(tmp_path / "t5")
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty"),
+    (b"\n  \n", "is empty"),
+    (b"caf\xe9 au lait\n", "is not UTF-8 text"),
+    (b'{"text": "fine"}\n{"txt": 1}\n', ":2: JSONL records need a string field 'text'"),
+])
+def test_bad_calibration_files(tmp_path, content, message) -> None:
+    path = tmp_path / "calib.txt"
+    path.write_bytes(content)
+    with pytest.raises(hf.ModelDirError, match=message):
+        hf.read_text_file(path)
+
+
+def test_calibration_file_lines_and_jsonl(tmp_path) -> None:
+    (tmp_path / "a.txt").write_text("first text\n\n second text \n")
+    (tmp_path / "b.jsonl").write_text('{"text": "one"}\n{"text": "two", "id": 3}\n')
+    assert hf.read_text_file(tmp_path / "a.txt") == ["first text", "second text"]
+    assert hf.read_text_file(tmp_path / "b.jsonl") == ["one", "two"]
+
+
+# -- residual-stream outliers: per-embedding-group quantization ------------------------------------
+
+
+def _calib(loaded: hf.HFModel, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    return loaded.batches(texts(24, seed), 8)
+
+
+def test_residual_groups_isolate_the_outlier_dimension(folder) -> None:
+    loaded = hf.load_model_dir(folder)
+    calib, evaluation = _calib(loaded), loaded.batches(texts(32, 2), 8)
+    ref = loaded.encode(evaluation)
+    cos = {}
+    for groups in (1, 4):
+        qmodel = softq.quantize(loaded.model, calib, softq.QuantConfig(residual_groups=groups, softmax_bits=None))
+        norm = qmodel.encoder.layer[0].output.LayerNorm.input_act  # after the FFN: the outlier is here
+        if groups == 1:
+            assert norm.scale.numel() == 1
+        else:  # the outlier dimension sits in the coarsest group, alone in its scale among most channels
+            assert norm.scale.shape == (32,) and norm.scale.unique().numel() == 4
+            assert norm.scale[OUTLIER_DIM] == norm.scale.max()
+            assert (norm.scale < norm.scale.max()).sum() >= 24
+        cos[groups] = torch.nn.functional.cosine_similarity(loaded.encode(evaluation, qmodel), ref).mean().item()
+    assert cos[4] > cos[1]
+    assert 1 - cos[4] < 0.5 * (1 - cos[1])
+
+
+def test_inference_fast_path_equals_brevitas() -> None:
+    from softq.quant.quantizers import ActQuantizer
+
+    torch.manual_seed(0)
+    for signed, groups in ((False, 1), (True, 1), (False, 3)):
+        q = ActQuantizer(8, signed, groups=groups)
+        q.mode = "observe"
+        q(torch.randn(4, 7, 12) * torch.linspace(0.1, 30, 12))
+        q.finish_calibration()
+        q.mode = "quant"
+        x = torch.randn(4, 7, 12) * 20
+        with torch.no_grad():
+            fast = q(x)
+        assert torch.equal(fast, q.quant(q.scale, q.zero_point, q.bit_width, x))
+        assert torch.equal(q(x), fast)  # with grad enabled: Brevitas itself
+
+
+def test_residual_groups_config_is_validated() -> None:
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="residual_groups must be a positive integer"):
+            softq.QuantConfig(residual_groups=bad)
+
+
+def test_grouped_model_saves_loads_and_exports_bit_exact(folder, tmp_path) -> None:
+    from softq.quant.io import load, save
+
+    loaded = hf.load_model_dir(folder)
+    qmodel = softq.quantize(loaded.model, _calib(loaded), softq.QuantConfig(residual_groups=4))
+    out = save(qmodel, tmp_path / "q", sidecars_from=folder)
+    assert (out / "vocab.txt").is_file() and (out / "1_Pooling" / "config.json").is_file()
+    again = load(out)
+    batch = loaded.tokenize(["the python class is an object", "return a value"])
+    with torch.no_grad():
+        expected = qmodel(**batch).last_hidden_state
+        torch.testing.assert_close(again(**batch).last_hidden_state, expected, rtol=0, atol=0)
+    path = to_onnx(again, str(tmp_path / "q.onnx"), batch, softmax="int", pooling="mean", normalize=True)
+    sess = session(path)
+    assert [o.name for o in sess.get_outputs()] == ["last_hidden_state", "sentence_embedding"]
+    hidden, emb = sess.run(None, {"input_ids": batch["input_ids"].numpy(), "attention_mask": batch["attention_mask"].numpy()})
+    valid = batch["attention_mask"].bool().numpy()
+    np.testing.assert_allclose(hidden[valid], expected.numpy()[valid], atol=2e-5)
+    np.testing.assert_allclose(emb, loaded.encode([batch], qmodel).numpy(), atol=2e-6)
+
+
+def test_headless_float_export_outputs_last_hidden_state(folder, tmp_path) -> None:
+    loaded = hf.load_model_dir(folder)
+    batch = loaded.tokenize(["the module"])
+    path = to_onnx_float(loaded.model, str(tmp_path / "f.onnx"), batch)
+    sess = session(path)
+    assert [o.name for o in sess.get_outputs()] == ["last_hidden_state"]
+    (hidden,) = sess.run(None, {k: batch[k].numpy() for k in ("input_ids", "attention_mask")})
+    np.testing.assert_allclose(hidden, loaded.model(**batch).last_hidden_state.detach().numpy(), atol=1e-4)
+
+
+# -- diagnostics see where post-LN outliers live -----------------------------------------------
+
+
+def test_diagnostics_find_post_ln_outliers_at_layernorm_inputs(folder) -> None:
+    loaded = hf.load_model_dir(folder)
+    diag = diagnostics.collect(loaded.model, _calib(loaded))
+    for layer in diag.layers:
+        # the block output has just been normalised; the LayerNorm input carries the planted outlier
+        assert layer.ln_input_inf_norm > 40 > 3 * layer.inf_norm
+        assert layer.ffn_inf_norm > 40
+        assert layer.outlier_dims[0] == OUTLIER_DIM
+    assert diag.max_residual_inf_norm > 40
+    assert "LN-input inf-norm" in diag.table()
+
+
+# -- the command line on a model directory ---------------------------------------------------
+
+
+def test_cli_quantize_report_export_on_a_model_dir(folder, tmp_path, capsys) -> None:
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(texts(16, 3)))
+    evaluation = tmp_path / "eval.jsonl"
+    evaluation.write_text("\n".join(json.dumps({"text": t}) for t in texts(8, 4)))
+    out = tmp_path / "q"
+    assert main(["quantize", str(folder), "--calib", str(calib), "--eval", str(evaluation), "--residual-groups", "4",
+                 "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "float     cosine to FP32: 1.00000" in text
+    quantized = float(re.search(r"quantized cosine to FP32: ([0-9.]+)", text).group(1))
+    assert 0.99 < quantized <= 1.0
+    onnx_path = tmp_path / "q.onnx"
+    assert main(["export", str(out), "--pooled", "-o", str(onnx_path)]) == 0
+    assert "outputs last_hidden_state, sentence_embedding" in capsys.readouterr().out
+    assert [o.name for o in session(str(onnx_path)).get_outputs()] == ["last_hidden_state", "sentence_embedding"]
+    # a plain Hugging Face directory is quantized on the fly by export
+    assert main(["export", str(folder), "--calib", str(calib), "-o", str(tmp_path / "direct.onnx")]) == 0
+    png = tmp_path / "r.png"
+    assert main(["report", str(folder), "--calib", str(calib), "--eval", str(evaluation), "--plot", str(png),
+                 "--no-sensitivity"]) == 0
+    assert "LN-input inf-norm" in capsys.readouterr().out and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no-dir", "is not a directory"),
+    ("empty-calib", "is empty"),
+    ("binary-calib", "is not UTF-8"),
+    ("not-a-model", "no config.json"),
+])
+def test_cli_bad_input_is_one_line_and_writes_nothing(folder, tmp_path, capsys, case, message) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00")
+    out = ["--output", str(tmp_path / "out")]
+    argv = {
+        "no-dir": ["quantize", str(tmp_path / "nothing"), *out],
+        "empty-calib": ["quantize", str(folder), "--calib", str(tmp_path / "empty.txt"), *out],
+        "binary-calib": ["quantize", str(folder), "--calib", str(tmp_path / "binary.txt"), *out],
+        "not-a-model": ["export", str(tmp_path), "-o", str(tmp_path / "x.onnx")],
+    }[case]
+    before = set(tmp_path.iterdir())
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert set(tmp_path.iterdir()) == before
+
+
+# -- the real pretrained model, when its package is installed ---------------------------------
+
+
+def test_minilm_default_config_keeps_embeddings(tmp_path) -> None:
+    pytest.importorskip("all_minilm_l6_v2")
+    loaded = hf.load_minilm(max_length=64)
+    calib = loaded.batches(hf.text_split("calib", 16), 8)
+    evaluation = loaded.batches(hf.text_split("eval", 16), 8)
+    qmodel = softq.quantize(loaded.model, calib, softq.QuantConfig())
+    cos = torch.nn.functional.cosine_similarity(loaded.encode(evaluation, qmodel), loaded.encode(evaluation))
+    assert cos.mean() > 0.99 and cos.min() > 0.97
