@@ -14,6 +14,7 @@ Observers see raw float activations; they do not quantize.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +42,14 @@ class Observer:
         x = x.detach().float()
         if x.numel() == 0:
             return
-        if not torch.isfinite(x).all():
+        # One pass gives the extremes and the finiteness check (NaN and Inf propagate into them).
+        lo, hi = (v.item() for v in torch.aminmax(x))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             raise ValueError("non-finite activation (NaN or Inf) reached an observer")
         self.batches += 1
-        self._update(x)
+        self._update(x, lo, hi)
 
-    def _update(self, x: torch.Tensor) -> None:
+    def _update(self, x: torch.Tensor, lo: float, hi: float) -> None:
         raise NotImplementedError
 
     def range(self, bits: int, signed: bool) -> QuantRange:
@@ -65,9 +68,9 @@ class MinMaxObserver(Observer):
         self.lo = float("inf")
         self.hi = float("-inf")
 
-    def _update(self, x: torch.Tensor) -> None:
-        self.lo = min(self.lo, x.min().item())
-        self.hi = max(self.hi, x.max().item())
+    def _update(self, x: torch.Tensor, lo: float, hi: float) -> None:
+        self.lo = min(self.lo, lo)
+        self.hi = max(self.hi, hi)
 
     def _range(self, bits: int, signed: bool) -> tuple[float, float]:
         return self.lo, self.hi
@@ -90,7 +93,7 @@ class PercentileObserver(Observer):
         self.lo_sum = 0.0
         self.hi_sum = 0.0
 
-    def _update(self, x: torch.Tensor) -> None:
+    def _update(self, x: torch.Tensor, lo: float, hi: float) -> None:
         flat = _subsample(x, QUANTILE_LIMIT)
         qs = torch.quantile(flat, torch.tensor([1.0 - self.q, self.q]))
         self.lo_sum += qs[0].item()
@@ -114,8 +117,9 @@ class MSEObserver(Observer):
         self.samples: list[torch.Tensor] = []
         self.minmax = MinMaxObserver()
 
-    def _update(self, x: torch.Tensor) -> None:
-        self.minmax.update(x)
+    def _update(self, x: torch.Tensor, lo: float, hi: float) -> None:
+        self.minmax._update(x, lo, hi)
+        self.minmax.batches += 1
         self.samples.append(_subsample(x, RESERVOIR // 8))
         if sum(s.numel() for s in self.samples) > RESERVOIR:
             self.samples = [_subsample(torch.cat(self.samples), RESERVOIR)]
@@ -162,7 +166,7 @@ class ChannelRange(Observer):
         self.lo: torch.Tensor | None = None
         self.hi: torch.Tensor | None = None
 
-    def _update(self, x: torch.Tensor) -> None:
+    def _update(self, x: torch.Tensor, lo: float, hi: float) -> None:
         flat = x.reshape(-1, x.shape[-1])
         lo, hi = flat.amin(0), flat.amax(0)
         if self.lo is not None and self.lo.shape != lo.shape:

@@ -145,9 +145,10 @@ def correct_softmax_bias(qmodel: nn.Module, batches: list[Batch], granularity: s
 
 
 def _try_forward(model: nn.Module, batch: Batch) -> None:
-    """Run one batch through the float model so a mismatch fails here, named, not deep inside a pass."""
+    """Run one example of the first batch through the float model, so a mismatch fails here, named,
+    not deep inside a pass (one example: a fraction of a calibration pass)."""
     try:
-        run_batches(model, [batch])
+        run_batches(model, [{k: v[:1] for k, v in batch.items()}])
     except (RuntimeError, IndexError, ValueError) as err:
         shapes = {k: tuple(v.shape) for k, v in batch.items()}
         raise ValueError(f"calibration batch 0 with shapes {shapes} does not fit {type(model).__name__}: {err}") from err
