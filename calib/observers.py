@@ -177,21 +177,65 @@ class ChannelRange(Observer):
     def _range(self, bits: int, signed: bool) -> tuple[float, float]:
         return float(self.lo.min()), float(self.hi.max())
 
-    def group_params(self, groups: int, bits: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, zero point) vectors over the channels: equal-size groups of channels sorted by range."""
+    def widths(self, signed: bool) -> torch.Tensor:
         if self.batches == 0 or self.lo is None or self.hi is None:
             raise RuntimeError("observer saw no data: the calibration set never reached this layer")
         lo, hi = self.lo.clamp_max(0.0), self.hi.clamp_min(0.0)
-        channels = lo.numel()
-        groups = min(groups, channels)
-        width = hi.abs().maximum(lo.abs()) if signed else hi - lo
+        return hi.abs().maximum(lo.abs()) if signed else hi - lo
+
+    def outlier_ratio(self, signed: bool) -> float:
+        """Widest channel range over the median channel range (about 2-4 without outlier dimensions)."""
+        width = self.widths(signed)
+        return float(width.max() / width.median().clamp_min(1e-12))
+
+    def group_params(self, groups: int, bits: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero point) vectors over the channels, ``groups`` distinct values.
+
+        Channels are sorted by range width and cut into contiguous groups by
+        :func:`range_groups`, which minimises the summed relative rounding noise:
+        the few outlier dimensions of a real model (one at |x| = 223 against a median
+        of 2.3 in all-MiniLM-L6-v2) end up in groups of their own.
+        """
+        width = self.widths(signed)
+        lo, hi = self.lo.clamp_max(0.0), self.hi.clamp_min(0.0)
         order = torch.argsort(width)
-        scale = torch.empty(channels)
-        zero_point = torch.empty(channels)
-        for members in torch.tensor_split(order, groups):
-            s, z = scale_and_zero_point(QuantRange(float(lo[members].min()), float(hi[members].max())), bits, signed)
-            scale[members], zero_point[members] = s, z
+        scale = torch.empty(lo.numel())
+        zero_point = torch.empty(lo.numel())
+        for members in range_groups(width[order], groups):
+            idx = order[members]
+            s, z = scale_and_zero_point(QuantRange(float(lo[idx].min()), float(hi[idx].max())), bits, signed)
+            scale[idx], zero_point[idx] = s, z
         return scale, zero_point
+
+
+def range_groups(widths: torch.Tensor, groups: int) -> list[slice]:
+    """Cut ascending ``widths`` into at most ``groups`` contiguous groups minimising sum_c (w_group / w_c)^2.
+
+    A channel's rounding noise relative to its own range is (group step / its width)^2,
+    and the group's step is set by its widest member, so the cost of a group i..j is
+    w_j^2 * sum_{c=i..j} 1 / w_c^2.  Exact dynamic programming over the cut points
+    (O(groups * n^2) tensor ops, milliseconds for n = 384).
+    """
+    w = widths.double().clamp_min(float(widths.max()) * 1e-6 + 1e-12)
+    n = w.numel()
+    groups = max(1, min(groups, n))
+    prefix = torch.cat([torch.zeros(1, dtype=w.dtype), torch.cumsum(w.pow(-2), 0)])
+    # seg[i, j]: cost of one group holding channels i..j (inf where i > j)
+    seg = w.pow(2)[None, :] * (prefix[1:][None, :] - prefix[:-1][:, None])
+    seg = torch.where(torch.arange(n)[:, None] <= torch.arange(n)[None, :], seg, torch.full_like(seg, float("inf")))
+    cost = seg[0]  # cost[j]: best cost of channels 0..j in k + 1 groups
+    starts: list[torch.Tensor] = []  # starts[k - 1][j]: first channel of the last group in that solution
+    for _ in range(groups - 1):
+        before = torch.cat([torch.full((1,), float("inf"), dtype=w.dtype), cost[:-1]])  # groups ending at i - 1
+        cost, start = (before[:, None] + seg).min(dim=0)
+        starts.append(start)
+    bounds, end = [], n - 1
+    for start in reversed(starts):
+        first = int(start[end])
+        bounds.append(slice(first, end + 1))
+        end = first - 1
+    bounds.append(slice(0, end + 1))
+    return bounds[::-1]
 
 
 OBSERVERS = {"minmax": MinMaxObserver, "percentile": PercentileObserver, "mse": MSEObserver}

@@ -49,9 +49,9 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
     p.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA", help="SmoothQuant migration strength")
     p.add_argument("--observer", choices=["minmax", "percentile", "mse"], default="minmax")
-    p.add_argument("--residual-groups", type=int, default=None, metavar="K",
-                   help="per-embedding-group quantization of the residual stream with K groups "
-                        "(default: QuantConfig's; 1 = per tensor)")
+    p.add_argument("--residual-groups", type=_groups, default=None, metavar="K",
+                   help="scales per residual-stream point: K groups of hidden dimensions, 1 = per tensor, "
+                        "'auto' (default) = groups only where outlier dimensions are seen")
     p.add_argument("--no-residual", action="store_true", help="leave the residual stream (LayerNorm inputs) float")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="model directory: calibration texts, one per line or JSONL with a 'text' field "
@@ -68,6 +68,15 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                    help="which cached reference model (training steps; default the reference budget)")
     p.add_argument("--size", choices=["reference", "tiny"], default="reference",
                    help="reference model size; 'tiny' trains in seconds (for trying things out)")
+
+
+def _groups(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
 
 
 def _config(args: argparse.Namespace):

@@ -31,6 +31,13 @@ class QuantConfig:
         smoothquant_alpha: SmoothQuant migration strength in [0, 1] applied to
             Linear layers fed by a LayerNorm, or ``None`` to skip.
         quantize_residual: also quantize LayerNorm inputs (the residual stream).
+        residual_groups: scales of each residual-stream point over the hidden
+            dimension: ``1`` per tensor; ``K`` per-embedding-group quantization with
+            K groups chosen by channel range (outlier dimensions get their own
+            scale; exported as a per-axis QuantizeLinear); ``"auto"`` (default)
+            uses 4 groups at points whose widest channel range exceeds 16x the
+            median one (real pretrained BERTs: 100x) and per-tensor elsewhere
+            (softq's reference models: 2-6x).  See docs/results/minilm.md.
         exclude: substrings of module names whose Linear layers stay float
             (e.g. ``("lm_head",)``).
     """
@@ -46,7 +53,7 @@ class QuantConfig:
     bias_correction: Literal["tensor", "head", "head_row"] | None = None
     smoothquant_alpha: float | None = None
     quantize_residual: bool = True
-    residual_groups: int = 1
+    residual_groups: int | Literal["auto"] = "auto"
     exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -66,8 +73,9 @@ class QuantConfig:
             )
         if self.bias_correction is not None and self.softmax_bits is None:
             raise ValueError("bias_correction corrects the quantized softmax output; it needs softmax_bits")
-        if not isinstance(self.residual_groups, int) or isinstance(self.residual_groups, bool) or self.residual_groups < 1:
-            raise ValueError(f"residual_groups must be a positive integer, got {self.residual_groups!r}")
+        if self.residual_groups != "auto" and (not isinstance(self.residual_groups, int)
+                                               or isinstance(self.residual_groups, bool) or self.residual_groups < 1):
+            raise ValueError(f"residual_groups must be a positive integer or 'auto', got {self.residual_groups!r}")
         if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
             raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
 

@@ -38,28 +38,36 @@ def _brevitas_int_quant(signed: bool) -> IntQuant:
     )
 
 
+AUTO_GROUPS = 4  # groups used by residual_groups="auto" when outliers are seen (docs/results/minilm.md)
+OUTLIER_RATIO = 16.0  # "outliers": widest channel range > this many times the median channel range
+
+
 class ActQuantizer(nn.Module):
     """Activation quantizer with an observer-fitted scale and zero point.
 
     ``groups=1`` (the default) is per-tensor.  ``groups=K > 1`` is per-embedding-group
     quantization (PEG, Bondarenko et al. 2021) over the last (hidden) dimension:
-    channels are sorted by their calibrated range and split into K groups of equal
-    size, so the few outlier dimensions share a group (and a scale) and the rest keep
-    a fine one.  Scale and zero point then are vectors over the hidden dimension,
-    which ONNX expresses as a per-axis ``QuantizeLinear``.  Group ranges are the
-    min/max of their channels (the ``observer`` rule applies to per-tensor points).
+    channels are sorted by their calibrated range and cut into K groups that
+    minimise the relative rounding noise (:func:`softq.calib.observers.range_groups`),
+    so the few outlier dimensions get scales of their own and the rest keep a fine
+    one.  Scale and zero point then are vectors over the hidden dimension, which
+    ONNX expresses as a per-axis ``QuantizeLinear``.  Group ranges are the min/max
+    of their channels.  ``groups="auto"`` uses :data:`AUTO_GROUPS` groups when the
+    widest channel range exceeds :data:`OUTLIER_RATIO` times the median one (a
+    real pretrained BERT: 100x), else per-tensor with the configured observer.
     """
 
     def __init__(self, bits: int, signed: bool, observer: str = "minmax", percentile: float = 99.99,
-                 groups: int = 1):
+                 groups: int | str = 1):
         super().__init__()
-        if not isinstance(groups, int) or groups < 1:
-            raise ValueError(f"activation groups must be a positive integer, got {groups!r}")
+        if groups != "auto" and (not isinstance(groups, int) or isinstance(groups, bool) or groups < 1):
+            raise ValueError(f"activation groups must be a positive integer or 'auto', got {groups!r}")
         self.bits = bits
         self.signed = signed
         self.groups = groups
         self.mode: Mode = "float"
-        self.observer: Observer | None = make_observer(observer, percentile) if groups == 1 else ChannelRange()
+        self.observer: Observer | None = make_observer(observer, percentile) if groups in (1, "auto") else None
+        self.channels: ChannelRange | None = ChannelRange() if groups != 1 else None
         self.quant = _brevitas_int_quant(signed)
         self.register_buffer("scale", torch.tensor(1.0))
         self.register_buffer("zero_point", torch.tensor(0.0))
@@ -70,8 +78,11 @@ class ActQuantizer(nn.Module):
             if torch.is_grad_enabled():
                 return self.quant(self.scale, self.zero_point, self.bit_width, x)
             return self.fake_quant_inference(x)
-        if self.mode == "observe" and self.observer is not None:
-            self.observer.update(x)
+        if self.mode == "observe":
+            if self.observer is not None:
+                self.observer.update(x)
+            if self.channels is not None:
+                self.channels.update(x)
         return x
 
     def fake_quant_inference(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,19 +96,22 @@ class ActQuantizer(nn.Module):
         return y.mul_(self.scale)
 
     def finish_calibration(self) -> None:
-        """Fix scale and zero point from what the observer saw, then drop the observer."""
-        if self.observer is None:
+        """Fix scale and zero point from what the observers saw, then drop them."""
+        if self.observer is None and self.channels is None:
             return
-        if isinstance(self.observer, ChannelRange):
-            scale, zero_point = self.observer.group_params(self.groups, self.bits, self.signed)
-            self.scale = scale.to(self.scale.dtype)
-            self.zero_point = zero_point.to(self.zero_point.dtype)
-        else:
+        groups = self.groups
+        if groups == "auto":
+            groups = AUTO_GROUPS if self.channels.outlier_ratio(self.signed) > OUTLIER_RATIO else 1
+        if groups == 1:
             r = self.observer.range(self.bits, self.signed)
             scale, zero_point = scale_and_zero_point(r, self.bits, self.signed)
             self.scale.fill_(scale)
             self.zero_point.fill_(zero_point)
-        self.observer = None
+        else:
+            scale, zero_point = self.channels.group_params(groups, self.bits, self.signed)
+            self.scale = scale.to(self.scale.dtype)
+            self.zero_point = zero_point.to(self.zero_point.dtype)
+        self.observer = self.channels = None
 
     def int_repr(self, x: torch.Tensor) -> torch.Tensor:
         """Integer codes of ``x`` (what an integer runtime stores), for export and tests."""
