@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from softq.models import model_family
 from softq.mpc._crypten_shim import load_crypten
 from softq.mpc.accounting import CommRecorder
+from softq.mpc.approx import accurate_functions
 from softq.mpc.surrogates import exporting, get_gelu, layer_index, layer_norm
 from softq.softmax import get_softmax
 
@@ -473,7 +474,8 @@ class GraphInterpreter:
         if name == "softmax":
             scores, valid, spec_text = args
             spec = json.loads(spec_text)
-            with self.recorder.op(f"softmax:{spec['name']}", layer), reciprocal_scale(spec["name"], spec["params"], scores.shape[-1]):
+            with self.recorder.op(f"softmax:{spec['name']}", layer), accurate_functions(), \
+                    reciprocal_scale(spec["name"], spec["params"], scores.shape[-1]):
                 return get_softmax(spec["name"])(scores, valid, **spec["params"])
         if name == "gelu":
             x, gelu_name = args
