@@ -45,8 +45,9 @@ EXP_SQUARINGS = 8
 # polynomial is no longer below e^-1.5; above ~9 the squarings overflow.
 EXP_RANGE = (-1.5 * 2**EXP_SQUARINGS, 9.0)
 RECIPROCAL_ITERS = 10
-# Positive inputs for which ``reciprocal`` is within 3e-4 relative error (below 0.05
-# the 16-bit input itself is that coarse; above ~190 the start's exp leaves EXP_RANGE).
+# Positive inputs for which ``reciprocal`` is within 0.1 % or two 16-bit units of 1/x
+# (below 0.05 the 16-bit input itself is that coarse; above ~190 the start's exp
+# leaves EXP_RANGE).
 RECIPROCAL_RANGE = (0.05, 150.0)
 
 

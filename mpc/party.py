@@ -61,6 +61,8 @@ class PartySettings:
     surrogates: dict[str, Any] = field(default_factory=dict)  # configure_surrogates kwargs
     role: str = "party"  # or "ttp"
     truncation: str = "exact"  # or "probabilistic" (CrypTen's own; fails now and then, see softq.mpc.truncation)
+    calibration: str | None = None  # owner: torch.save'd input dict (or list of dicts) for the range check
+    range_margin: float = 2.0  # softq.mpc.ranges.RangeConfig.margin
 
 
 def _fault(rank: int, stage: str) -> None:
@@ -208,6 +210,22 @@ def check_fingerprints(rank: int, mine: dict[str, str]) -> None:
             raise ModelMismatchError(f"party {rank}: the parties' models differ ({details}); nothing was computed")
 
 
+def owner_range_check(s: PartySettings, ep: Any, comm: Any) -> None:
+    """The owner checks value ranges on its calibration inputs; every party stops if they do not fit."""
+    from softq.mpc.ranges import RangeConfig, RangeError, check_ranges, range_pass
+
+    verdict = ""  # CrypTen cannot broadcast None
+    if s.rank == s.owner and s.calibration:
+        calib = torch.load(s.calibration, weights_only=True)
+        try:
+            check_ranges(range_pass(ep, calib if isinstance(calib, list) else [calib]), RangeConfig(s.range_margin))
+        except RangeError as err:
+            verdict = str(err)
+    verdict = comm.broadcast_obj(verdict, s.owner)
+    if verdict:
+        raise RangeError(f"party {s.rank}: {verdict}")
+
+
 def _atomic_save(obj: Any, path: str | Path, as_json: bool = False) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -263,6 +281,7 @@ def run_party(s: PartySettings) -> dict[str, Any] | None:
         ep = export_model(model, example_inputs(model, meta["shapes"], meta["public"]))
         check_fingerprints(s.rank, fingerprint(model, ep, spec, s.provider, meta["shapes"]))
         _fault(s.rank, "fingerprinted")
+        owner_range_check(s, ep, comm)
         comm.reset_communication_stats()
         recorder = CommRecorder(comm)
         interp = GraphInterpreter(ep, recorder)
@@ -339,6 +358,8 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     p.add_argument("--softmax", default="2quad", help="softmax variant (one name, or comma list per layer)")
     p.add_argument("--gelu", default="quad", help="GELU surrogate (erf, tanh, quad, relu, native; comma list per layer)")
     p.add_argument("--role", choices=("party", "ttp"), default="party")
+    p.add_argument("--calibration", help="owner: torch.save'd input dict (or list) for the plaintext range check")
+    p.add_argument("--range-margin", type=float, default=2.0, help="headroom beyond the calibration ranges (>= 1)")
     p.add_argument("--truncation", choices=("exact", "probabilistic"), default="exact",
                    help="exact: dealer-assisted, never fails (default); probabilistic: CrypTen's own, "
                         "off by ~4.3e9 with probability ~|value|/2^32 per product")
@@ -359,7 +380,7 @@ def settings_from_args(args: argparse.Namespace) -> PartySettings:
         client=args.client, provider=args.provider, timeout=args.timeout, model_dir=args.model_dir,
         model_config=args.model_config, inputs=args.inputs, output=args.output, report=args.report,
         surrogates={"softmax": _per_layer_arg(args.softmax), "gelu": _per_layer_arg(args.gelu)}, role=args.role,
-        truncation=args.truncation,
+        truncation=args.truncation, calibration=args.calibration, range_margin=args.range_margin,
     )
 
 
