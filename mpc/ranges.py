@@ -199,9 +199,11 @@ class RangePass:
             for out in tree_flatten(env[node.name])[0]:
                 if isinstance(out, torch.Tensor):
                     self._record(layer, op, node.name, "value", out)
-            self._internals(namespace, name, layer, op, node.name, args)
+            secret_divisor = len(node.args) > 1 and isinstance(node.args[1], torch.fx.Node) and node.args[1].name in secret
+            self._internals(namespace, name, layer, op, node.name, args, secret_divisor)
 
-    def _internals(self, namespace: str, name: str, layer: str, op: str, node: str, args: Any) -> None:
+    def _internals(self, namespace: str, name: str, layer: str, op: str, node: str, args: Any,
+                   secret_divisor: bool = False) -> None:
         if namespace == "softq_mpc" and name == "softmax":
             spec = json.loads(args[2])
             for quantity, values in _softmax_internals(spec["name"], spec["params"], args[0], args[1]):
@@ -215,7 +217,7 @@ class RangePass:
             self._record(layer, op, node, "tanh input", args[0])
         elif name == "sigmoid":
             self._record(layer, op, node, "sigmoid input", args[0])
-        elif name == "div" and isinstance(args[1], torch.Tensor) and args[1].is_floating_point():
+        elif name == "div" and secret_divisor and isinstance(args[1], torch.Tensor) and args[1].is_floating_point():
             self._record(layer, op, node, "reciprocal input", args[1].abs())
         elif name == "layer_norm":
             x, shape = args[0], args[1]

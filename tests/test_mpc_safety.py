@@ -204,3 +204,27 @@ def test_minilm_gelu_range_is_recorded_and_accepted():
     records = check_model(hm.model, inputs)
     gelu_out = max(r.high for r in records if r.op == "gelu:tanh")
     assert gelu_out > 15  # the inputs that broke CrypTen's tanh GELU are accepted now
+
+
+def test_headless_encoder_distils_on_pooled_embeddings():
+    from transformers import BertConfig, BertModel
+
+    from softq.mpc.distill import distill, prediction_loss
+
+    torch.manual_seed(13)
+    teacher = BertModel(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=64, max_position_embeddings=32, initializer_range=0.2),
+                        add_pooling_layer=False).eval()
+    gen = torch.Generator().manual_seed(14)
+
+    def batches():
+        while True:
+            yield {"input_ids": torch.randint(0, 40, (8, 8), generator=gen), "attention_mask": torch.ones(8, 8, dtype=torch.long)}
+
+    batch = next(batches())
+    with torch.no_grad():
+        out = teacher(**batch)
+        assert float(prediction_loss(out, out, batch)) == pytest.approx(0.0, abs=1e-6)
+    student, history = distill(teacher, batches(), softmax="2quad", gelu="quad", steps=(5, 20), lr=(1e-3, 1e-3),
+                               progress=False)
+    assert len(history.stage2) == 20 and sum(history.stage2[-5:]) < sum(history.stage2[:5])
