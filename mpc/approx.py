@@ -194,15 +194,18 @@ def exp(x: Any) -> Any:
 # ---------------------------------------------------------------------------
 
 
-def reciprocal(x: Any) -> Any:
+def reciprocal(x: Any, iters: int = RECIPROCAL_ITERS, initial: Any = None) -> Any:
     """``1 / x`` for a positive MPCTensor ``x`` in :data:`RECIPROCAL_RANGE`.
 
     CrypTen's Newton step ``2y - (y y) x`` rounds ``y y`` to 16 bits first, which
     leaves 4 % relative error at x = 50; ``y (2 - x y)`` keeps ``x y`` near 1.
-    Start ``3 exp(1 - 2x) + 0.003`` (CrypTen's), :data:`RECIPROCAL_ITERS` steps.
+    Start ``3 exp(1 - 2x) + 0.003`` (CrypTen's), ``iters`` steps (CrypTen's
+    ``functions.reciprocal_nr_iters`` under :func:`accurate_functions`: 10 by default,
+    3 inside CrypTen's sigmoid, whose input is in [1, 2] and which starts from
+    ``initial = 0.75``).
     """
-    y = exp(1.0 - 2.0 * x) * 3.0 + 0.003
-    for _ in range(RECIPROCAL_ITERS):
+    y = exp(1.0 - 2.0 * x) * 3.0 + 0.003 if initial is None else initial
+    for _ in range(iters):
         y = y * (2.0 - x * y)
     return y
 
@@ -219,9 +222,13 @@ def accurate_functions() -> Iterator[None]:
         return exp(self) if self.ptype.name == "arithmetic" else original_exp(self, *args, **kwargs)
 
     def patched_reciprocal(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if crypten.cfg.functions.reciprocal_all_pos and self.ptype.name == "arithmetic" and not args and not kwargs:
-            return reciprocal(self)
-        return original_reciprocal(self, *args, **kwargs)
+        f = crypten.cfg.functions
+        if self.ptype.name != "arithmetic" or args or kwargs or f.reciprocal_method != "NR":
+            return original_reciprocal(self, *args, **kwargs)
+        if not f.reciprocal_all_pos:  # a generic division: sign, then the positive reciprocal
+            sign = self.sign()
+            return sign * reciprocal(sign * self, int(f.reciprocal_nr_iters), f.reciprocal_initial)
+        return reciprocal(self, int(f.reciprocal_nr_iters), f.reciprocal_initial)
 
     cls.exp, cls.reciprocal = patched_exp, patched_reciprocal
     try:

@@ -108,6 +108,12 @@ def test_exp_and_reciprocal_are_accurate_on_their_declared_ranges(crypten1):
     got = reciprocal(crypten1.cryptensor(x)).get_plain_text().double()
     err = (got - 1.0 / x.double()).abs()
     assert (err <= 1e-3 / x.double() + 2**-15).all()  # 0.1 % or two units of the last 16-bit place
+    from softq.mpc.approx import accurate_functions
+
+    d = torch.cat([-x, x])  # a division by a secret of either sign (graph `div`)
+    with accurate_functions(), crypten1.cfg.temp_override({"functions.reciprocal_all_pos": False}):
+        got = crypten1.cryptensor(d).reciprocal().get_plain_text().double()
+    assert ((got - 1.0 / d.double()).abs() <= 1e-3 / d.double().abs() + 2**-15).all()
 
 
 # ---------------------------------------------------------------------------
