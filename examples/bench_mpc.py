@@ -190,7 +190,7 @@ def _plain_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], softm
 
 
 def bench_e2e(args: argparse.Namespace) -> None:
-    from softq.mpc import run
+    from softq.mpc import RangeError, run
     from softq.mpc.accounting import NETWORK_PROFILES
     from softq.mpc.distill import distill
     from softq.mpc.reference import reference_task
@@ -234,7 +234,14 @@ def bench_e2e(args: argparse.Namespace) -> None:
                 if distilled or softmax == "softmax" or name == "bert-tiny" or args.encrypt_undistilled:
                     print(f"[{name}] encrypted run: {label}{' (distilled)' if distilled else ''}", flush=True)
                     t0 = time.perf_counter()
-                    res = run(model, task.inputs, softmax=softmax, gelu=gelu, timeout=600)
+                    try:
+                        res = run(model, task.inputs, softmax=softmax, gelu=gelu, timeout=600)
+                    except RangeError as err:
+                        reason = str(err).split(": ", 1)[1].split(" on the calibration")[0]
+                        lines.append(f"| {name} | {label} | {'yes' if distilled else 'no'} | - | refused by the range "
+                                     f"check: {reason} | - | - | - | - | - | - | - |")
+                        print(lines[-1], flush=True)
+                        continue
                     wall = time.perf_counter() - t0
                     enc = res.logits
                     err = float((enc - plain).abs().max())
