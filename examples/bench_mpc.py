@@ -8,6 +8,8 @@ network time ``rounds x RTT + bytes / bandwidth`` (1 Gbit/s, 0.5 ms / 100 Mbit/s
 
     python examples/bench_mpc.py attention            # BERT-base attention layer, random data
     python examples/bench_mpc.py e2e --models bert-tiny,vit,lm [--distill-steps 300]
+    python examples/bench_mpc.py minilm --runs 3      # private sentence embeddings, all-MiniLM-L6-v2
+    python examples/bench_mpc.py truncation --exact-elements 1000000000
 
 Results replace their marked blocks in docs/results/mpc.md (atomically).
 """
@@ -56,6 +58,7 @@ def _write(section: str, text: str) -> None:
 
 def attention_party(rank: int, rendezvous: str, out: str, heads: int, seq: int, head_dim: int, repeats: int) -> None:
     """One party: for each variant, (a) softmax on secret scores, (b) the attention core QK^T -> softmax -> PV."""
+    from softq.mpc.approx import accurate_functions
     from softq.mpc.graph import reciprocal_scale
     from softq.mpc.party import PartySettings, init_communicator
     from softq.softmax import get_softmax
@@ -81,7 +84,7 @@ def attention_party(rank: int, rendezvous: str, out: str, heads: int, seq: int, 
                         comm.barrier()
                         comm.reset_communication_stats()
                         t0 = time.perf_counter()
-                        with reciprocal_scale(name, variant.defaults, seq):
+                        with accurate_functions(), reciprocal_scale(name, variant.defaults, seq):
                             y = variant(x, None)
                         secs = time.perf_counter() - t0
                         stats = comm.get_communication_stats()
@@ -92,7 +95,7 @@ def attention_party(rank: int, rendezvous: str, out: str, heads: int, seq: int, 
                         comm.reset_communication_stats()
                         t0 = time.perf_counter()
                         s = qs.matmul(ks.transpose(-1, -2)) * scale
-                        with reciprocal_scale(name, variant.defaults, seq):
+                        with accurate_functions(), reciprocal_scale(name, variant.defaults, seq):
                             p = variant(s, None)
                         y = p.matmul(vs)
                         secs = time.perf_counter() - t0
@@ -126,8 +129,8 @@ def bench_attention(args: argparse.Namespace) -> None:
     exact = {r["what"]: r for r in rows if r["variant"] == "softmax"}
     lines = [
         f"Command: `python examples/bench_mpc.py attention --heads {args.heads} --seq {args.seq} --head-dim {args.head_dim}`",
-        f"(2 parties, TFP, loopback, 1 thread each; seconds = best of {args.repeats}; max error vs the same variant "
-        "in plaintext float32).",
+        f"(2 parties, TFP, exact truncation, loopback, 1 thread each; seconds = best of {args.repeats}; max error vs "
+        "the same variant in plaintext float32).",
         "",
     ]
     for what, title in (("softmax", f"Softmax alone on secret scores [1, {args.heads}, {args.seq}, {args.seq}]"),
@@ -187,7 +190,7 @@ def _plain_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], softm
 
 
 def bench_e2e(args: argparse.Namespace) -> None:
-    from softq.mpc import run
+    from softq.mpc import RangeError, run
     from softq.mpc.accounting import NETWORK_PROFILES
     from softq.mpc.distill import distill
     from softq.mpc.reference import reference_task
@@ -199,7 +202,7 @@ def bench_e2e(args: argparse.Namespace) -> None:
         f"Command: `python examples/bench_mpc.py e2e --models {args.models} --samples {args.samples} "
         f"--seq-len {args.seq_len} --distill-steps {args.distill_steps} --sets {args.sets}`",
         "",
-        "2 parties (separate processes, TFP, loopback). *Plain* = the same surrogate model in float32 on the same "
+        "2 parties (separate processes, TFP, exact truncation, loopback). *Plain* = the same surrogate model in float32 on the same "
         "batch; *enc.* = revealed encrypted logits. Accuracy: ViT top-1 on held-out digits, LM next-character "
         f"accuracy on held-out windows of {args.seq_len} characters, BERT-tiny shape has random weights (error and "
         "cost only). *Distilled* = MPCFormer two-stage distillation "
@@ -208,6 +211,7 @@ def bench_e2e(args: argparse.Namespace) -> None:
         "| Model | Surrogates | Distilled | Acc. plain | Acc. enc. | Max abs logit error | Argmax agree | Rounds | MB | Wall s | LAN s | WAN s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    block = f"e2e-{args.models.replace(',', '-')}" + ("" if args.sets == E2E_SETS else f"-{args.sets.replace(',', '-')}")
     for name in args.models.split(","):
         if name == "bert-tiny":
             task = _bert_tiny_task(args.bert_seq)
@@ -230,7 +234,14 @@ def bench_e2e(args: argparse.Namespace) -> None:
                 if distilled or softmax == "softmax" or name == "bert-tiny" or args.encrypt_undistilled:
                     print(f"[{name}] encrypted run: {label}{' (distilled)' if distilled else ''}", flush=True)
                     t0 = time.perf_counter()
-                    res = run(model, task.inputs, softmax=softmax, gelu=gelu, timeout=600)
+                    try:
+                        res = run(model, task.inputs, softmax=softmax, gelu=gelu, timeout=600)
+                    except RangeError as err:
+                        reason = str(err).split(": ", 1)[1].split(" on the calibration")[0]
+                        lines.append(f"| {name} | {label} | {'yes' if distilled else 'no'} | - | refused by the range "
+                                     f"check: {reason} | - | - | - | - | - | - | - |")
+                        print(lines[-1], flush=True)
+                        continue
                     wall = time.perf_counter() - t0
                     enc = res.logits
                     err = float((enc - plain).abs().max())
@@ -248,16 +259,221 @@ def bench_e2e(args: argparse.Namespace) -> None:
                 acc_p = f"{acc_plain:.2f}" if name != "bert-tiny" else "-"
                 lines.append(f"| {name} | {label} | {'yes' if distilled else 'no'} | {acc_p} | {row} |")
                 print(lines[-1], flush=True)
-                _write(f"e2e-{args.models.replace(',', '-')}", "\n".join(lines + lines_detail))
+                _write(block, "\n".join(lines + lines_detail))
     text = "\n".join(lines + lines_detail) + "\n"
     print(text)
-    _write(f"e2e-{args.models.replace(',', '-')}", text)
+    _write(block, text)
 
 
 lines_detail: list[str] = []
+E2E_SETS = "softmax,2quad,2relu,relu_len,sigmoid_len"
+
+
+# ---------------------------------------------------------------------------
+# 3. Private sentence embeddings: all-MiniLM-L6-v2
+# ---------------------------------------------------------------------------
+
+
+def bench_minilm(args: argparse.Namespace) -> None:
+    from softq.mpc import run
+    from softq.mpc.accounting import NETWORK_PROFILES
+    from softq.mpc.demo import embedding_errors, minilm_task
+
+    from bench_quant import command_line  # noqa: PLC0415 - examples/ helper
+
+    torch.set_num_threads(1)
+    lan, wan = NETWORK_PROFILES["lan"], NETWORK_PROFILES["wan"]
+    model, inputs, _ = minilm_task(args.sentences, args.seq_len)
+    with torch.no_grad():
+        ref = model(**inputs).last_hidden_state
+    mask = inputs["attention_mask"]
+    plans = [(f"exact path, run {i + 1}", "softmax", "erf", "exact") for i in range(args.runs)]
+    plans.append(("exact path, probabilistic truncation (opt-in)", "softmax", "erf", "probabilistic"))
+    plans.append(("2Quad + Quad, not distilled", "2quad", "quad", "exact"))
+    lines = [
+        f"Command: `{command_line()}`",
+        "",
+        f"all-MiniLM-L6-v2 (the real pretrained model, without its unused pooler), {args.sentences} paragraphs of "
+        f"`pydoc_data.topics` cut to {inputs['input_ids'].shape[1]} tokens. 2 parties in separate processes (TFP, "
+        "loopback): the model owner secret-shares the weights, the client the token ids (one-hot) and sees the "
+        "output. Errors against the FP32 model in plaintext (native erf GELU): max abs error of "
+        "`last_hidden_state` on valid tokens and the smallest cosine of the mean-pooled, L2-normalised sentence "
+        "embeddings. *Trunc.* = truncated elements (one per secret product or matmul entry).",
+        "",
+        "| Run | Truncation | Max abs error | Min cosine | Rounds | MB | Trunc. | Wall s | LAN s | WAN s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    detail = ""
+    for label, softmax, gelu, truncation in plans:
+        print(f"[minilm] {label}", flush=True)
+        t0 = time.perf_counter()
+        res = run(model, inputs, softmax=softmax, gelu=gelu, truncation=truncation, timeout=900)
+        wall = time.perf_counter() - t0
+        err, cos = embedding_errors(res.outputs[0], ref, mask)
+        r = res.report
+        lines.append(f"| {label} | {truncation} | {err:.1e} | {cos:.6f} | {r.rounds} | {r.bytes / 1e6:.1f} | "
+                     f"{r.truncations / 1e6:.2f}M | {wall:.1f} | {lan.seconds(r.rounds, r.bytes):.2f} | "
+                     f"{wan.seconds(r.rounds, r.bytes):.1f} |")
+        print(lines[-1], flush=True)
+        if not detail:
+            detail = f"\nPer op kind, exact path (run 1):\n\n```\n{r.table('kind')}\n```\n"
+        _write("minilm", "\n".join(lines) + "\n" + detail)
+
+
+def bench_minilm_distill(args: argparse.Namespace) -> None:
+    """MPCFormer distillation of MiniLM to 2Quad + Quad on pydoc text (no labels), then cost vs the exact path."""
+    import itertools
+    import random
+
+    from softq.hf import load_minilm, text_split
+    from softq.mpc import run
+    from softq.mpc.demo import embedding_errors, minilm_task
+    from softq.mpc.distill import distill
+    from softq.mpc.surrogates import configure_surrogates
+
+    from bench_quant import command_line  # noqa: PLC0415 - examples/ helper
+
+    torch.set_num_threads(max(1, args.threads))
+    model, inputs, _ = minilm_task(args.sentences, args.seq_len)
+    hm = load_minilm()
+    train = hm.batches(text_split("calib"), batch_size=args.batch_size, max_length=args.train_len)
+    random.Random(0).shuffle(train)
+    evals = hm.batches(text_split("eval", args.eval_texts), batch_size=32, max_length=args.train_len)
+
+    def cosines(m: torch.nn.Module) -> torch.Tensor:
+        return torch.nn.functional.cosine_similarity(hm.encode(evals, m), hm.encode(evals, model))
+
+    undistilled = copy.deepcopy(model)
+    configure_surrogates(undistilled, softmax="2quad", gelu="quad")
+    t0 = time.perf_counter()
+    student, hist = distill(model, itertools.cycle(train), softmax="2quad", gelu="quad",
+                            steps=(args.steps, args.steps), lr=(args.lr, args.lr / 2))
+    minutes = (time.perf_counter() - t0) / 60
+    cos_before, cos_after = cosines(undistilled), cosines(student)
+    with torch.no_grad():
+        ref = model(**inputs).last_hidden_state
+    rows = []
+    for label, m, softmax, gelu in (("exact path", model, "softmax", "erf"), ("2Quad + Quad, distilled", student, "2quad", "quad")):
+        print(f"[minilm-distill] encrypted run: {label}", flush=True)
+        res = run(m, inputs, softmax=softmax, gelu=gelu, timeout=900)
+        rows.append((label, res, embedding_errors(res.outputs[0], ref, inputs["attention_mask"])))
+    exact = rows[0][1].report
+    lines = [
+        f"Command: `{command_line()}`",
+        "",
+        f"Student: all-MiniLM-L6-v2 with 2Quad softmax and Quad GELU in every layer, distilled from the FP32 model "
+        f"on the `calib` paragraphs of `pydoc_data.topics` (no labels; {args.train_len} tokens, batch "
+        f"{args.batch_size}): stage 1 MSE on hidden states and attention maps ({args.steps} steps, lr {args.lr:g}), "
+        f"stage 2 1 - cosine of the pooled embeddings ({args.steps} steps, lr {args.lr / 2:g}); {minutes:.1f} min. "
+        f"Plaintext cosine to the FP32 embeddings on {args.eval_texts} `eval` paragraphs: not distilled mean "
+        f"{float(cos_before.mean()):.4f} (min {float(cos_before.min()):.4f}); distilled mean "
+        f"{float(cos_after.mean()):.4f} (min {float(cos_after.min()):.4f}). Stage losses first -> last: "
+        f"{hist.stage1[0]:.3f} -> {hist.stage1[-1]:.3f}, {hist.stage2[0]:.4f} -> {hist.stage2[-1]:.4f}.",
+        "",
+        "Encrypted (2 parties, TFP, exact truncation) on the benchmark's "
+        f"{args.sentences} x {inputs['input_ids'].shape[1]} tokens; cosine to the FP32 model:",
+        "",
+        "| Model | Min cosine | Rounds | MB | Bytes vs exact | Rounds vs exact | LAN s | WAN s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, res, (err, cos) in rows:
+        r = res.report
+        lines.append(f"| {label} | {cos:.4f} | {r.rounds} | {r.bytes / 1e6:.1f} | 1/{exact.bytes / r.bytes:.1f} | "
+                     f"1/{exact.rounds / r.rounds:.2f} | {r.modeled_seconds('lan'):.2f} | {r.modeled_seconds('wan'):.1f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    _write("minilm-distill", text)
+
+
+# ---------------------------------------------------------------------------
+# 4. Truncation failures per multiplication
+# ---------------------------------------------------------------------------
+
+
+def truncation_party(rank: int, rendezvous: str, out: str, magnitude: float, chunk: int,
+                     exact_elements: int, probabilistic_elements: int) -> None:
+    """One party: truncate ``x * 1.0`` (one product per element) in both modes; count elements off by > 1."""
+    from softq.mpc.party import PartySettings, init_communicator
+    from softq.mpc.truncation import STATS, set_truncation
+
+    torch.set_num_threads(1)
+    crypten = init_communicator(PartySettings(rank=rank, world_size=2, rendezvous=rendezvous, timeout=300))
+    comm = crypten.communicator.get()
+    rows = []
+    for mode, total in (("probabilistic", probabilistic_elements), ("exact", exact_elements)):
+        set_truncation(mode)
+        STATS.reset()
+        comm.reset_communication_stats()
+        gen = torch.Generator().manual_seed(0)
+        bad, abs_sum, worst_small, worst = 0, 0.0, 0.0, 0.0
+        t0 = time.perf_counter()
+        rounds = nbytes = 0
+        for start in range(0, total, chunk):
+            v = (torch.rand(min(chunk, total - start), generator=gen) * 2 - 1) * magnitude
+            x = crypten.cryptensor(v, src=0)
+            s0 = comm.get_communication_stats()
+            y = x * 1.0
+            s1 = comm.get_communication_stats()
+            rounds += s1["rounds"] - s0["rounds"]
+            nbytes += s1["bytes"] - s0["bytes"]
+            err = (y.get_plain_text() - v).abs()
+            wrong = err > 1.0
+            bad += int(wrong.sum())
+            worst = max(worst, float(err.max()))
+            worst_small = max(worst_small, float(err[~wrong].max()))
+            abs_sum += float(v.abs().double().sum())
+        rows.append({"mode": mode, "elements": STATS.elements, "bad": bad, "abs_sum": abs_sum, "worst": worst,
+                     "worst_small": worst_small, "seconds": time.perf_counter() - t0, "rounds": rounds,
+                     "bytes": nbytes})
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows, indent=1))
+    comm.barrier()
+
+
+def bench_truncation(args: argparse.Namespace) -> None:
+    from softq.mpc.runner import free_port
+
+    from bench_quant import command_line  # noqa: PLC0415 - examples/ helper
+
+    out = ROOT / "docs" / "results" / ".mpc_truncation.json"
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, __file__, "_truncation_party", str(r), rendezvous, str(out),
+                               str(args.magnitude), str(args.chunk), str(args.exact_elements),
+                               str(args.probabilistic_elements)],
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+    if any(p.wait() != 0 for p in procs):
+        raise SystemExit("truncation benchmark: a party failed")
+    rows = json.loads(out.read_text())
+    out.unlink()
+    lines = [
+        f"Command: `{command_line()}`",
+        "",
+        f"2 parties (separate processes, TFP, loopback). Each element is one secret product `x * 1.0` of a value "
+        f"drawn uniformly from [-{args.magnitude:g}, {args.magnitude:g}], truncated from scale 2^32 to 2^16 and "
+        "revealed; *wrong* = off by more than 1.0 (a failed truncation is off by about 2^32 = 4.3e9). Expected "
+        "failures of CrypTen's local truncation: sum |v| * 2^32 / 2^64. Rounds and bytes: party 0's counters for "
+        "the truncations (and the public multiplication) only, per chunk of "
+        f"{args.chunk:,} elements.",
+        "",
+        "| Truncation | Elements | Wrong (> 1.0) | Expected sum\\|v\\|/2^32 | Rate per element | Largest error | "
+        "Largest error of the others | Rounds per chunk | Bytes per element | Seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        chunks = max(1, -(-r["elements"] // args.chunk))
+        lines.append(f"| {r['mode']} | {r['elements']:,} | {r['bad']} | {r['abs_sum'] / 2**32:.1f} | "
+                     f"{r['bad'] / max(r['elements'], 1):.1e} | {r['worst']:.3g} | {r['worst_small']:.1e} | "
+                     f"{r['rounds'] / chunks:.0f} | {r['bytes'] / max(r['elements'], 1):.1f} | {r['seconds']:.0f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    _write("truncation", text)
 
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "_truncation_party":
+        r, rdv, out, mag, chunk, ne, npb = sys.argv[2:9]
+        truncation_party(int(r), rdv, out, float(mag), int(chunk), int(ne), int(npb))
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "_attention_party":
         r, rdv, out, h, s, d, rep = sys.argv[2:9]
         attention_party(int(r), rdv, out, int(h), int(s), int(d), int(rep))
@@ -275,11 +491,30 @@ def main() -> int:
     e.add_argument("--seq-len", type=int, default=64)
     e.add_argument("--bert-seq", type=int, default=128)
     e.add_argument("--distill-steps", type=int, default=300)
-    e.add_argument("--sets", default="softmax,2quad,2relu,relu_len,sigmoid_len")
+    e.add_argument("--sets", default=E2E_SETS)
     e.add_argument("--encrypt-undistilled", action="store_true", help="also run the undistilled surrogates encrypted")
     e.add_argument("--threads", type=int, default=1)
+    m = sub.add_parser("minilm")
+    m.add_argument("--runs", type=int, default=3, help="repeated exact-path runs")
+    m.add_argument("--sentences", type=int, default=2)
+    m.add_argument("--seq-len", type=int, default=32)
+    md = sub.add_parser("minilm-distill")
+    md.add_argument("--steps", type=int, default=300, help="steps per distillation stage")
+    md.add_argument("--lr", type=float, default=2e-4)
+    md.add_argument("--batch-size", type=int, default=16)
+    md.add_argument("--train-len", type=int, default=64)
+    md.add_argument("--eval-texts", type=int, default=64)
+    md.add_argument("--sentences", type=int, default=2)
+    md.add_argument("--seq-len", type=int, default=32)
+    md.add_argument("--threads", type=int, default=2)
+    t = sub.add_parser("truncation")
+    t.add_argument("--magnitude", type=float, default=1000.0)
+    t.add_argument("--chunk", type=int, default=10_000_000)
+    t.add_argument("--exact-elements", type=int, default=1_000_000_000)
+    t.add_argument("--probabilistic-elements", type=int, default=200_000_000)
     args = parser.parse_args()
-    bench_attention(args) if args.what == "attention" else bench_e2e(args)
+    {"attention": bench_attention, "e2e": bench_e2e, "minilm": bench_minilm, "minilm-distill": bench_minilm_distill,
+     "truncation": bench_truncation}[args.what](args)
     return 0
 
 

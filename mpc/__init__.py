@@ -24,6 +24,8 @@ __all__ = [
     "MPCResult",
     "CommReport",
     "MPCError",
+    "RangeError",
+    "RangeConfig",
     "configure_surrogates",
     "NETWORK_PROFILES",
 ]
@@ -32,6 +34,8 @@ _LAZY = {
     "run": "softq.mpc.runner",
     "MPCResult": "softq.mpc.runner",
     "MPCError": "softq.mpc.errors",
+    "RangeError": "softq.mpc.ranges",
+    "RangeConfig": "softq.mpc.ranges",
     "CommReport": "softq.mpc.accounting",
     "NETWORK_PROFILES": "softq.mpc.accounting",
     "configure_surrogates": "softq.mpc.surrogates",

@@ -43,6 +43,7 @@ class CommRow:
     bytes: int = 0
     seconds: float = 0.0
     calls: int = 0
+    truncations: int = 0  # truncated elements: secret products, matmul entries, divisions by public integers
 
 
 @dataclass
@@ -54,6 +55,7 @@ class CommReport:
     provider: str = "TFP"
     rows: list[CommRow] = field(default_factory=list)
     wall_seconds: float = 0.0
+    truncation: str = "exact"
 
     @property
     def rounds(self) -> int:
@@ -62,6 +64,10 @@ class CommReport:
     @property
     def bytes(self) -> int:
         return sum(r.bytes for r in self.rows)
+
+    @property
+    def truncations(self) -> int:
+        return sum(r.truncations for r in self.rows)
 
     @property
     def compute_seconds(self) -> float:
@@ -80,6 +86,7 @@ class CommReport:
             g.bytes += r.bytes
             g.seconds += r.seconds
             g.calls += r.calls
+            g.truncations += r.truncations
         return out
 
     def by_kind(self) -> dict[str, CommRow]:
@@ -94,6 +101,7 @@ class CommReport:
             "world_size": self.world_size,
             "provider": self.provider,
             "wall_seconds": self.wall_seconds,
+            "truncation": self.truncation,
             "rows": [asdict(r) for r in self.rows],
         }
 
@@ -102,23 +110,25 @@ class CommReport:
         return cls(
             rank=d["rank"], world_size=d["world_size"], provider=d["provider"],
             wall_seconds=d["wall_seconds"], rows=[CommRow(**r) for r in d["rows"]],
+            truncation=d.get("truncation", "exact"),
         )
 
     def table(self, by: str = "kind") -> str:
         """A plain-text table (by ``kind`` or ``layer``) with totals and modeled LAN/WAN time."""
         groups = self.by_kind() if by == "kind" else self.by_layer()
-        lines = [f"{by:<24} {'rounds':>7} {'MB':>10} {'seconds':>8} {'LAN s':>8} {'WAN s':>8}"]
+        lines = [f"{by:<24} {'rounds':>7} {'MB':>10} {'trunc.':>11} {'seconds':>8} {'LAN s':>8} {'WAN s':>8}"]
         for name, g in sorted(groups.items(), key=lambda kv: -kv[1].bytes):
             lines.append(
-                f"{name:<24} {g.rounds:>7d} {g.bytes / 1e6:>10.3f} {g.seconds:>8.3f} "
+                f"{name:<24} {g.rounds:>7d} {g.bytes / 1e6:>10.3f} {g.truncations:>11d} {g.seconds:>8.3f} "
                 f"{NETWORK_PROFILES['lan'].seconds(g.rounds, g.bytes):>8.3f} "
                 f"{NETWORK_PROFILES['wan'].seconds(g.rounds, g.bytes):>8.3f}"
             )
         lines.append(
-            f"{'TOTAL':<24} {self.rounds:>7d} {self.bytes / 1e6:>10.3f} {self.compute_seconds:>8.3f} "
+            f"{'TOTAL':<24} {self.rounds:>7d} {self.bytes / 1e6:>10.3f} {self.truncations:>11d} {self.compute_seconds:>8.3f} "
             f"{self.modeled_seconds('lan'):>8.3f} {self.modeled_seconds('wan'):>8.3f}"
         )
-        lines.append(f"(party {self.rank} of {self.world_size}, provider {self.provider}, wall {self.wall_seconds:.2f} s)")
+        lines.append(f"(party {self.rank} of {self.world_size}, provider {self.provider}, truncation {self.truncation}, "
+                     f"wall {self.wall_seconds:.2f} s; trunc. = truncated elements, one per secret product)")
         return "\n".join(lines)
 
 
@@ -129,24 +139,27 @@ class CommRecorder:
         self.comm = communicator
         self._rows: dict[tuple[str, str], CommRow] = defaultdict(lambda: CommRow("", ""))
 
-    def _stats(self) -> tuple[int, int]:
+    def _stats(self) -> tuple[int, int, int]:
+        from softq.mpc.truncation import STATS
+
         if self.comm is None:
-            return 0, 0
+            return 0, 0, STATS.elements
         s = self.comm.get_communication_stats()
-        return int(s["rounds"]), int(s["bytes"])
+        return int(s["rounds"]), int(s["bytes"]), STATS.elements
 
     @contextlib.contextmanager
     def op(self, kind: str, layer: str) -> Iterator[None]:
-        r0, b0 = self._stats()
+        r0, b0, t_0 = self._stats()
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            r1, b1 = self._stats()
+            r1, b1, t_1 = self._stats()
             row = self._rows[(kind, layer)]
             row.kind, row.layer = kind, layer
             row.rounds += r1 - r0
             row.bytes += b1 - b0
+            row.truncations += t_1 - t_0
             row.seconds += time.perf_counter() - t0
             row.calls += 1
 

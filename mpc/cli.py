@@ -71,7 +71,8 @@ def _run(args: argparse.Namespace) -> int:
         spec = SurrogateSpec.from_json(model.config.softq_mpc_surrogates)
         softmax, gelu = spec.softmax, spec.gelu
     result = run(model, inputs, softmax=softmax, gelu=gelu, world_size=args.world_size,
-                 provider=args.provider, timeout=args.timeout)
+                 provider=args.provider, timeout=args.timeout, truncation=args.truncation,
+                 range_margin=args.range_margin)
     print(result.report.table("kind"))
     print()
     print(result.report.table("layer"))
@@ -169,6 +170,10 @@ def register(subparsers: Any) -> None:
     r.add_argument("--provider", choices=("TFP", "TTP"), default="TFP",
                    help="Beaver triples: TFP (party 0 generates them; trusted) or TTP (separate dealer process)")
     r.add_argument("--timeout", type=float, default=120.0, help="seconds before a silent or missing party is an error")
+    r.add_argument("--truncation", choices=("exact", "probabilistic"), default="exact",
+                   help="exact (default, never fails) or CrypTen's probabilistic truncation (opt-in)")
+    r.add_argument("--range-margin", type=float, default=2.0,
+                   help="headroom the plaintext range check demands beyond the inputs' values (>= 1)")
     r.add_argument("--output", help="save revealed outputs and the report here (torch.save)")
     r.add_argument("--json", action="store_true", help="also print a JSON summary line")
     r.set_defaults(handler=_run)

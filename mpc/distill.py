@@ -6,7 +6,9 @@ Replacing softmax by 2Quad and GELU by Quad changes the function a lot; MPCForme
 1. **Layer-wise**: MSE between student and teacher hidden states (embedding
    output included) and attention maps;
 2. **Prediction**: soft cross-entropy between the teacher's and the student's
-   logits (temperature ``T``).
+   logits (temperature ``T``); for a headless encoder (a sentence-embedding model
+   such as all-MiniLM-L6-v2, no ``logits``) ``1 - cosine`` of the mean-pooled
+   sentence embeddings instead.
 
 The student is a copy of the teacher switched to the surrogates with
 :func:`softq.mpc.configure_surrogates`; its plaintext forward is exactly what the
@@ -55,6 +57,20 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tenso
     return -(t * torch.log_softmax(student_logits / temperature, dim=-1)).sum(-1).mean() * temperature**2
 
 
+def prediction_loss(student_out: Any, teacher_out: Any, batch: Mapping[str, torch.Tensor],
+                    temperature: float = 1.0) -> torch.Tensor:
+    """Stage-2 loss: soft cross-entropy on logits, or ``1 - cosine`` of pooled embeddings for an encoder."""
+    if getattr(teacher_out, "logits", None) is not None:
+        return soft_cross_entropy(student_out.logits, teacher_out.logits, temperature)
+    from softq.hf import pool
+
+    hidden = teacher_out.last_hidden_state
+    mask = batch.get("attention_mask")
+    mask = torch.ones(hidden.shape[:2], dtype=torch.long) if mask is None else mask
+    s, t = pool(student_out.last_hidden_state, mask), pool(hidden, mask)
+    return (1.0 - nn.functional.cosine_similarity(s, t, dim=-1)).mean()
+
+
 def distill(
     teacher: nn.Module,
     batches: Iterator[Mapping[str, torch.Tensor]],
@@ -90,7 +106,7 @@ def distill(
             if stage == 1:
                 loss = _layer_loss(s_out, t_out)
             else:
-                loss = soft_cross_entropy(s_out.logits, t_out.logits, temperature)
+                loss = prediction_loss(s_out, t_out, batch, temperature)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)

@@ -34,6 +34,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from softq.models import model_family
 from softq.mpc._crypten_shim import load_crypten
 from softq.mpc.accounting import CommRecorder
+from softq.mpc.approx import accurate_functions
+from softq.mpc.approx import exp as approx_exp
 from softq.mpc.surrogates import exporting, get_gelu, layer_index, layer_norm
 from softq.softmax import get_softmax
 
@@ -182,7 +184,7 @@ def div(a: Any, b: Any, rounding_mode: str | None = None) -> Any:
     if not _is_secret(b):
         return a * (1.0 / b)
     crypten = load_crypten()
-    with crypten.cfg.temp_override({"functions.reciprocal_all_pos": False}):
+    with crypten.cfg.temp_override({"functions.reciprocal_all_pos": False}), accurate_functions():
         return mul(a, b.reciprocal())
 
 
@@ -276,7 +278,8 @@ def _mean(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> 
 
 
 def _softmax_aten(x: Any, dim: int, *rest: Any) -> Any:
-    return get_softmax("softmax")(x, None, dim=dim)
+    with accurate_functions(), reciprocal_scale("softmax", {}, x.shape[dim]):
+        return get_softmax("softmax")(x, None, dim=dim)
 
 
 def _identity(x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -330,7 +333,7 @@ HANDLERS: dict[str, tuple[SecretOp, str]] = {
     "tanh": (lambda x: x.tanh(), "tanh"),
     "sigmoid": (lambda x: x.sigmoid(), "sigmoid"),
     "relu": (lambda x: x.relu(), "relu"),
-    "exp": (lambda x: x.exp(), "exp"),
+    "exp": (lambda x: approx_exp(x), "exp"),
     "gelu": (lambda x, approximate="none": get_gelu("tanh" if approximate == "tanh" else "erf")(x), "gelu:native"),
     "layer_norm": (lambda x, shape, w=None, b=None, eps=1e-5, *rest: layer_norm(x, shape, w, b, eps), "layernorm"),
     "softmax": (_softmax_aten, "softmax:aten"),
@@ -473,7 +476,8 @@ class GraphInterpreter:
         if name == "softmax":
             scores, valid, spec_text = args
             spec = json.loads(spec_text)
-            with self.recorder.op(f"softmax:{spec['name']}", layer), reciprocal_scale(spec["name"], spec["params"], scores.shape[-1]):
+            with self.recorder.op(f"softmax:{spec['name']}", layer), accurate_functions(), \
+                    reciprocal_scale(spec["name"], spec["params"], scores.shape[-1]):
                 return get_softmax(spec["name"])(scores, valid, **spec["params"])
         if name == "gelu":
             x, gelu_name = args

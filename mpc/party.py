@@ -60,6 +60,9 @@ class PartySettings:
     report: str | None = None  # optional: this party's communication report (JSON)
     surrogates: dict[str, Any] = field(default_factory=dict)  # configure_surrogates kwargs
     role: str = "party"  # or "ttp"
+    truncation: str = "exact"  # or "probabilistic" (CrypTen's own; fails now and then, see softq.mpc.truncation)
+    calibration: str | None = None  # owner: torch.save'd input dict (or list of dicts) for the range check
+    range_margin: float = 2.0  # softq.mpc.ranges.RangeConfig.margin
 
 
 def _fault(rank: int, stage: str) -> None:
@@ -69,11 +72,14 @@ def _fault(rank: int, stage: str) -> None:
         os._exit(3)
 
 
-def configure_crypten(provider: str) -> Any:
-    """Load CrypTen and set softq's configuration (verbose counters, provider, positive reciprocals)."""
+def configure_crypten(provider: str, truncation: str = "exact") -> Any:
+    """Load CrypTen and set softq's configuration (verbose counters, provider, truncation, positive reciprocals)."""
+    from softq.mpc.truncation import set_truncation
+
     crypten = load_crypten()
     if provider not in ("TFP", "TTP"):
         raise ValueError(f"unknown CrypTen provider '{provider}'; use TFP or TTP")
+    set_truncation(truncation)
     crypten.cfg.communicator.verbose = True
     crypten.cfg.mpc.provider = provider
     # Every reciprocal softq asks for has a positive denominator (softmax sums), so the
@@ -86,7 +92,7 @@ def init_communicator(s: PartySettings) -> Any:
     """crypten.init over gloo with a bounded timeout for joining and for every exchange."""
     import torch.distributed as dist
 
-    crypten = configure_crypten(s.provider)
+    crypten = configure_crypten(s.provider, s.truncation)
     os.environ.update(
         RANK=str(s.rank), WORLD_SIZE=str(s.world_size), RENDEZVOUS=s.rendezvous, DISTRIBUTED_BACKEND="gloo"
     )
@@ -176,6 +182,7 @@ def _config_hash(model: torch.nn.Module) -> str:
 def fingerprint(model: torch.nn.Module, ep: Any, spec: Any, provider: str, shapes: Mapping[str, Any]) -> dict[str, str]:
     """Public fingerprint, compared by all parties before any secret is shared."""
     from softq.mpc.graph import graph_fingerprint, public_state_fingerprint
+    from softq.mpc.truncation import truncation_mode
 
     crypten = load_crypten()
     return {
@@ -184,7 +191,7 @@ def fingerprint(model: torch.nn.Module, ep: Any, spec: Any, provider: str, shape
         "graph": graph_fingerprint(ep),
         "public tensors": public_state_fingerprint(ep),
         "input shapes": json.dumps({k: list(v) for k, v in sorted(shapes.items())}),
-        "crypten settings": f"{provider}/precision={crypten.cfg.encoder.precision_bits}",
+        "crypten settings": f"{provider}/precision={crypten.cfg.encoder.precision_bits}/truncation={truncation_mode()}",
     }
 
 
@@ -201,6 +208,22 @@ def check_fingerprints(rank: int, mine: dict[str, str]) -> None:
         if diff:
             details = "; ".join(f"{k}: party {rank} has {mine[k]}, party {other_rank} has {theirs.get(k)}" for k in diff)
             raise ModelMismatchError(f"party {rank}: the parties' models differ ({details}); nothing was computed")
+
+
+def owner_range_check(s: PartySettings, ep: Any, comm: Any) -> None:
+    """The owner checks value ranges on its calibration inputs; every party stops if they do not fit."""
+    from softq.mpc.ranges import RangeConfig, RangeError, check_ranges, range_pass
+
+    verdict = ""  # CrypTen cannot broadcast None
+    if s.rank == s.owner and s.calibration:
+        calib = torch.load(s.calibration, weights_only=True)
+        try:
+            check_ranges(range_pass(ep, calib if isinstance(calib, list) else [calib]), RangeConfig(s.range_margin))
+        except RangeError as err:
+            verdict = str(err)
+    verdict = comm.broadcast_obj(verdict, s.owner)
+    if verdict:
+        raise RangeError(f"party {s.rank}: {verdict}")
 
 
 def _atomic_save(obj: Any, path: str | Path, as_json: bool = False) -> None:
@@ -223,7 +246,10 @@ def run_party(s: PartySettings) -> dict[str, Any] | None:
     _fault(s.rank, "start")
     torch.set_num_threads(1)
     if s.role == "ttp":
+        from softq.mpc.truncation import install_ttp_server
+
         crypten = init_communicator(s)
+        install_ttp_server()
         crypten.mpc.provider.TTPServer()
         return None
     if not (0 <= s.owner < s.world_size and 0 <= s.client < s.world_size):
@@ -255,6 +281,7 @@ def run_party(s: PartySettings) -> dict[str, Any] | None:
         ep = export_model(model, example_inputs(model, meta["shapes"], meta["public"]))
         check_fingerprints(s.rank, fingerprint(model, ep, spec, s.provider, meta["shapes"]))
         _fault(s.rank, "fingerprinted")
+        owner_range_check(s, ep, comm)
         comm.reset_communication_stats()
         recorder = CommRecorder(comm)
         interp = GraphInterpreter(ep, recorder)
@@ -286,7 +313,8 @@ def run_party(s: PartySettings) -> dict[str, Any] | None:
                     else:
                         revealed.append(out.get_plain_text(dst=s.client))
         wall = time.perf_counter() - t0
-        report = recorder.report(rank=s.rank, world_size=s.world_size, provider=s.provider, wall_seconds=wall)
+        report = recorder.report(rank=s.rank, world_size=s.world_size, provider=s.provider, wall_seconds=wall,
+                                 truncation=s.truncation)
         if s.report:
             _atomic_save(report.to_dict(), s.report, as_json=True)
         result = None
@@ -330,6 +358,11 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     p.add_argument("--softmax", default="2quad", help="softmax variant (one name, or comma list per layer)")
     p.add_argument("--gelu", default="quad", help="GELU surrogate (erf, tanh, quad, relu, native; comma list per layer)")
     p.add_argument("--role", choices=("party", "ttp"), default="party")
+    p.add_argument("--calibration", help="owner: torch.save'd input dict (or list) for the plaintext range check")
+    p.add_argument("--range-margin", type=float, default=2.0, help="headroom beyond the calibration ranges (>= 1)")
+    p.add_argument("--truncation", choices=("exact", "probabilistic"), default="exact",
+                   help="exact: dealer-assisted, never fails (default); probabilistic: CrypTen's own, "
+                        "off by ~4.3e9 with probability ~|value|/2^32 per product")
     return p
 
 
@@ -347,6 +380,7 @@ def settings_from_args(args: argparse.Namespace) -> PartySettings:
         client=args.client, provider=args.provider, timeout=args.timeout, model_dir=args.model_dir,
         model_config=args.model_config, inputs=args.inputs, output=args.output, report=args.report,
         surrogates={"softmax": _per_layer_arg(args.softmax), "gelu": _per_layer_arg(args.gelu)}, role=args.role,
+        truncation=args.truncation, calibration=args.calibration, range_margin=args.range_margin,
     )
 
 

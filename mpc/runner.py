@@ -10,6 +10,7 @@ party's error.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -120,6 +121,9 @@ def run(
     softmax_params: Mapping[str, float] | None = None,
     workdir: str | Path | None = None,
     env: Mapping[str, str] | None = None,
+    truncation: str = "exact",
+    calibration: Sequence[Mapping[str, torch.Tensor]] | None = None,
+    range_margin: float = 2.0,
 ) -> MPCResult:
     """Run ``model`` on ``inputs`` under CrypTen with ``world_size`` real processes on loopback.
 
@@ -129,16 +133,32 @@ def run(
     or per layer, see :func:`softq.mpc.configure_surrogates`); ``"softmax"`` with
     ``gelu="tanh"`` is the accurate path.  ``provider`` is CrypTen's Beaver-triple
     provider (``"TFP"``: party 0 generates them; ``"TTP"``: a separate dealer
-    process).  Raises :class:`MPCError` naming the failing party.
+    process).  ``truncation="exact"`` (default) never fails; ``"probabilistic"`` is
+    CrypTen's own (see :mod:`softq.mpc.truncation`).  Before any party starts, the
+    plaintext range pass (:mod:`softq.mpc.ranges`) runs on ``calibration`` (default:
+    ``inputs``) and raises :class:`softq.mpc.ranges.RangeError` naming the layer and
+    op if a value, widened by ``range_margin``, would leave its safe range.  Raises
+    :class:`MPCError` naming the failing party.
     """
     model_family(model)
     if world_size < 2:
         raise ValueError(f"an encrypted run needs at least 2 parties, got world_size={world_size}")
     if provider not in ("TFP", "TTP"):
         raise ValueError(f"unknown provider '{provider}'; use TFP or TTP")
+    from softq.mpc.ranges import RangeConfig, check_model
+    from softq.mpc.surrogates import configure_surrogates
+    from softq.mpc.truncation import TRUNCATION_MODES
+
+    if truncation not in TRUNCATION_MODES:
+        raise ValueError(f"unknown truncation {truncation!r}; choose one of {TRUNCATION_MODES}")
+    range_config = RangeConfig(range_margin)
     if isinstance(inputs, torch.Tensor):
         inputs = {"input_ids" if not inputs.is_floating_point() else "pixel_values": inputs}
     inputs = {k: v for k, v in inputs.items() if v is not None}
+    checked = copy.deepcopy(model)
+    configure_surrogates(checked, softmax=softmax, gelu=gelu, softmax_params=softmax_params)
+    check_model(checked, inputs, calibration, range_config)
+    del checked
     own_tmp = workdir is None
     tmp = Path(tempfile.mkdtemp(prefix="softq-mpc-")) if own_tmp else Path(workdir)  # type: ignore[arg-type]
     tmp.mkdir(parents=True, exist_ok=True)
@@ -161,11 +181,11 @@ def run(
             model_config=str(tmp / "public" / "config.json") if rank != owner else None,
             inputs=str(tmp / "client" / "inputs.pt") if rank == client else None,
             output=str(tmp / "client" / "outputs.pt") if rank == client else None,
-            report=str(tmp / f"report{rank}.json"), surrogates=surrogates,
+            report=str(tmp / f"report{rank}.json"), surrogates=surrogates, truncation=truncation,
         ))
     if provider == "TTP":
         settings.append(PartySettings(rank=world_size, world_size=world_size, rendezvous=rendezvous,
-                                      provider=provider, timeout=timeout, role="ttp"))
+                                      provider=provider, timeout=timeout, role="ttp", truncation=truncation))
     t0 = time.perf_counter()
     results = launch_parties(settings, tmp, timeout, env=env)
     wall = time.perf_counter() - t0

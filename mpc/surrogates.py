@@ -3,9 +3,9 @@
 Softmax variants are *not* defined here: they live in :mod:`softq.softmax` and
 run unchanged on CrypTensors.  This module adds the other non-linearities:
 
-* GELU: ``erf`` (the exact form; CrypTen's erf diverges for |x| > ~3), ``tanh``
-  (the accurate tanh form), ``quad`` (MPCFormer's ``0.125x^2 + 0.25x + 0.5``,
-  one multiplication) and ``relu``.
+* GELU: ``erf`` (the exact form) and ``tanh`` (its tanh form), both evaluated under
+  MPC by :func:`softq.mpc.approx.gelu` (accurate for any input), ``quad``
+  (MPCFormer's ``0.125x^2 + 0.25x + 0.5``, one multiplication) and ``relu``.
 * LayerNorm: exact, via a Newton-Raphson inverse square root
   (:func:`layer_norm`).
 
@@ -52,14 +52,30 @@ def _plain(x: Any) -> bool:
 
 
 def gelu_erf(x: Any) -> Any:
-    """Exact GELU ``x/2 (1 + erf(x / sqrt 2))``.  Under MPC CrypTen's erf series diverges for |x| > ~3."""
+    """Exact GELU ``x/2 (1 + erf(x / sqrt 2))``.
+
+    Under MPC: :func:`softq.mpc.approx.gelu` (comparison-selected branches and a
+    Chebyshev series, max error ~3e-5 for any input); CrypTen's own erf series
+    diverges for |x| > ~3.
+    """
     if _plain(x):
         return nn.functional.gelu(x)
-    return x * ((x * (1.0 / math.sqrt(2.0))).erf() + 1.0) * 0.5
+    from softq.mpc.approx import gelu
+
+    return gelu(x, "erf")
 
 
 def gelu_tanh(x: Any) -> Any:
-    """Tanh form ``x/2 (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3)))``: accurate under MPC."""
+    """Tanh form ``x/2 (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3)))``.
+
+    Under MPC: :func:`softq.mpc.approx.gelu` fitted to this form (max error ~3e-5
+    for any input); CrypTen's tanh wraps around the ring for tanh arguments beyond
+    ~500 (MiniLM reaches 546), returning errors of ~2^32.
+    """
+    if not _plain(x):
+        from softq.mpc.approx import gelu
+
+        return gelu(x, "tanh")
     inner = (x + x.square() * x * 0.044715) * _SQRT_2_OVER_PI
     return x * (inner.tanh() + 1.0) * 0.5
 
