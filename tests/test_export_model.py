@@ -263,7 +263,7 @@ def test_cli_export(quantized, tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err and out.read_bytes() == before
     assert main(["export", str(qdir), "-o", str(out), "--overwrite", "--softmax", "qdq"]) == 0
     assert main(["export", str(tmp_path / "nope"), "-o", str(tmp_path / "x.onnx")]) == 1
-    assert "neither a quantized model directory" in capsys.readouterr().err
+    assert "is neither a model directory nor one of lm, vit" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "q"]
 
 
