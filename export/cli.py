@@ -14,14 +14,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="export a quantized model to ONNX with an integer softmax",
         description=(
             "Export a softq-quantized model to ONNX (dynamic batch and sequence length, per-channel 8-bit weights, "
-            "QDQ activations) with the softmax as 'qdq' (DequantizeLinear->Softmax->QuantizeLinear, portable), "
-            "'ort' (com.microsoft.QLinearSoftmax) or 'int' (standard ops, integer arithmetic only). MODEL is a "
+            "QDQ activations). Softmax codes relative to the row max (softmax_output row/row_exact, the default): "
+            "attention core 'fast' (float exp inside Q/DQ, integer GEMM; default) or 'int' (exp table, integer "
+            "only). Uniform edge codes: softmax 'qdq' (DequantizeLinear->Softmax->QuantizeLinear, portable; "
+            "default), 'ort' (com.microsoft.QLinearSoftmax) or 'int' (standard ops, integer arithmetic only). MODEL is a "
             "directory written by `softq quantize --output` or a reference workload name ('lm', 'vit'), which is "
             "then quantized here first."
         ),
     )
     p.add_argument("model", help="quantized model directory, or 'lm' / 'vit' (reference workload)")
-    p.add_argument("--softmax", choices=["qdq", "ort", "int"], default="qdq", help="softmax form (default: %(default)s)")
+    p.add_argument("--softmax", choices=["fast", "int", "qdq", "ort"], default=None,
+                   help="softmax / attention-core form (default: fast for row codes, qdq for edge codes)")
     p.add_argument("--output", "-o", type=Path, required=True, help="ONNX file to write")
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     p.add_argument("--weight-storage", choices=["uint8", "int8"], default="uint8",
@@ -71,5 +74,5 @@ def _export(args: argparse.Namespace) -> int:
                       overwrite=args.overwrite, weight_storage=args.weight_storage,
                       embeddings=args.embeddings)
     size = Path(written).stat().st_size
-    print(f"wrote {written} ({size / 1e6:.2f} MB, softmax={args.softmax})")
+    print(f"wrote {written} ({size / 1e6:.2f} MB, softmax={args.softmax or 'default'})")
     return 0
