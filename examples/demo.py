@@ -26,7 +26,7 @@ def step(title: str) -> None:
 
 def quantize_and_compare(name: str, eval_limit: int | None) -> tuple[object, torch.nn.Module]:
     task = reference_task(name, eval_limit=eval_limit)
-    config = softq.QuantConfig()  # W8A8, 8-bit softmax at the edge scale 2^-8 (see docs/results/quant.md)
+    config = softq.QuantConfig()  # W8A8, 8-bit softmax codes relative to the row max (see docs/results/quant.md)
     start = time.time()
     qmodel = softq.quantize(task.model, task.calib, config)
     fp, q = task.evaluate(), task.evaluate(qmodel)
@@ -60,7 +60,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.manual_seed(0)
 
-    step("1. INT8 language model: W8A8, softmax input and output included (8-bit, scale 2^-8)")
+    step("1. INT8 language model: W8A8, softmax input and output included (8-bit codes relative to the row max)")
     quantize_and_compare("lm", args.eval_limit)
 
     step("2. INT8 vision transformer (digits)")

@@ -34,6 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also store embedding tables as per-row int8 (smaller file; default %(default)s)")
     g = p.add_argument_group("when MODEL is a reference workload")
     g.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
+    g.add_argument("--softmax-output", choices=["row", "row_exact", "edge"], default="row",
+                   help="softmax output codes (default %(default)s; bias correction is exported for edge only)")
     g.add_argument("--calib-size", type=int, default=16, help="calibration windows/images (default 16)")
     g.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
     p.set_defaults(handler=_export)
@@ -55,7 +57,8 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
         from softq.quant.tasks import reference_task
 
         task = reference_task(args.model, calib_size=args.calib_size, seed=args.seed)
-        return softq.quantize(task.model, task.calib, softq.QuantConfig(bias_correction=args.bias_correction))
+        return softq.quantize(task.model, task.calib, softq.QuantConfig(bias_correction=args.bias_correction,
+                                                                        softmax_output=args.softmax_output))
     path = Path(args.model)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is neither a quantized model directory nor one of {', '.join(REFERENCE_NAMES)}")
