@@ -47,10 +47,13 @@ def test_sink_rate_sees_a_head_that_attends_to_the_first_token() -> None:
 def test_quantized_softmax_row_sum_deficit_is_reported() -> None:
     model = tiny_model("bert")
     calib = [tiny_inputs("bert", batch=4, seq=96, seed=s) for s in range(2)]
-    q = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4))
+    q = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4, softmax_output="edge"))
     assert diagnostics.collect(q, calib).mean_row_sum_deficit > 0.05
     table = diagnostics.collect(q, calib).table()
     assert "row-sum deficit" in table and "kurtosis" in table
+    # codes relative to the row max (the default), normalised by their sum, lose no mass
+    row = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4))
+    assert diagnostics.collect(row, calib).mean_row_sum_deficit < 1e-6
 
 
 def test_sensitivity_ranks_the_part_that_breaks_quantization(tmp_path) -> None:
