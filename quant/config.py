@@ -34,7 +34,9 @@ class QuantConfig:
         observer: range rule for activations: ``minmax``, ``percentile`` or ``mse``.
         percentile: the percentile of the ``percentile`` observer.
         bias_correction: softmax bias correction granularity (``tensor``,
-            ``head``, ``head_row``) or ``None`` for no correction.
+            ``head``, ``head_row``) or ``None`` for no correction (``edge`` and
+            ``row_exact`` outputs; a ``row`` output's rows sum to 1, so its
+            correction is zero).
         smoothquant_alpha: SmoothQuant migration strength in [0, 1] applied to
             Linear layers fed by a LayerNorm, or ``None`` to skip.
         quantize_residual: also quantize LayerNorm inputs (the residual stream).
@@ -78,6 +80,9 @@ class QuantConfig:
             )
         if self.bias_correction is not None and self.softmax_bits is None:
             raise ValueError("bias_correction corrects the quantized softmax output; it needs softmax_bits")
+        if self.bias_correction is not None and self.softmax_output == "row":
+            raise ValueError("bias_correction is zero by construction for softmax_output='row' (its rows sum to "
+                             "exactly 1, so the mean rounding error over a row is 0); use it with 'edge' or 'row_exact'")
         if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
             raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
 

@@ -86,7 +86,8 @@ def test_sensitivity_ranks_the_part_that_breaks_quantization(tmp_path) -> None:
 @pytest.mark.parametrize("family", ["gpt2", "vit"])
 def test_save_and_load_round_trip(family: str, tmp_path) -> None:
     calib = [tiny_inputs(family, seed=s) for s in range(2)]
-    config = softq.QuantConfig(bias_correction="head_row", softmax_bits=6, smoothquant_alpha=0.5)
+    config = softq.QuantConfig(bias_correction="head_row", softmax_bits=6, smoothquant_alpha=0.5,
+                               softmax_output="edge")
     q = softq.quantize(tiny_model(family), calib, config)
     io.save(q, tmp_path / "q")
     loaded = io.load(tmp_path / "q")

@@ -150,7 +150,7 @@ def test_causal_mask_stays_exactly_zero(correction: str | None) -> None:
 
 
 def test_padding_mask_stays_exactly_zero_and_padding_does_not_leak() -> None:
-    config = softq.QuantConfig(bias_correction="head")
+    config = softq.QuantConfig(bias_correction="head", softmax_output="edge")
     model = tiny_model("bert")
     qmodel = softq.quantize(model, calib_for("bert"), config)
     inputs = tiny_inputs("bert", seq=12)
@@ -167,7 +167,8 @@ def test_padding_mask_stays_exactly_zero_and_padding_does_not_leak() -> None:
 
 
 def test_changing_a_future_token_does_not_move_earlier_logits() -> None:
-    qmodel = softq.quantize(tiny_model("opt"), calib_for("opt"), softq.QuantConfig(bias_correction="head_row"))
+    qmodel = softq.quantize(tiny_model("opt"), calib_for("opt"), softq.QuantConfig(bias_correction="head_row",
+                                                                                       softmax_output="edge"))
     inputs = tiny_inputs("opt")
     changed = {"input_ids": inputs["input_ids"].clone()}
     changed["input_ids"][:, 15] = (changed["input_ids"][:, 15] + 5) % 64
@@ -275,3 +276,6 @@ def test_softmax_output_is_validated() -> None:
         softq.QuantConfig(softmax_scale="calibrated")
     assert softq.QuantConfig(softmax_scale="calibrated", softmax_output="edge").softmax_output == "edge"
     assert softq.QuantConfig().softmax_output == "row"
+    with pytest.raises(ValueError, match="zero by construction for softmax_output='row'"):
+        softq.QuantConfig(bias_correction="head")
+    assert softq.QuantConfig(bias_correction="head", softmax_output="row_exact").bias_correction == "head"
