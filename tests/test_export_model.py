@@ -118,22 +118,28 @@ def test_int_form_without_correction_matches_torch_rows(quantized):
             assert np.abs(p - r).max() <= STEP  # float32 softmax ties may round the other way
 
 
-def test_padding_mask_parity(quantized):
-    qmodel = quantized[("gpt2", None)]
+def _assert_padding_exact(qmodel) -> onnx.ModelProto:
+    """The int export of a GPT-2 matches torch on a padded batch, and padded tokens move nothing."""
     model = build_onnx(qmodel, tiny_inputs("gpt2"), "int")
     inputs = tiny_inputs("gpt2", batch=2, seq=20, seed=3)
     mask = torch.ones_like(inputs["input_ids"])
     mask[0, 15:] = 0
     with torch.no_grad():
         ref = qmodel(input_ids=inputs["input_ids"], attention_mask=mask).logits.numpy()
-    out = U.run(model, {"input_ids": inputs["input_ids"].numpy(), "attention_mask": mask.numpy()}, "all")[0]
+    feeds = {"input_ids": inputs["input_ids"].numpy(), "attention_mask": mask.numpy()}
+    out = U.run(model, feeds, "all")[0]
     valid = mask.numpy().astype(bool)
     assert np.abs(out - ref)[valid].max() / np.abs(ref).max() <= LOGIT_TOL
     # changing a padded token does not move valid outputs
     ids2 = inputs["input_ids"].clone()
     ids2[0, 17] = 5
-    out2 = U.run(model, {"input_ids": ids2.numpy(), "attention_mask": mask.numpy()}, "all")[0]
+    out2 = U.run(model, {**feeds, "input_ids": ids2.numpy()}, "all")[0]
     np.testing.assert_array_equal(out2[valid], out[valid])
+    return model
+
+
+def test_padding_mask_parity(quantized):
+    _assert_padding_exact(quantized[("gpt2", None)])
 
 
 @pytest.mark.parametrize("form", ["qdq", "ort", "int"])
@@ -379,21 +385,7 @@ def test_row_codes_parity_with_torch(quantized, family, representation, form):
 
 def test_row_codes_padding_and_signed_v(quantized):
     """Padding masks exactly; symmetric int8 V is stored as uint8 around 128 (u8u8 GEMM)."""
-    qmodel = softq.quantize(tiny_model("gpt2"), _calib("gpt2"), softq.QuantConfig(act_symmetric=True))
-    model = build_onnx(qmodel, tiny_inputs("gpt2"), "int")
-    inputs = tiny_inputs("gpt2", batch=2, seq=20, seed=3)
-    mask = torch.ones_like(inputs["input_ids"])
-    mask[0, 15:] = 0
-    with torch.no_grad():
-        ref = qmodel(input_ids=inputs["input_ids"], attention_mask=mask).logits.numpy()
-    feeds = {"input_ids": inputs["input_ids"].numpy(), "attention_mask": mask.numpy()}
-    out = U.run(model, feeds, "all")[0]
-    valid = mask.numpy().astype(bool)
-    assert np.abs(out - ref)[valid].max() / np.abs(ref).max() <= LOGIT_TOL
-    ids2 = inputs["input_ids"].clone()
-    ids2[0, 17] = 5
-    out2 = U.run(model, {**feeds, "input_ids": ids2.numpy()}, "all")[0]
-    np.testing.assert_array_equal(out2[valid], out[valid])
+    model = _assert_padding_exact(softq.quantize(tiny_model("gpt2"), _calib("gpt2"), softq.QuantConfig(act_symmetric=True)))
     v_zps = [numpy_helper.to_array(i) for i in model.graph.initializer if i.name.endswith("/v_zp")]
     assert v_zps and all(z.dtype == np.uint8 and z == 128 for z in v_zps)
 
