@@ -101,6 +101,26 @@ def test_save_and_load_round_trip(family: str, tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # no temp or backup left behind
 
 
+def test_row_codes_round_trip_and_older_files_load_as_edge(tmp_path) -> None:
+    import json
+
+    calib = [tiny_inputs("gpt2", seed=s) for s in range(2)]
+    q = softq.quantize(tiny_model("gpt2"), calib, softq.QuantConfig(softmax_bits=4, softmax_output="row_exact"))
+    io.save(q, tmp_path / "q")
+    loaded = io.load(tmp_path / "q")
+    x = tiny_inputs("gpt2", seed=8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**x).logits, q(**x).logits, rtol=0, atol=0)
+    # a file written before softmax_output existed holds the uniform edge codes
+    meta_path = tmp_path / "q" / "quant_config.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["quant_config"]["softmax_output"]
+    meta_path.write_text(json.dumps(meta))
+    old = io.load(tmp_path / "q")
+    assert old.softq_quant_config.softmax_output == "edge"
+    assert {m.representation for m in old.modules() if hasattr(m, "representation")} == {"edge"}
+
+
 def test_load_and_save_refuse_bad_input(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="missing config.json, quant_config.json, model.pt"):
         io.load(tmp_path)
