@@ -32,7 +32,7 @@ class Row:
     baseline: str | None = None  # label of the uncorrected row whose gap this row closes
 
 
-def rows() -> list[Row]:
+def rows(bits_list: tuple[int, ...] = (8, 6, 4), correction: bool = True) -> list[Row]:
     """FP32, float softmax, then each softmax-output representation at 8/6/4 bits (row = the default).
 
     Bias correction is measured on top of ``edge`` and of ``row_exact`` (on ``row`` it is zero by
@@ -44,21 +44,19 @@ def rows() -> list[Row]:
         Row("FP32", None),
         Row("W8A8, float softmax", Q(softmax_bits=None)),
     ]
-    for bits in (8, 6, 4):
+    for bits in bits_list:
         edge, exact = f"W8A8, {bits}-bit softmax, edge (uniform 2^-{bits})", f"W8A8, {bits}-bit softmax, row_exact"
-        out += [
-            Row(edge, Q(softmax_bits=bits, softmax_output="edge")),
-            Row("  + bias correction (head, row)", Q(softmax_bits=bits, softmax_output="edge",
-                                                     bias_correction="head_row"), edge),
-            Row(f"W8A8, {bits}-bit softmax, row (default)", Q(softmax_bits=bits)),
-            Row(exact, Q(softmax_bits=bits, softmax_output="row_exact")),
-            Row("  + bias correction (head, row)", Q(softmax_bits=bits, softmax_output="row_exact",
-                                                     bias_correction="head_row"), exact),
-        ]
+        edge_bc = Row("  + bias correction (head, row)", Q(softmax_bits=bits, softmax_output="edge",
+                                                            bias_correction="head_row"), edge)
+        exact_bc = Row("  + bias correction (head, row)", Q(softmax_bits=bits, softmax_output="row_exact",
+                                                             bias_correction="head_row"), exact)
+        out += [Row(edge, Q(softmax_bits=bits, softmax_output="edge")), *([edge_bc] if correction else []),
+                Row(f"W8A8, {bits}-bit softmax, row (default)", Q(softmax_bits=bits)),
+                Row(exact, Q(softmax_bits=bits, softmax_output="row_exact")), *([exact_bc] if correction else [])]
     return out
 
 
-def run_task(task: Task) -> list[tuple[str, float, float, str]]:
+def run_task(task: Task, table_rows: list[Row]) -> list[tuple[str, float, float, str]]:
     """(label, metric, loss, gap-closed note) for every row on one task.
 
     The gap a correction closes is measured on the held-out loss, which is
@@ -67,7 +65,7 @@ def run_task(task: Task) -> list[tuple[str, float, float, str]]:
     losses: dict[str, float] = {}
     table = []
     fp_metric, fp_loss = task.measure()
-    for row in rows():
+    for row in table_rows:
         start = time.time()
         if row.config is None:
             value, loss = fp_metric, fp_loss
@@ -131,6 +129,8 @@ def main() -> int:
     parser.add_argument("--tasks", default="lm,vit", help="comma list of lm256, lm (full context), vit")
     parser.add_argument("--steps", type=int, default=None,
                         help="use the reference models trained this many steps (default: the reference budget)")
+    parser.add_argument("--bits", default="8,6,4", help="comma list of softmax output bits (default 8,6,4)")
+    parser.add_argument("--no-correction", action="store_true", help="skip the bias-correction rows")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "results" / "quant.md")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -145,7 +145,8 @@ def main() -> int:
             task = reference_task(name, eval_limit=limit[name], steps=args.steps)
         else:
             parser.error(f"unknown task {name}")
-        sections.append((task, run_task(task)))
+        bits = tuple(int(b) for b in args.bits.split(","))
+        sections.append((task, run_task(task, rows(bits, not args.no_correction))))
     write_atomic(args.output, markdown(sections, command_line(), time.time() - start))
     print(f"wrote {args.output}")
     return 0
