@@ -38,6 +38,13 @@ class ProbsQuantizer(nn.Module):
         return probs
 
 
+class ProbsTimesV(nn.Module):
+    """The P.V matmul of the attention core (``softq.export`` swaps it for a marker covering scores -> P.V)."""
+
+    def forward(self, probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(probs, value)
+
+
 class AttentionGate(nn.Module):
     """Gated attention (Bondarenko et al. 2023): ``sigmoid(G(x_h))`` scales each head's output.
 
@@ -68,7 +75,8 @@ class AttentionPoints(nn.Module):
 
     Every point is an identity until a pass replaces it:
     ``q``/``k`` (inputs of the score matmul), ``scores`` (softmax input),
-    ``probs`` (softmax output, a :class:`ProbsQuantizer`), ``v`` (V input of P.V).
+    ``probs`` (softmax output, a :class:`ProbsQuantizer`), ``v`` (V input of P.V);
+    ``pv`` is the P.V matmul itself.
     """
 
     def __init__(self, num_heads: int, softmax: str = "softmax", softmax_params: dict[str, float] | None = None):
@@ -80,6 +88,7 @@ class AttentionPoints(nn.Module):
         self.scores: nn.Module = nn.Identity()
         self.probs: nn.Module = ProbsQuantizer()
         self.v: nn.Module = nn.Identity()
+        self.pv: nn.Module = ProbsTimesV()
         self.gate: AttentionGate | None = None
         # Set by :func:`fast_training` while a training loop runs: exact softmax goes through
         # PyTorch SDPA, other variants through their torch.compile'd form.
@@ -159,7 +168,7 @@ def softq_attention(
         probs = get_softmax(points.softmax_name)(scores, valid, **points.softmax_params)
         probs = points.probs(probs, valid)
     weights = nn.functional.dropout(probs, p=dropout, training=module.training)
-    out = torch.matmul(weights, value if points is None else points.v(value))
+    out = torch.matmul(weights, value) if points is None else points.pv(weights, points.v(value))
     if points is not None and points.gate is not None:
         if points._hidden is None:
             raise RuntimeError("gated attention needs the module input; use softq.attention.configure_attention")
@@ -171,7 +180,7 @@ def softq_attention(
 def _points_are_identity(points: AttentionPoints) -> bool:
     """True when no quantizer or observer is attached (so nothing needs the probabilities)."""
     return (all(isinstance(m, nn.Identity) for m in (points.q, points.k, points.scores, points.v))
-            and type(points.probs) is ProbsQuantizer)
+            and type(points.probs) is ProbsQuantizer and type(points.pv) is ProbsTimesV)
 
 
 def _fast_training_attention(

@@ -33,6 +33,7 @@ import softq
 from softq import workloads
 from softq.export import onnx_utils as U
 from softq.export.int_softmax import FORMS, SoftmaxQuant, reference_qdq, softmax_model
+from softq.export.row_attention import ROW_FORMS
 from softq.export.model_export import to_onnx, to_onnx_float
 from softq.quant.tasks import reference_task
 
@@ -80,16 +81,6 @@ def onnx_metric(task_name: str, sess: ort.InferenceSession, task) -> tuple[float
     return 100.0 * float((preds == labels[: len(preds)].numpy()).mean()), outs
 
 
-def latency_ms(sess: ort.InferenceSession, batch: dict[str, torch.Tensor], repeats: int) -> float:
-    onnx_logits(sess, batch)  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        onnx_logits(sess, batch)
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
-
-
 class CalibReader:
     """onnxruntime.quantization CalibrationDataReader over softq's calibration batches."""
 
@@ -124,40 +115,50 @@ def ort_quantize_static(float_path: Path, out_path: Path, calib: list[dict[str, 
 def bench_task(name: str, args: argparse.Namespace, workdir: Path) -> list[dict[str, object]]:
     task = reference_task(name, context=args.context if name == "lm" else None, calib_size=args.calib_size,
                           eval_limit=args.eval_limit if name == "lm" else None, size=args.size, progress=True)
-    qmodel = softq.quantize(task.model, task.calib, softq.QuantConfig(bias_correction=args.bias_correction))
+    q_row = softq.quantize(task.model, task.calib, softq.QuantConfig())
+    q_edge = softq.quantize(task.model, task.calib,
+                            softq.QuantConfig(softmax_output="edge", bias_correction=args.bias_correction))
     example = task.eval_inputs[0]
     lat_batch = {k: v[:1] for k, v in example.items()} if name == "lm" else {
         "pixel_values": example["pixel_values"][: args.vit_batch]}
     names = ["input_ids", "attention_mask"] if name == "lm" else ["pixel_values"]
     rows: list[dict[str, object]] = []
+    sessions: list[tuple[dict[str, object], ort.InferenceSession]] = []
+    ref_float = torch_logits(task.model, task)
 
-    ref_float, ref_q = torch_logits(task.model, task), torch_logits(qmodel, task)
-
-    def add(label: str, path: Path | None, torch_metric: float | None) -> None:
+    def add(label: str, path: Path, torch_metric: float | None, ref: list[np.ndarray]) -> None:
         row: dict[str, object] = {"task": task.name, "model": label, "torch": torch_metric}
-        if path is not None:
-            sess = U.session(path, "all", threads=args.threads)
-            row["onnx"], outs = onnx_metric(name, sess, task)
-            row["agree"], row["rel"] = parity(outs, ref_q if label.startswith("softq") else ref_float)
-            row["ms"] = latency_ms(sess, lat_batch, args.repeats)
-            row["mb"] = path.stat().st_size / 1e6
+        sess = U.session(path, "all", threads=args.threads)
+        row["onnx"], outs = onnx_metric(name, sess, task)
+        row["agree"], row["rel"] = parity(outs, ref)
+        row["mb"] = path.stat().st_size / 1e6
         rows.append(row)
+        sessions.append((row, sess))
         print(row, file=sys.stderr, flush=True)
 
     fp_path = Path(to_onnx_float(task.model, workdir / f"{name}_fp32.onnx", example, overwrite=True))
-    add("FP32 ONNX", fp_path, task.evaluate())
-    q_torch = task.evaluate(qmodel)
-    for form in FORMS:
-        path = Path(to_onnx(qmodel, workdir / f"{name}_{form}.onnx", example, softmax=form, overwrite=True))
-        add(f"softq INT8, softmax={form}", path, q_torch)
-    if name == "lm":  # the ViT has no embedding table (patch conv + position parameter)
-        path = Path(to_onnx(qmodel, workdir / f"{name}_int_emb.onnx", example, softmax="int", overwrite=True,
-                            embeddings="int8"))
-        add("softq INT8, softmax=int, int8 embeddings", path, q_torch)
+    add("FP32 ONNX", fp_path, task.evaluate(), ref_float)
+    for qmodel, kind, forms in ((q_row, "row codes (default)", ROW_FORMS), (q_edge, "edge codes", FORMS)):
+        q_torch, ref_q = task.evaluate(qmodel), torch_logits(qmodel, task)
+        for form in forms:
+            path = Path(to_onnx(qmodel, workdir / f"{name}_{kind[:4]}_{form}.onnx", example, softmax=form,
+                                overwrite=True))
+            add(f"softq INT8, {kind}, {form}", path, q_torch, ref_q)
     for reduce_range in (False, True):
         out = workdir / f"{name}_ortq_{int(reduce_range)}.onnx"
         ort_quantize_static(fp_path, out, task.calib, names, reduce_range)
-        add(f"ORT quantize_static (QDQ, per-channel{', reduce_range' if reduce_range else ''})", out, None)
+        add(f"ORT quantize_static (QDQ, per-channel{', reduce_range' if reduce_range else ''})", out, None, ref_float)
+    # latency: every model of the task interleaved, run by run, then the median per model
+    times: list[list[float]] = [[] for _ in sessions]
+    for _, sess in sessions:
+        onnx_logits(sess, lat_batch)  # warm-up
+    for _ in range(args.repeats):
+        for i, (_, sess) in enumerate(sessions):
+            t = time.perf_counter()
+            onnx_logits(sess, lat_batch)
+            times[i].append(time.perf_counter() - t)
+    for (row, _), ts in zip(sessions, times):
+        row["ms"] = 1e3 * statistics.median(ts)
     return rows
 
 
@@ -215,8 +216,9 @@ def write_report(path: Path, command: str, model_rows: list[dict[str, object]], 
         f"    {command}",
         "",
         f"onnxruntime {ort.__version__}, CPU `{platform.processor() or platform.machine()}`, "
-        f"{args.threads} intra-op thread(s), graph optimisation ORT_ENABLE_ALL, median of {args.repeats} runs. "
-        f"Softmax bias correction: {args.bias_correction}. LM latency: batch 1 x {args.context} tokens; "
+        f"{args.threads} intra-op thread(s), graph optimisation ORT_ENABLE_ALL, median of {args.repeats} runs "
+        "interleaved across the task's models. Default quantization (softmax codes relative to the row max) "
+        f"and the edge codes (uniform 2^-8) with softmax bias correction: {args.bias_correction}. LM latency: batch 1 x {args.context} tokens; "
         f"ViT latency: batch {args.vit_batch}. Metric: perplexity (LM, lower is better) or top-1 % (ViT) on "
         f"the held-out split (LM: {f'first {args.eval_limit} windows' if args.eval_limit else 'all windows'}; "
         "ViT: all images).",
@@ -255,7 +257,11 @@ def write_report(path: Path, command: str, model_rows: list[dict[str, object]], 
         "",
         "## Notes",
         "",
-        "- Softmax forms: `qdq` = DequantizeLinear -> Softmax -> QuantizeLinear (scale 2^-8, zero point 0); "
+        "- Row codes (the default): `fast` = E = QuantizeLinear(Exp(DQ(s) - DQ(rowmax)), 1/255), "
+        "MatMulInteger(E, [V | zp+1]) gives P.V's numerator and the row sum, one Div per output element; "
+        "`int` = the same with an exp table (Gather) instead of Exp, integer up to the int32 accumulators. "
+        "Core alone: docs/results/attention_core.md.",
+        "- Edge softmax forms: `qdq` = DequantizeLinear -> Softmax -> QuantizeLinear (scale 2^-8, zero point 0); "
         "`ort` = com.microsoft.QLinearSoftmax (opset=13, axis=-1 written); `int` = standard ops, integer "
         "arithmetic only (256-entry exp table + rounded integer division; int32, or int64 with bias correction). Parity with numpy references is "
         "tested bit for bit in `tests/test_export_softmax.py`.",

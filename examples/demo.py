@@ -29,7 +29,7 @@ def step(title: str) -> None:
 
 def quantize_and_compare(name: str, eval_limit: int | None) -> tuple[object, torch.nn.Module]:
     task = reference_task(name, eval_limit=eval_limit)
-    config = softq.QuantConfig()  # W8A8 with 8-bit softmax (see docs/results/quant.md)
+    config = softq.QuantConfig()  # W8A8, 8-bit softmax codes relative to the row max (see docs/results/quant.md)
     start = time.time()
     qmodel = softq.quantize(task.model, task.calib, config)
     fp, q = task.evaluate(), task.evaluate(qmodel)
@@ -112,7 +112,7 @@ def main() -> int:
     step("1. A real pretrained model: all-MiniLM-L6-v2 sentence embeddings in INT8, torch and ONNX")
     minilm_step(args.out, args.texts)
 
-    step("2. INT8 language model: W8A8, softmax input and output included")
+    step("2. INT8 language model: W8A8, softmax input and output included (8-bit codes relative to the row max)")
     quantize_and_compare("lm", args.eval_limit)
 
     step("3. INT8 vision transformer (digits)")

@@ -1,8 +1,11 @@
 """softq.export: ONNX export of softq-quantized models with an integer softmax.
 
-``to_onnx(qmodel, path, example_inputs, softmax="qdq" | "ort" | "int")`` writes the
-whole model; ``int_softmax`` holds the three softmax forms with a numpy
-reference each; ``onnx_utils`` the atomic save, checks and sessions.  torch is
+``to_onnx(qmodel, path, example_inputs, softmax=...)`` writes the whole model:
+``"fast"`` (default) or ``"int"`` for softmax codes relative to the row max
+(``row_attention``: the attention core scores -> P.V with a numpy reference),
+``"qdq"``, ``"ort"`` or ``"int"`` for the uniform edge codes (``int_softmax``:
+three softmax forms with a numpy reference each); ``onnx_utils`` the atomic
+save, checks and sessions.  torch is
 imported only when a model export is asked for, so ``softq --help`` stays fast.
 """
 

@@ -14,8 +14,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="export a quantized model to ONNX with an integer softmax",
         description=(
             "Export a softq-quantized model to ONNX (dynamic batch and sequence length, per-channel 8-bit weights, "
-            "QDQ activations) with the softmax as 'qdq' (DequantizeLinear->Softmax->QuantizeLinear, portable), "
-            "'ort' (com.microsoft.QLinearSoftmax) or 'int' (standard ops, integer arithmetic only). MODEL is a "
+            "QDQ activations). Softmax codes relative to the row max (softmax_output row/row_exact, the default): "
+            "attention core 'fast' (float exp inside Q/DQ, integer GEMM; default) or 'int' (exp table, integer "
+            "only). Uniform edge codes: softmax 'qdq' (DequantizeLinear->Softmax->QuantizeLinear, portable; "
+            "default), 'ort' (com.microsoft.QLinearSoftmax) or 'int' (standard ops, integer arithmetic only). MODEL is a "
             "directory written by `softq quantize --output` or a reference workload name ('lm', 'vit'), which is "
             "then quantized here first, or a Hugging Face model directory, quantized here first with the default "
             "QuantConfig on --calib texts. Headless encoders (BertModel...) output last_hidden_state; --pooled adds "
@@ -24,7 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", help="quantized model directory (softq quantize --output), Hugging Face model "
                                  "directory, or 'lm' / 'vit' (reference workload)")
-    p.add_argument("--softmax", choices=["qdq", "ort", "int"], default="qdq", help="softmax form (default: %(default)s)")
+    p.add_argument("--softmax", choices=["fast", "int", "qdq", "ort"], default=None,
+                   help="softmax / attention-core form (default: fast for row codes, qdq for edge codes)")
     p.add_argument("--output", "-o", type=Path, required=True, help="ONNX file to write")
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     p.add_argument("--weight-storage", choices=["uint8", "int8"], default="uint8",
@@ -41,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     h.add_argument("--max-length", type=int, default=128, help="tokens per calibration text (default 128)")
     g = p.add_argument_group("when MODEL is a reference workload")
     g.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
+    p.add_argument("--softmax-output", choices=["row", "row_exact", "edge"], default="row",
+                   help="softmax output codes when MODEL is quantized here (default %(default)s; bias correction "
+                        "is exported for edge only)")
     p.add_argument("--calib-size", type=int, default=16, help="calibration windows/images/texts (default 16)")
     g.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
     p.set_defaults(handler=_export)
@@ -62,7 +68,8 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
         from softq.quant.tasks import reference_task
 
         task = reference_task(args.model, calib_size=args.calib_size, seed=args.seed)
-        return softq.quantize(task.model, task.calib, softq.QuantConfig(bias_correction=args.bias_correction))
+        return softq.quantize(task.model, task.calib, softq.QuantConfig(bias_correction=args.bias_correction,
+                                                                        softmax_output=args.softmax_output))
     path = Path(args.model)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is neither a model directory nor one of {', '.join(REFERENCE_NAMES)}")
@@ -76,7 +83,8 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
 
     calib = hf.read_text_file(args.calib) if args.calib is not None else None
     task = model_dir_task(hf.load_model_dir(path, max_length=args.max_length), calib, [], calib_size=args.calib_size)
-    return softq.quantize(task.model, task.calib, softq.QuantConfig(bias_correction=args.bias_correction))
+    return softq.quantize(task.model, task.calib, softq.QuantConfig(bias_correction=args.bias_correction,
+                                                                    softmax_output=args.softmax_output))
 
 
 def _pooling(args: argparse.Namespace, qmodel) -> tuple[str | None, bool]:  # noqa: ANN001
@@ -102,6 +110,6 @@ def _export(args: argparse.Namespace) -> int:
                       embeddings=args.embeddings, pooling=pooling, normalize=normalize)
     size = Path(written).stat().st_size
     outputs = "last_hidden_state, sentence_embedding" if pooling else None
-    print(f"wrote {written} ({size / 1e6:.2f} MB, softmax={args.softmax}"
+    print(f"wrote {written} ({size / 1e6:.2f} MB, softmax={args.softmax or 'default'}"
           + (f", outputs {outputs}" if outputs else "") + ")")
     return 0

@@ -9,19 +9,27 @@ has an ONNX ``symbolic``:
   calibrated scale and zero point;
 * quantized Linear layers -> ``MatMul(x, DequantizeLinear(W_int8^T, scale, axis=1))``
   (+ float bias), per-channel int8 weights stored as int8 initializers;
-* each attention softmax (the scores tap, the softmax and the probs quantizer)
-  -> one marker node ``softq::QSoftmax(scores, valid)``.
+* each attention core (the scores tap, the softmax, the probs quantizer and the
+  P.V matmul) -> one marker node ``softq::QAttention(scores, v[, valid])`` whose
+  output is P.V.
 
 The TorchScript exporter (``dynamo=False``) traces that copy; afterwards each
-marker is replaced by the chosen integer softmax form
-(:mod:`softq.export.int_softmax`) between ``QuantizeLinear`` of the scores and
-``DequantizeLinear`` of the probabilities (scale ``2**-8``), and dead nodes are
-removed.  Language models get a 4-D boolean mask built in the graph from
+marker is replaced, after ``QuantizeLinear`` of the scores, by the form chosen for
+the layer's softmax-output representation:
+
+* ``row`` / ``row_exact`` (:mod:`softq.export.row_attention`): ``fast`` or
+  ``int``, integer codes relative to the row max, ``MatMulInteger`` with the
+  uint8 V codes, one division per output element;
+* ``edge`` (:mod:`softq.export.int_softmax`): ``qdq``, ``ort`` or ``int``
+  softmax, ``DequantizeLinear`` of the probabilities (scale ``2**-8``), then
+  ``MatMul`` with the dequantized V;
+
+and dead nodes are removed.  Language models get a 4-D boolean mask built in the graph from
 ``attention_mask`` (causal AND padding), which makes Hugging Face skip its own
 mask code (not traceable with dynamic shapes).
 
 Softmax bias correction ``beta`` (``softq.quant`` adds it to valid entries
-after dequantization):
+after dequantization; exported for ``edge`` only):
 
 * ``int`` form: folded into the rounding point of the integer division
   (:func:`softq.export.int_softmax.rounding_constants`): one extra integer Mul,
@@ -48,12 +56,17 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from softq.export import onnx_utils
-from softq.export.int_softmax import OUT_SCALE, SoftmaxQuant, build_softmax, check_form
+from softq.export.int_softmax import FORMS as EDGE_FORMS
+from softq.export.int_softmax import OUT_SCALE, SoftmaxQuant, build_softmax
+from softq.export.row_attention import ROW_FORMS, RowQuant, build_row_attention
 
 TORCH_OPSET = 18
 MARKER_DOMAIN = "softq"
-MARKER_OP = "QSoftmax"
+MARKER_OP = "QAttention"
 EXPORTABLE_SOFTMAX = ("softmax",)
+# Softmax forms by softmax-output representation; the first is the default.
+FORMS_FOR = {"row": ROW_FORMS, "row_exact": ROW_FORMS, "edge": EDGE_FORMS}
+ALL_FORMS = tuple(dict.fromkeys(f for forms in FORMS_FOR.values() for f in forms))
 
 
 class ExportError(ValueError):
@@ -132,17 +145,17 @@ class _WeightDQFn(torch.autograd.Function):
         return g.op("DequantizeLinear", *args, axis_i=axis)
 
 
-class _SoftmaxMarkerFn(torch.autograd.Function):
+class _AttentionMarkerFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scores, valid, probs, key: int):  # noqa: ANN001
-        return probs.clone()
+    def forward(ctx, scores, v, valid, out, key: int):  # noqa: ANN001
+        return out.clone()
 
     @staticmethod
-    def symbolic(g, scores, valid, probs, key: int):  # noqa: ANN001
-        inputs = [scores] if valid is None or valid.node().mustBeNone() else [scores, valid]
-        out = g.op(f"{MARKER_DOMAIN}::{MARKER_OP}", *inputs, key_i=key)
-        out.setType(scores.type())
-        return out
+    def symbolic(g, scores, v, valid, out, key: int):  # noqa: ANN001
+        inputs = [scores, v] if valid is None or valid.node().mustBeNone() else [scores, v, valid]
+        marker = g.op(f"{MARKER_DOMAIN}::{MARKER_OP}", *inputs, key_i=key)
+        marker.setType(out.type())
+        return marker
 
 
 class _ExportAct(nn.Module):
@@ -220,26 +233,41 @@ class _ExportEmbedding(nn.Module):
 
 
 class _ScoresTap(nn.Module):
-    """Passes the float scores through and remembers them for the softmax marker."""
+    """Passes the float scores through and remembers them (and the mask) for the attention marker."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen = x
         return x
 
 
-class _ProbsMarker(nn.Module):
-    def __init__(self, tap: _ScoresTap, key: int) -> None:
+class _ValidTap(nn.Module):
+    """Stands in for the softmax-output quantizer: remembers the mask, passes the probabilities on."""
+
+    def __init__(self, tap: _ScoresTap) -> None:
         super().__init__()
         self.tap = [tap]  # a list: not a submodule
-        self.key = key
 
     def forward(self, probs: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        scores = self.tap[0].seen
-        return _SoftmaxMarkerFn.apply(scores, valid, probs, self.key)
+        self.tap[0].valid = valid
+        return probs
+
+
+class _AttentionMarker(nn.Module):
+    """Replaces the P.V matmul: one marker from (scores, V, valid) to P.V."""
+
+    def __init__(self, tap: _ScoresTap, key: int) -> None:
+        super().__init__()
+        self.tap = [tap]
+        self.key = key
+
+    def forward(self, probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        tap = self.tap[0]
+        return _AttentionMarkerFn.apply(tap.seen, value, tap.valid, torch.matmul(probs, value), self.key)
 
 
 # ---------------------------------------------------------------------------
@@ -284,17 +312,37 @@ def _softmax_params(name: str, points: nn.Module, key: int) -> dict[str, Any]:
         )
     if int(scores.bits) > 8:
         raise ExportError(f"attention layer '{name}': {scores.bits}-bit softmax inputs are not exportable (max 8)")
+    q = SoftmaxQuant(scale=float(scores.scale), zero_point=int(round(float(scores.zero_point))),
+                     bits=int(scores.bits), signed=bool(scores.signed), out_signed=False)
+    if probs.representation != "edge":
+        return {"name": name, "q": q, "representation": probs.representation, "rq": _row_quant(name, points, q)}
     if abs(float(probs.scale) - float(OUT_SCALE)) > 0 or int(probs.bits) != 8 or float(probs.zero_point) != 0:
         raise ExportError(
             f"attention layer '{name}': softmax output quantizer has scale {float(probs.scale):.6g}, "
             f"{int(probs.bits)} bits; the export emits the edge convention 2**-8, 8 bits, zero point 0 "
             "(quantize with softmax_bits=8, softmax_scale='fixed')"
         )
-    q = SoftmaxQuant(scale=float(scores.scale), zero_point=int(round(float(scores.zero_point))),
-                     bits=int(scores.bits), signed=bool(scores.signed), out_signed=False)
     beta = None if probs.beta.numel() == 0 else probs.beta.detach().cpu().numpy().astype(np.float64)
     beta_head = None if probs.beta_head.numel() == 0 else probs.beta_head.detach().cpu().numpy().astype(np.float64)
-    return {"name": name, "q": q, "beta": beta, "beta_head": beta_head, "causal_rows": bool(probs.causal_rows)}
+    return {"name": name, "q": q, "representation": "edge", "beta": beta, "beta_head": beta_head,
+            "causal_rows": bool(probs.causal_rows)}
+
+
+def _row_quant(name: str, points: nn.Module, q: SoftmaxQuant) -> RowQuant:
+    """The grids of a row-code attention core; V codes stored as uint8 (signed ones shifted by 128)."""
+    probs, v = points.probs, points.v
+    if probs.beta.numel():
+        raise ExportError(f"attention layer '{name}': softmax bias correction is exported for "
+                          f"softmax_output='edge' only, this layer uses '{probs.representation}'")
+    if not _is_act_quantizer(v) or int(v.bits) > 8:
+        raise ExportError(f"attention layer '{name}': the row-code attention needs V quantized to at most 8 bits")
+    shift = 128 if v.signed else 0
+    lo, hi = ((-(2 ** (v.bits - 1)) + 1, 2 ** (v.bits - 1) - 1) if v.signed else (0, 2**v.bits - 1))
+    try:
+        return RowQuant(q, float(v.scale), int(round(float(v.zero_point))) + shift, int(probs.bits),
+                        probs.representation, lo + shift, hi + shift)
+    except ValueError as err:
+        raise ExportError(f"attention layer '{name}': {err}") from err
 
 
 def _max_positions(model: nn.Module) -> int:
@@ -314,11 +362,19 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "uint8",
     layers: dict[int, dict[str, Any]] = {}
     for key, (name, points) in enumerate(attention_points(model)):
         layers[key] = info = _softmax_params(name, points, key)
-        # longer inputs than calibrated: torch falls back to the per-head beta for them
-        info["beta"] = _extend_rows(info["beta"], info["beta_head"], _max_positions(model))
+        if info["representation"] == "edge":
+            # longer inputs than calibrated: torch falls back to the per-head beta for them
+            info["beta"] = _extend_rows(info["beta"], info["beta_head"], _max_positions(model))
+        else:
+            try:
+                info["rq"].check_keys(_max_positions(model))
+            except ValueError as err:
+                raise ExportError(f"attention layer '{name}': {err}; the model takes "
+                                  f"{_max_positions(model)} positions") from err
         tap = _ScoresTap()
         points.scores = tap
-        points.probs = _ProbsMarker(tap, key)
+        points.probs = _ValidTap(tap)
+        points.pv = _AttentionMarker(tap, key)
     counter = iter(range(10**9))
     _replace_children(model, lambda m: isinstance(m, QLinear), lambda m: _ExportLinear(m, next(counter), weight_storage))
     _replace_children(model, _is_act_quantizer, lambda m: _ExportAct(m, next(counter)))
@@ -511,9 +567,67 @@ def _int_beta_rows(prefix: str, beta: np.ndarray, scores: str) -> tuple[list, li
     return nodes, inits, f"{prefix}round_point"
 
 
+def _edge_core(p: str, info: dict[str, Any], form: str, scores: str, valid_b: str | None, probs: str,
+               opset: int) -> tuple[list, list, dict[str, int]]:
+    """Nodes from the score codes ``{p}codes`` to the dequantized (bias-corrected) probabilities ``probs``."""
+    q: SoftmaxQuant = info["q"]
+    if form == "ort" and q.signed:  # QLinearSoftmax: int8 in, int8 out (zero point -128)
+        q = dataclasses.replace(q, out_signed=True)
+    nodes: list[onnx.NodeProto] = []
+    inits = [_init(f"{p}p_scale", OUT_SCALE), _init(f"{p}p_zp", np.array(q.out_zero_point, q.out_dtype))]
+    bnodes, binits, beta_name, beta_static = _beta_nodes(p, info, scores, form)
+    nodes += bnodes
+    inits += binits
+    sm_beta = None
+    if form == "int" and beta_static is not None:
+        if beta_static.shape[2] > 1:  # causal per-row: slice the constants at run time
+            rnodes, rinits, _ = _int_beta_rows(p, beta_static, scores)
+            nodes += rnodes
+            inits += rinits
+            sm_beta = np.zeros((1, 1, 1, 1))  # placeholder, replaced below
+        else:
+            sm_beta = beta_static
+    g = build_softmax(form, f"{p}codes", f"{p}pcodes", q, axis=-1, valid=valid_b, beta=sm_beta,
+                      prefix=f"{p}sm/", opset=opset)
+    if form == "int" and beta_static is not None and beta_static.shape[2] > 1:
+        # point the softmax's rounding constant at the sliced per-row constants
+        placeholder = next(i.name for i in g.initializers if "round_point" in i.name)
+        g.initializers = [i for i in g.initializers if i.name != placeholder]
+        for n in g.nodes:
+            for j, name in enumerate(n.input):
+                if name == placeholder:
+                    n.input[j] = f"{p}round_point"
+    nodes += g.nodes
+    inits += g.initializers
+    deq = f"{p}probs_deq" if beta_name else probs
+    nodes.append(helper.make_node("DequantizeLinear", [f"{p}pcodes", f"{p}p_scale", f"{p}p_zp"], [deq],
+                                  name=f"{p}DequantizeLinear"))
+    if beta_name:
+        corr = beta_name
+        if valid_b is not None:
+            corr = f"{p}beta_valid"
+            nodes += [
+                helper.make_node("Cast", [valid_b], [f"{p}valid_f"], name=f"{p}CastValidF", to=TensorProto.FLOAT),
+                helper.make_node("Mul", [beta_name, f"{p}valid_f"], [corr], name=f"{p}BetaMask"),
+            ]
+        nodes.append(helper.make_node("Add", [deq, corr], [probs], name=f"{p}BetaAdd"))
+    return nodes, inits, g.opset_imports
+
+
+def check_form_for(representation: str, form: str) -> None:
+    """Refuse a softmax form that does not implement the model's softmax-output representation."""
+    if form not in ALL_FORMS:
+        raise ValueError(f"unknown softmax form {form!r}; choose one of {', '.join(ALL_FORMS)}")
+    if form not in FORMS_FOR[representation]:
+        raise ExportError(
+            f"softmax form {form!r} does not export softmax_output={representation!r}; use "
+            f"{' or '.join(repr(f) for f in FORMS_FOR[representation])} (or quantize with softmax_output="
+            f"{next(r for r, fs in FORMS_FOR.items() if form in fs)!r})")
+
+
 def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], form: str,
                     probs_outputs: bool = False) -> onnx.ModelProto:
-    """Swap every ``softq::QSoftmax`` marker for the quantized softmax of ``form``."""
+    """Swap every ``softq::QAttention`` marker for the quantized attention core of ``form``."""
     graph = model.graph
     new_nodes: list[onnx.NodeProto] = []
     extra_inits: list[TensorProto] = []
@@ -527,63 +641,41 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
         key = next(a.i for a in node.attribute if a.name == "key")
         info = layers[key]
         q: SoftmaxQuant = info["q"]
-        if form == "ort" and q.signed:  # QLinearSoftmax: int8 in, int8 out (zero point -128)
-            q = dataclasses.replace(q, out_signed=True)
         p = f"softq/L{key}/"
-        scores, out = node.input[0], node.output[0]
+        scores, v, out = node.input[0], node.input[1], node.output[0]
+        probs = f"{p}probs"
         valid_b = None
-        extra_inits += [_init(f"{p}s_scale", np.float32(q.scale)), _init(f"{p}s_zp", np.array(q.zero_point, q.in_dtype)),
-                        _init(f"{p}p_scale", OUT_SCALE), _init(f"{p}p_zp", np.array(q.out_zero_point, q.out_dtype))]
+        extra_inits += [_init(f"{p}s_scale", np.float32(q.scale)), _init(f"{p}s_zp", np.array(q.zero_point, q.in_dtype))]
         new_nodes.append(helper.make_node("QuantizeLinear", [scores, f"{p}s_scale", f"{p}s_zp"], [f"{p}codes"],
                                           name=f"{p}QuantizeLinear"))
-        if len(node.input) > 1 and node.input[1]:
+        if len(node.input) > 2 and node.input[2]:
             valid_b = f"{p}valid"
-            new_nodes.append(helper.make_node("Cast", [node.input[1]], [valid_b], name=f"{p}CastValid",
+            new_nodes.append(helper.make_node("Cast", [node.input[2]], [valid_b], name=f"{p}CastValid",
                                               to=TensorProto.BOOL))
-        bnodes, binits, beta_name, beta_static = _beta_nodes(p, info, scores, form)
-        new_nodes += bnodes
-        extra_inits += binits
-        sm_beta = None
-        if form == "int" and beta_static is not None:
-            if beta_static.shape[2] > 1:  # causal per-row: slice the constants at run time
-                rnodes, rinits, _ = _int_beta_rows(p, beta_static, scores)
-                new_nodes += rnodes
-                extra_inits += rinits
-                sm_beta = np.zeros((1, 1, 1, 1))  # placeholder, replaced below
-            else:
-                sm_beta = beta_static
-        g = build_softmax(form, f"{p}codes", f"{p}pcodes", q, axis=-1, valid=valid_b, beta=sm_beta,
-                          prefix=f"{p}sm/", opset=opset)
-        if form == "int" and beta_static is not None and beta_static.shape[2] > 1:
-            # point the softmax's rounding constant at the sliced per-row constants
-            placeholder = next(i.name for i in g.initializers if "round_point" in i.name)
-            g.initializers = [i for i in g.initializers if i.name != placeholder]
-            for n in g.nodes:
-                for j, name in enumerate(n.input):
-                    if name == placeholder:
-                        n.input[j] = f"{p}round_point"
-        new_nodes += g.nodes
-        extra_inits += g.initializers
-        deq = f"{p}probs_deq" if beta_name else out
-        new_nodes.append(helper.make_node("DequantizeLinear", [f"{p}pcodes", f"{p}p_scale", f"{p}p_zp"], [deq],
-                                          name=f"{p}DequantizeLinear"))
-        if beta_name:
-            corr = beta_name
-            if valid_b is not None:
-                corr = f"{p}beta_valid"
-                new_nodes += [
-                    helper.make_node("Cast", [valid_b], [f"{p}valid_f"], name=f"{p}CastValidF", to=TensorProto.FLOAT),
-                    helper.make_node("Mul", [beta_name, f"{p}valid_f"], [corr], name=f"{p}BetaMask"),
-                ]
-            new_nodes.append(helper.make_node("Add", [deq, corr], [out], name=f"{p}BetaAdd"))
+        if info["representation"] == "edge":
+            nodes, inits, domains = _edge_core(p, info, form, scores, valid_b, probs, opset)
+            nodes.append(helper.make_node("MatMul", [probs, v], [out], name=f"{p}MatMulPV"))
+        else:
+            rq: RowQuant = info["rq"]
+            # V arrives dequantized (its QDQ pair): QuantizeLinear gives back its codes, stored as uint8
+            nodes = [helper.make_node("QuantizeLinear", [v, f"{p}v_scale", f"{p}v_zp"], [f"{p}vcodes"],
+                                      name=f"{p}QuantizeV")]
+            inits = [_init(f"{p}v_scale", np.float32(rq.v_scale)), _init(f"{p}v_zp", np.array(rq.v_zero_point, np.uint8))]
+            core, core_inits = build_row_attention(form, f"{p}codes", f"{p}vcodes", out, rq, valid_b,
+                                                   probs if probs_outputs else None, prefix=f"{p}core/", opset=opset)
+            nodes += core
+            inits += core_inits
+            domains = {}
+        new_nodes += nodes
+        extra_inits += inits
         if probs_outputs:
-            extra_outputs.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, [None] * 4))
-        for d, v in g.opset_imports.items():
+            extra_outputs.append(helper.make_tensor_value_info(probs, TensorProto.FLOAT, [None] * 4))
+        for d, ver in domains.items():
             if d and not any(o.domain == d for o in model.opset_import):
-                model.opset_import.append(helper.make_opsetid(d, v))
+                model.opset_import.append(helper.make_opsetid(d, ver))
         found += 1
     if found != len(layers):
-        raise ExportError(f"found {found} softmax markers for {len(layers)} attention layers; the trace lost some")
+        raise ExportError(f"found {found} attention markers for {len(layers)} attention layers; the trace lost some")
     del graph.node[:]
     graph.node.extend(new_nodes)
     graph.initializer.extend(extra_inits)
@@ -626,13 +718,14 @@ def check_exportable_ops(model: onnx.ModelProto, form: str) -> None:
 # ---------------------------------------------------------------------------
 
 
-def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str = "qdq", probs_outputs: bool = False,
+def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = None, probs_outputs: bool = False,
                weight_storage: str = "uint8", embeddings: str = "float", pooling: str | None = None,
                normalize: bool = False) -> onnx.ModelProto:
     """The checked ONNX model of a softq-quantized model (not written anywhere)."""
     from softq.quant import is_quantized
 
-    check_form(softmax)
+    if softmax is not None and softmax not in ALL_FORMS:
+        raise ValueError(f"unknown softmax form {softmax!r}; choose one of {', '.join(ALL_FORMS)}")
     if weight_storage not in WEIGHT_STORAGE:
         raise ExportError(f"weight_storage must be one of {WEIGHT_STORAGE}, got {weight_storage!r}")
     if embeddings not in ("float", "int8"):
@@ -643,6 +736,10 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str = "qdq", pro
             "calib_data) first, or use softq.export.to_onnx_float for a float model"
         )
     model, layers = _export_copy(qmodel, weight_storage, embeddings)
+    representations = list(dict.fromkeys(info["representation"] for info in layers.values()))
+    softmax = softmax or FORMS_FOR[representations[0]][0]
+    for representation in representations:
+        check_form_for(representation, softmax)
     wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
     feeds = example_feeds(qmodel, example_inputs, names)
     if softmax == "ort" and "attention_mask" in names:
@@ -689,13 +786,17 @@ def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> 
         raise ExportError(f"example inputs {shapes} do not fit {what}: {err}") from err
 
 
-def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str = "qdq", overwrite: bool = False,
+def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | None = None, overwrite: bool = False,
             probs_outputs: bool = False, weight_storage: str = "uint8", embeddings: str = "float",
             pooling: str | None = None, normalize: bool = False) -> str:
     """Export a softq-quantized model to ONNX with an integer softmax; returns the path written.
 
-    ``softmax``: ``"qdq"`` (portable default), ``"ort"`` (com.microsoft.QLinearSoftmax)
-    or ``"int"`` (standard ops, integer arithmetic only).  Batch and sequence
+    ``softmax``: the form of the attention core, by the model's
+    ``softmax_output``.  ``row``/``row_exact`` (default): ``"fast"`` (default;
+    float Exp inside Q/DQ, integer GEMM with the row sum from the same GEMM) or
+    ``"int"`` (exp table, integer up to the int32 accumulators).  ``edge``:
+    ``"qdq"`` (portable default), ``"ort"`` (com.microsoft.QLinearSoftmax) or
+    ``"int"`` (standard ops, integer arithmetic only).  Batch and sequence
     length are dynamic.  The file is written atomically and only after
     ``onnx.checker.check_model(full_check=True)`` passed; an existing file is
     replaced only with ``overwrite=True``.  ``probs_outputs`` adds every layer's

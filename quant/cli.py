@@ -47,6 +47,8 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-bits", type=int, default=8)
     p.add_argument("--act-bits", type=int, default=8)
     p.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
+    p.add_argument("--softmax-output", choices=["row", "row_exact", "edge"], default="row",
+                   help="softmax output codes: relative to the row max (row, row_exact) or uniform 2^-bits (edge)")
     p.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA", help="SmoothQuant migration strength")
     p.add_argument("--observer", choices=["minmax", "percentile", "mse"], default="minmax")
     p.add_argument("--residual-groups", type=_groups, default=None, metavar="K",
@@ -86,6 +88,7 @@ def _config(args: argparse.Namespace):
     return QuantConfig(
         weight_bits=args.weight_bits, act_bits=args.act_bits,
         softmax_bits=args.softmax_bits or None, bias_correction=args.bias_correction,
+        softmax_output=args.softmax_output,
         smoothquant_alpha=args.smoothquant, observer=args.observer, quantize_residual=not args.no_residual, **extra,
     )
 

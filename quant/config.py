@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 BIAS_CORRECTION_GRANULARITIES = ("tensor", "head", "head_row")
+SOFTMAX_OUTPUTS = ("row", "row_exact", "edge")
 MIN_BITS, MAX_BITS = 2, 16
 
 
@@ -21,13 +22,21 @@ class QuantConfig:
         act_symmetric: signed symmetric activations instead of asymmetric unsigned.
         softmax_bits: bits of the softmax output (unsigned), or ``None`` to keep
             the softmax input and output in float ("W8A8 with float softmax").
-        softmax_scale: ``"fixed"`` uses ``2**-softmax_bits`` (the TFLite/QNN edge
-            convention, what the ONNX export emits); ``"calibrated"`` fits the
-            scale to the largest probability seen.
+        softmax_output: representation of the quantized softmax output.
+            ``"row"`` (default): codes relative to the row max,
+            ``E = round((2**b - 1) exp(s - rowmax))``, and P.V = (E.V) / sum(E);
+            ``"row_exact"``: the same codes divided by ``(2**b - 1)`` times the
+            exact sum of exp (best at 4-6 bits); ``"edge"``: uniform codes at
+            scale ``softmax_scale`` (the TFLite/QNN convention).
+        softmax_scale: ``"edge"`` output only. ``"fixed"`` uses ``2**-softmax_bits``
+            (the TFLite/QNN edge convention, what the ONNX export emits);
+            ``"calibrated"`` fits the scale to the largest probability seen.
         observer: range rule for activations: ``minmax``, ``percentile`` or ``mse``.
         percentile: the percentile of the ``percentile`` observer.
         bias_correction: softmax bias correction granularity (``tensor``,
-            ``head``, ``head_row``) or ``None`` for no correction.
+            ``head``, ``head_row``) or ``None`` for no correction (``edge`` and
+            ``row_exact`` outputs; a ``row`` output's rows sum to 1, so its
+            correction is zero).
         smoothquant_alpha: SmoothQuant migration strength in [0, 1] applied to
             Linear layers fed by a LayerNorm, or ``None`` to skip.
         quantize_residual: also quantize LayerNorm inputs (the residual stream).
@@ -47,6 +56,7 @@ class QuantConfig:
     act_bits: int = 8
     act_symmetric: bool = False
     softmax_bits: int | None = 8
+    softmax_output: Literal["row", "row_exact", "edge"] = "row"
     softmax_scale: Literal["fixed", "calibrated"] = "fixed"
     observer: Literal["minmax", "percentile", "mse"] = "minmax"
     percentile: float = 99.99
@@ -65,6 +75,11 @@ class QuantConfig:
                 raise ValueError(f"{name} must be an integer from {MIN_BITS} to {MAX_BITS}, got {value!r}")
         if self.softmax_scale not in ("fixed", "calibrated"):
             raise ValueError(f"softmax_scale must be 'fixed' or 'calibrated', got {self.softmax_scale!r}")
+        if self.softmax_output not in SOFTMAX_OUTPUTS:
+            raise ValueError(f"softmax_output must be one of {SOFTMAX_OUTPUTS}, got {self.softmax_output!r}")
+        if self.softmax_scale != "fixed" and self.softmax_output != "edge":
+            raise ValueError(f"softmax_scale={self.softmax_scale!r} applies to softmax_output='edge' only; "
+                             f"'{self.softmax_output}' codes are scaled by each row's max")
         if self.observer not in ("minmax", "percentile", "mse"):
             raise ValueError(f"observer must be 'minmax', 'percentile' or 'mse', got {self.observer!r}")
         if self.bias_correction is not None and self.bias_correction not in BIAS_CORRECTION_GRANULARITIES:
@@ -76,6 +91,9 @@ class QuantConfig:
         if self.residual_groups != "auto" and (not isinstance(self.residual_groups, int)
                                                or isinstance(self.residual_groups, bool) or self.residual_groups < 1):
             raise ValueError(f"residual_groups must be a positive integer or 'auto', got {self.residual_groups!r}")
+        if self.bias_correction is not None and self.softmax_output == "row":
+            raise ValueError("bias_correction is zero by construction for softmax_output='row' (its rows sum to "
+                             "exactly 1, so the mean rounding error over a row is 0); use it with 'edge' or 'row_exact'")
         if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
             raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
 

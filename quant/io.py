@@ -83,6 +83,7 @@ def load(path: str | os.PathLike) -> nn.Module:
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{source}: unsupported softq format {meta.get('format')!r} (expected {FORMAT_VERSION})")
     raw = meta["quant_config"]
+    raw.setdefault("softmax_output", "edge")  # saved before the field existed: the uniform edge codes
     config = QuantConfig(**{**raw, "exclude": tuple(raw.get("exclude", ()))})
     hf_config = transformers.AutoConfig.from_pretrained(source)
     arch = (hf_config.architectures or [None])[0]

@@ -4,7 +4,8 @@ What is quantized (each point is a Brevitas quantizer, see ``quantizers.py``):
 
 * every ``nn.Linear`` weight (symmetric, per output channel) and its input;
 * the Q and K inputs of the score matmul and the softmax input (scores);
-* the softmax output (unsigned, scale ``2**-bits`` by default) and the V input of P.V;
+* the softmax output (unsigned codes relative to the row max by default, see
+  ``QuantConfig.softmax_output``) and the V input of P.V;
 * LayerNorm inputs, i.e. the residual stream (``quantize_residual``).
 
 Embedding tables, the ViT patch-embedding convolution and LayerNorm arithmetic
@@ -68,7 +69,8 @@ def _attach_attention_quantizers(points: AttentionPoints, config: QuantConfig) -
     points.v = _act(config)
     if config.softmax_bits is not None:
         points.scores = _act(config)
-        points.probs = SoftmaxOutputQuantizer(config.softmax_bits, points.num_heads, config.softmax_scale)
+        points.probs = SoftmaxOutputQuantizer(config.softmax_bits, points.num_heads, config.softmax_scale,
+                                              config.softmax_output)
 
 
 def act_quantizers(model: nn.Module) -> list[nn.Module]:

@@ -26,6 +26,8 @@ from torch import nn
 
 from softq.attention import ProbsQuantizer
 from softq.calib.observers import ChannelRange, Observer, make_observer, scale_and_zero_point
+from softq.quant.config import SOFTMAX_OUTPUTS
+from softq.softmax import TINY
 
 Mode = Literal["float", "observe", "quant"]
 
@@ -127,9 +129,21 @@ class ActQuantizer(nn.Module):
 class SoftmaxOutputQuantizer(ProbsQuantizer):
     """Unsigned quantizer of softmax probabilities with optional bias correction.
 
-    Scale: ``2**-bits`` by default (the edge convention: uint8 (1/256, 0)), or
-    calibrated from the largest probability.  Zero point 0, so masked
-    probabilities (exactly 0) stay exactly 0.
+    Representations (``QuantConfig.softmax_output``):
+
+    * ``"row"`` (default): codes relative to the row max,
+      ``E = round((2**b - 1) exp(s - rowmax))`` over valid keys, output
+      ``E / sum(E)`` (so P.V = (E.V) / sum(E), one division per output element
+      after an integer GEMM).  ``exp(s - rowmax) = p / max_row(p)``, so the codes
+      come from the probabilities alone: Brevitas' ``IntQuant`` with the per-row
+      scale ``max_row(p) / (2**b - 1)``.
+    * ``"row_exact"``: the same codes, output ``E max_row(p) / (2**b - 1)``, i.e.
+      ``E / ((2**b - 1) sum exp(s - rowmax))``: the exact-sum denominator.
+    * ``"edge"``: uniform codes at scale ``2**-bits`` (the edge convention: uint8
+      (1/256, 0)), or calibrated from the largest probability.
+
+    Zero point 0 everywhere, so masked probabilities (exactly 0) stay exactly 0,
+    and a fully masked row (all zeros) gives zeros.
 
     Bias correction (Pandey et al. 2023): rounding pushes small probabilities to 0,
     so E[p - Q(p)] > 0 and rows of Q(p) sum to less than 1.  ``beta`` is that
@@ -140,11 +154,14 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
     (see docs/ARCHITECTURE.md and softq.export).
     """
 
-    def __init__(self, bits: int, num_heads: int, scale_policy: str = "fixed") -> None:
+    def __init__(self, bits: int, num_heads: int, scale_policy: str = "fixed", representation: str = "edge") -> None:
         super().__init__()
+        if representation not in SOFTMAX_OUTPUTS:
+            raise ValueError(f"softmax output representation must be one of {SOFTMAX_OUTPUTS}, got {representation!r}")
         self.bits = bits
         self.num_heads = num_heads
         self.scale_policy = scale_policy
+        self.representation = representation
         self.mode: Mode = "float"
         self.quant = _brevitas_int_quant(signed=False)
         self.register_buffer("scale", torch.tensor(2.0**-bits))
@@ -159,11 +176,21 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         self._err_sum: torch.Tensor | None = None
         self._count: torch.Tensor | None = None
 
+    def _scale_for(self, probs: torch.Tensor) -> torch.Tensor:
+        if self.representation == "edge":
+            return self.scale
+        # per-row scale max_row(p) / (2**b - 1): codes round((2**b - 1) p / max_row(p)); empty rows stay 0
+        return probs.amax(dim=-1, keepdim=True).clamp_min(TINY) / (2**self.bits - 1)
+
     def quantize(self, probs: torch.Tensor) -> torch.Tensor:
-        return self.quant(self.scale, self.zero_point, self.bit_width, probs)
+        q = self.quant(self._scale_for(probs), self.zero_point, self.bit_width, probs)
+        if self.representation == "row":  # normalise by the sum of the codes (the scale cancels)
+            q = q / q.sum(dim=-1, keepdim=True).clamp_min(TINY)
+        return q
 
     def int_repr(self, probs: torch.Tensor) -> torch.Tensor:
-        return self.quant.to_int(self.scale, self.zero_point, self.bit_width, probs)
+        """Integer codes of ``probs``: uniform codes (``edge``) or the row codes ``E`` (``row``, ``row_exact``)."""
+        return self.quant.to_int(self._scale_for(probs), self.zero_point, self.bit_width, probs)
 
     def forward(self, probs: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         if self.mode == "observe":
@@ -182,7 +209,7 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
 
     # -- calibration -------------------------------------------------------
     def finish_calibration(self) -> None:
-        if self.scale_policy == "calibrated" and self.max_seen > 0:
+        if self.representation == "edge" and self.scale_policy == "calibrated" and self.max_seen > 0:
             self.scale.fill_(min(self.max_seen, 1.0) / (2**self.bits - 1))
 
     def start_bias_measurement(self, granularity: str) -> None:
@@ -238,7 +265,8 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
 
     def extra_repr(self) -> str:
         corr = "none" if self.beta.numel() == 0 else f"{self.granularity} {tuple(self.beta.shape)}"
-        return f"bits={self.bits}, scale={self.scale.item():.4g}, mode={self.mode}, bias_correction={corr}"
+        scale = f"scale={self.scale.item():.4g}" if self.representation == "edge" else "scale=rowmax/(2^b-1)"
+        return f"bits={self.bits}, {self.representation}, {scale}, mode={self.mode}, bias_correction={corr}"
 
 
 class QLinear(QuantLinear):

@@ -110,7 +110,8 @@ def test_smoothquant_improves_w8a8_with_an_outlier_channel() -> None:
         ref = model(**x).logits
         errs = {}
         for alpha in (None, 0.5):
-            q = softq.quantize(model, calib, softq.QuantConfig(smoothquant_alpha=alpha))
+            # edge softmax codes, as when this bound was set (row codes: 0.045 -> 0.040, a smaller gap to close)
+            q = softq.quantize(model, calib, softq.QuantConfig(smoothquant_alpha=alpha, softmax_output="edge"))
             errs[alpha] = ((q(**x).logits - ref).norm() / ref.norm()).item()
     assert errs[0.5] < errs[None] * 0.8, errs
 

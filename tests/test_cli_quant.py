@@ -14,8 +14,8 @@ def private_cache(tmp_path_factory, monkeypatch):
 
 def test_quantize_cli_evaluates_and_saves(tmp_path, capsys) -> None:
     out = tmp_path / "q"
-    assert main(["quantize", "vit", "--size", "tiny", "--bias-correction", "head", "--eval-limit", "64",
-                 "--output", str(out)]) == 0
+    assert main(["quantize", "vit", "--size", "tiny", "--softmax-output", "edge", "--bias-correction", "head",
+                 "--eval-limit", "64", "--output", str(out)]) == 0
     text = capsys.readouterr().out
     assert "float     top-1 %" in text and "quantized top-1 %" in text
     assert (out / "model.pt").is_file()
@@ -27,6 +27,8 @@ def test_quantize_cli_evaluates_and_saves(tmp_path, capsys) -> None:
 def test_quantize_cli_refuses_bad_bits(capsys) -> None:
     assert main(["quantize", "lm", "--size", "tiny", "--softmax-bits", "1"]) == 1
     assert "softmax_bits must be an integer from 2 to 16" in capsys.readouterr().err
+    assert main(["quantize", "lm", "--size", "tiny", "--bias-correction", "head"]) == 1
+    assert "zero by construction for softmax_output='row'" in capsys.readouterr().err
 
 
 def test_report_cli_prints_tables_and_writes_plot(tmp_path, capsys) -> None:

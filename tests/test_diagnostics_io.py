@@ -47,10 +47,13 @@ def test_sink_rate_sees_a_head_that_attends_to_the_first_token() -> None:
 def test_quantized_softmax_row_sum_deficit_is_reported() -> None:
     model = tiny_model("bert")
     calib = [tiny_inputs("bert", batch=4, seq=96, seed=s) for s in range(2)]
-    q = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4))
+    q = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4, softmax_output="edge"))
     assert diagnostics.collect(q, calib).mean_row_sum_deficit > 0.05
     table = diagnostics.collect(q, calib).table()
     assert "row-sum deficit" in table and "kurtosis" in table
+    # codes relative to the row max (the default), normalised by their sum, lose no mass
+    row = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4))
+    assert diagnostics.collect(row, calib).mean_row_sum_deficit < 1e-6
 
 
 def test_sensitivity_ranks_the_part_that_breaks_quantization(tmp_path) -> None:
@@ -83,7 +86,8 @@ def test_sensitivity_ranks_the_part_that_breaks_quantization(tmp_path) -> None:
 @pytest.mark.parametrize("family", ["gpt2", "vit"])
 def test_save_and_load_round_trip(family: str, tmp_path) -> None:
     calib = [tiny_inputs(family, seed=s) for s in range(2)]
-    config = softq.QuantConfig(bias_correction="head_row", softmax_bits=6, smoothquant_alpha=0.5)
+    config = softq.QuantConfig(bias_correction="head_row", softmax_bits=6, smoothquant_alpha=0.5,
+                               softmax_output="edge")
     q = softq.quantize(tiny_model(family), calib, config)
     io.save(q, tmp_path / "q")
     loaded = io.load(tmp_path / "q")
@@ -95,6 +99,26 @@ def test_save_and_load_round_trip(family: str, tmp_path) -> None:
         io.save(q, tmp_path / "q")
     io.save(q, tmp_path / "q", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # no temp or backup left behind
+
+
+def test_row_codes_round_trip_and_older_files_load_as_edge(tmp_path) -> None:
+    import json
+
+    calib = [tiny_inputs("gpt2", seed=s) for s in range(2)]
+    q = softq.quantize(tiny_model("gpt2"), calib, softq.QuantConfig(softmax_bits=4, softmax_output="row_exact"))
+    io.save(q, tmp_path / "q")
+    loaded = io.load(tmp_path / "q")
+    x = tiny_inputs("gpt2", seed=8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**x).logits, q(**x).logits, rtol=0, atol=0)
+    # a file written before softmax_output existed holds the uniform edge codes
+    meta_path = tmp_path / "q" / "quant_config.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["quant_config"]["softmax_output"]
+    meta_path.write_text(json.dumps(meta))
+    old = io.load(tmp_path / "q")
+    assert old.softq_quant_config.softmax_output == "edge"
+    assert {m.representation for m in old.modules() if hasattr(m, "representation")} == {"edge"}
 
 
 def test_load_and_save_refuse_bad_input(tmp_path) -> None:

@@ -62,7 +62,7 @@ def test_per_channel_weight_scales_follow_weight_ranges() -> None:
 
 
 def test_every_attention_point_is_quantized_with_fixed_edge_softmax_scale() -> None:
-    qmodel = softq.quantize(tiny_model("gpt2"), calib_for("gpt2"))
+    qmodel = softq.quantize(tiny_model("gpt2"), calib_for("gpt2"), softq.QuantConfig(softmax_output="edge"))
     for _, points in attention_points(qmodel):
         for point in (points.q, points.k, points.scores, points.v):
             assert isinstance(point, ActQuantizer) and point.mode == "quant"
@@ -77,6 +77,55 @@ def test_every_attention_point_is_quantized_with_fixed_edge_softmax_scale() -> N
         assert torch.equal(codes, codes.round()) and codes.min() >= 0 and codes.max() <= 255
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_row_codes_are_relative_to_the_row_max(bits: int) -> None:
+    """Default representation: E = round((2^b-1) exp(s - rowmax)), the torch codes equal the numpy
+    reference's from the score codes; 'row' divides by sum(E), 'row_exact' by (2^b-1) sum(exp)."""
+    import numpy as np
+
+    from softq.export.int_softmax import SoftmaxQuant
+    from softq.export.row_attention import RowQuant, row_codes
+
+    levels = 2**bits - 1
+    for representation in ("row", "row_exact"):
+        config = softq.QuantConfig(softmax_bits=bits, softmax_output=representation)
+        qmodel = softq.quantize(tiny_model("gpt2"), calib_for("gpt2"), config)
+        points = attention_points(qmodel)[0][1]
+        seen = {}
+        points.scores.register_forward_hook(lambda _m, _i, out: seen.__setitem__("scores", out.detach()))
+        points.probs.register_forward_hook(lambda _m, i, out: seen.update(p=i[0].detach(), valid=i[1], out=out.detach()))
+        with torch.no_grad():
+            qmodel(**tiny_inputs("gpt2", seq=30, seed=4))
+        sq = points.scores
+        codes = torch.round(seen["scores"] / sq.scale + sq.zero_point).to(torch.uint8).numpy()
+        q = SoftmaxQuant(scale=float(sq.scale), zero_point=int(sq.zero_point))
+        valid = np.broadcast_to(seen["valid"].numpy().astype(bool), codes.shape)
+        expected = row_codes(codes, RowQuant(q, 0.1, 0, bits, representation), valid)
+        e = points.probs.int_repr(seen["p"])
+        np.testing.assert_array_equal(e.numpy(), expected)
+        assert torch.all(e.amax(-1) == levels)  # the row max is always the top code
+        out = seen["out"]
+        if representation == "row":
+            torch.testing.assert_close(out, e / e.sum(-1, keepdim=True))
+        else:
+            torch.testing.assert_close(out, e * seen["p"].amax(-1, keepdim=True) / levels)
+            assert torch.all(out[~torch.from_numpy(valid.copy())] == 0)
+
+
+def test_row_codes_fully_masked_row_gives_zeros() -> None:
+    for representation in ("row", "row_exact"):
+        quantizer = SoftmaxOutputQuantizer(bits=8, num_heads=2, representation=representation)
+        quantizer.mode = "quant"
+        valid = torch.ones(1, 1, 3, 5)
+        valid[..., 1, :] = 0
+        valid[..., 2, 3:] = 0
+        probs = softq.softmax.softmax(torch.randn(2, 2, 3, 5), valid)
+        out = quantizer(probs, valid)
+        assert not torch.isnan(out).any()
+        assert torch.all(out[:, :, 1] == 0) and torch.all(out[:, :, 2, 3:] == 0)
+        assert torch.all(out[:, :, 2, :3].sum(-1) > 0.9)
+
+
 def test_float_softmax_option_leaves_scores_and_probs_unquantized() -> None:
     qmodel = softq.quantize(tiny_model("gpt2"), calib_for("gpt2"), softq.QuantConfig(softmax_bits=None))
     for _, points in attention_points(qmodel):
@@ -87,7 +136,7 @@ def test_float_softmax_option_leaves_scores_and_probs_unquantized() -> None:
 
 @pytest.mark.parametrize("correction", [None, "tensor", "head", "head_row"])
 def test_causal_mask_stays_exactly_zero(correction: str | None) -> None:
-    config = softq.QuantConfig(softmax_bits=4, bias_correction=correction)
+    config = softq.QuantConfig(softmax_bits=4, bias_correction=correction, softmax_output="edge")
     qmodel = softq.quantize(tiny_model("gpt2"), calib_for("gpt2"), config)
     captured = capture_probs(qmodel)
     with torch.no_grad():
@@ -101,7 +150,7 @@ def test_causal_mask_stays_exactly_zero(correction: str | None) -> None:
 
 
 def test_padding_mask_stays_exactly_zero_and_padding_does_not_leak() -> None:
-    config = softq.QuantConfig(bias_correction="head")
+    config = softq.QuantConfig(bias_correction="head", softmax_output="edge")
     model = tiny_model("bert")
     qmodel = softq.quantize(model, calib_for("bert"), config)
     inputs = tiny_inputs("bert", seq=12)
@@ -118,7 +167,8 @@ def test_padding_mask_stays_exactly_zero_and_padding_does_not_leak() -> None:
 
 
 def test_changing_a_future_token_does_not_move_earlier_logits() -> None:
-    qmodel = softq.quantize(tiny_model("opt"), calib_for("opt"), softq.QuantConfig(bias_correction="head_row"))
+    qmodel = softq.quantize(tiny_model("opt"), calib_for("opt"), softq.QuantConfig(bias_correction="head_row",
+                                                                                       softmax_output="edge"))
     inputs = tiny_inputs("opt")
     changed = {"input_ids": inputs["input_ids"].clone()}
     changed["input_ids"][:, 15] = (changed["input_ids"][:, 15] + 5) % 64
@@ -156,13 +206,19 @@ def test_corrected_softmax_rows_sum_to_one() -> None:
     model = tiny_model("bert")
     calib = [tiny_inputs("bert", batch=4, seq=96, seed=s) for s in range(4)]
     held_out = tiny_inputs("bert", batch=4, seq=96, seed=50)
-    plain = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4))
-    corrected = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4, bias_correction="head_row"))
+    plain = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4, softmax_output="edge"))
+    corrected = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4, bias_correction="head_row",
+                                                               softmax_output="edge"))
     deficit_plain = (1 - _row_sums(plain, held_out)).abs().mean().item()
     deficit_corr = (1 - _row_sums(corrected, held_out)).abs().mean().item()
     assert deficit_plain > 0.05
     assert deficit_corr < 0.02
     assert deficit_corr < deficit_plain / 3
+    # codes relative to the row max lose no mass: 'row' rows sum to 1, 'row_exact' within a few steps
+    row = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4))
+    exact = softq.quantize(model, calib, softq.QuantConfig(softmax_bits=4, softmax_output="row_exact"))
+    assert (1 - _row_sums(row, held_out)).abs().max().item() < 1e-5
+    assert (1 - _row_sums(exact, held_out)).abs().mean().item() < deficit_plain / 3
 
 
 # --- bad input -------------------------------------------------------------------
@@ -211,3 +267,15 @@ def test_inputs_that_do_not_fit_the_model_are_refused() -> None:
 def test_bias_correction_without_quantized_softmax_is_refused() -> None:
     with pytest.raises(ValueError, match="needs softmax_bits"):
         softq.QuantConfig(softmax_bits=None, bias_correction="head")
+
+
+def test_softmax_output_is_validated() -> None:
+    with pytest.raises(ValueError, match="softmax_output must be one of"):
+        softq.QuantConfig(softmax_output="log2")
+    with pytest.raises(ValueError, match="applies to softmax_output='edge' only"):
+        softq.QuantConfig(softmax_scale="calibrated")
+    assert softq.QuantConfig(softmax_scale="calibrated", softmax_output="edge").softmax_output == "edge"
+    assert softq.QuantConfig().softmax_output == "row"
+    with pytest.raises(ValueError, match="zero by construction for softmax_output='row'"):
+        softq.QuantConfig(bias_correction="head")
+    assert softq.QuantConfig(bias_correction="head", softmax_output="row_exact").bias_correction == "head"

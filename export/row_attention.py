@@ -1,0 +1,314 @@
+"""Softmax codes relative to the row max: the attention core P.V, its numpy reference and ONNX forms.
+
+Representation (``QuantConfig.softmax_output``, ``b`` = softmax output bits, ``L = 2**b - 1``):
+
+* codes ``E = round(L exp(s - rowmax))`` over valid keys (masked keys: 0), so
+  the row max is always the top code and a diffuse row keeps its resolution;
+* ``"row"``: ``P.V = (E.V) / sum(E)``;
+* ``"row_exact"``: ``P.V = (E.V) / (L sum exp(s - rowmax))``.
+
+The core maps integer score codes ``x`` (grid of :class:`SoftmaxQuant`) and
+uint8 V codes ``v`` (scale ``S_v``, zero point ``z``) to the float output
+``y = P.V``.  ``E.(v - z)`` is one ``MatMulInteger`` into int32; the division
+comes *after* the GEMM, once per output element (``L_q * d`` divisions, not
+``L_q * L_k``).  For ``"row"`` the row sum comes from the same GEMM: V gets a
+constant column ``z + 1`` (or ``z - 1`` when ``z = 255``), whose
+``(v - z)`` is 1.  Then, in float32::
+
+    y = Cast(num) / (Cast(max(den, 1)) * c)
+
+with ``c = 1 / S_v`` (``row``; ``den = sum E``) or ``c = L / (2**16 S_v)``
+(``row_exact``, ``int`` form; ``den = sum round(2**16 exp(-d S))``) or
+``c = L / S_v`` (``row_exact``, ``fast`` form; ``den`` = float sum of exp).
+``max(den, 1)`` only acts on fully masked rows (``num = 0``): they give zeros.
+
+Forms:
+
+``fast``
+    ``E = QuantizeLinear(Exp(DQ(x) - DQ(rowmax)), 1/L)``: one float Exp per
+    score, then integer GEMM.  The reference's ``E`` is the exactly rounded
+    ``round(L exp(-d S))``; onnxruntime's float32 Exp can put a code on the
+    other side of a rounding tie, only where ``L exp(-d S)`` lies within
+    float32 noise of ``k + 1/2`` (see :func:`tie_distance`): those codes differ
+    by one, all others are equal.
+``int``
+    Integer only from the score codes to the int32 accumulators: ``d = max - x``
+    indexes a table ``round(L exp(-d S))`` (Gather, uint8 out), masked keys
+    index an extra 0 entry.  ``row_exact`` gathers ``round(2**16 exp(-d S))`` too.
+    Bit exact against :func:`reference` (the final float32 Cast/Mul/Div are
+    correctly rounded IEEE operations in numpy and onnxruntime alike).
+
+int32 safety: ``|E.(v - z)| <= L * max|v - z| * L_k``; rows longer than
+:meth:`RowQuant.max_keys` are refused (about 33k keys with asymmetric uint8 V and
+8-bit codes, 66k with symmetric V stored as uint8 around 128).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from softq.export.int_softmax import SoftmaxQuant, _Builder, _check_input, _check_valid
+
+REPRESENTATIONS = ("row", "row_exact")
+ROW_FORMS = ("fast", "int")
+INT32_MAX = 2**31 - 1
+SUM_TABLE_BITS = 16  # row_exact, int form: the exact sum of exp on a 2**-16 grid (int32 up to 32767 keys)
+MAX_KEYS_SUM_TABLE = 2**15 - 1
+
+
+@dataclass(frozen=True)
+class RowQuant:
+    """Grids of one attention core: score codes, softmax output bits, V codes (uint8 storage)."""
+
+    scores: SoftmaxQuant
+    v_scale: float
+    v_zero_point: int
+    bits: int = 8
+    representation: str = "row"
+    v_qmin: int = 0  # the range the V codes can take (e.g. 1..255 for symmetric int8 stored around 128)
+    v_qmax: int = 255
+
+    def __post_init__(self) -> None:
+        if self.representation not in REPRESENTATIONS:
+            raise ValueError(f"row-code representation must be one of {REPRESENTATIONS}, got {self.representation!r}")
+        if not isinstance(self.bits, (int, np.integer)) or not 2 <= int(self.bits) <= 8:
+            raise ValueError(f"row softmax codes are exported with 2 to 8 bits (uint8), got {self.bits!r}")
+        if self.scores.bits > 8:
+            raise ValueError(f"row softmax codes take 8-bit score codes at most, got {self.scores.bits} bits")
+        if not (math.isfinite(self.v_scale) and self.v_scale > 0):
+            raise ValueError(f"V scale must be a positive finite number, got {self.v_scale!r}")
+        if not 0 <= self.v_qmin <= int(self.v_zero_point) <= self.v_qmax <= 255:
+            raise ValueError(f"V zero point {self.v_zero_point} and code range [{self.v_qmin}, {self.v_qmax}] "
+                             "must lie in the uint8 range with qmin <= zero point <= qmax")
+
+    @property
+    def levels(self) -> int:
+        return 2**self.bits - 1
+
+    @property
+    def v_span(self) -> int:
+        """The largest ``|v - z|`` a V code can have."""
+        return max(int(self.v_zero_point) - self.v_qmin, self.v_qmax - int(self.v_zero_point), 1)
+
+    def max_keys(self, form: str = "int") -> int:
+        """Longest row whose int32 accumulators cannot overflow: ``L * max|v - z| * keys <= 2**31 - 1``."""
+        keys = INT32_MAX // (self.levels * self.v_span)
+        if self.representation == "row_exact" and form == "int":
+            keys = min(keys, MAX_KEYS_SUM_TABLE)
+        return keys
+
+    def check_keys(self, keys: int, form: str = "int") -> None:
+        limit = self.max_keys(form)
+        if keys > limit:
+            raise ValueError(
+                f"rows of {keys} keys can overflow the int32 accumulators of the {self.bits}-bit row-code "
+                f"attention (|E.(V - zp)| <= {self.levels} * {self.v_span} * keys); the longest safe row "
+                f"here is {limit} keys")
+
+    @property
+    def sum_column(self) -> tuple[int, int]:
+        """(code of the appended V column, its sign ``code - z``): ``z + 1``, or ``z - 1`` when ``z = 255``."""
+        z = int(self.v_zero_point)
+        return (z + 1, 1) if z < 255 else (z - 1, -1)
+
+    def den_factor(self, form: str) -> np.float32:
+        """``c`` in ``y = num / (max(den, 1) * c)``."""
+        s = float(np.float32(self.v_scale))
+        if self.representation == "row":
+            return np.float32(1.0 / s)
+        if form == "int":
+            return np.float32(self.levels / (2.0**SUM_TABLE_BITS * s))
+        return np.float32(self.levels / s)
+
+
+def check_row_form(form: str) -> None:
+    if form not in ROW_FORMS:
+        raise ValueError(f"unknown row-code attention form {form!r}; choose one of {', '.join(ROW_FORMS)}")
+
+
+def code_table(scale: float, levels: int, in_bits: int = 8) -> np.ndarray:
+    """``round(levels exp(-d S))`` for ``d = 0 .. 2**in_bits - 1``, plus a final 0 entry for masked keys."""
+    d = np.arange(2**in_bits, dtype=np.float64)
+    e = np.round(levels * np.exp(-d * float(np.float32(scale))))
+    return np.append(e, 0).astype(np.uint8 if levels <= 255 else np.int64)
+
+
+def _row_distance(x: np.ndarray, q: SoftmaxQuant, valid: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """``d = rowmax - x`` over valid keys (int64), and the broadcast mask."""
+    xi = _check_input(x, q)
+    v = _check_valid(xi, valid)
+    xm = xi if v is None else np.where(v, xi, q.qmin)
+    return xm.max(axis=-1, keepdims=True) - xm, v
+
+
+def row_codes(x: np.ndarray, rq: RowQuant, valid: np.ndarray | None = None) -> np.ndarray:
+    """The codes ``E = round(L exp(s - rowmax))`` (uint8), 0 at masked keys."""
+    d, v = _row_distance(x, rq.scores, valid)
+    e = code_table(rq.scores.scale, rq.levels, rq.scores.bits)[d]
+    return e if v is None else np.where(v, e, 0).astype(e.dtype)
+
+
+def tie_distance(x: np.ndarray, rq: RowQuant, valid: np.ndarray | None = None) -> np.ndarray:
+    """``|L exp(-d S) - (k + 1/2)|``: how close each code is to a rounding tie (float Exp may flip it)."""
+    d, _ = _row_distance(x, rq.scores, valid)
+    y = rq.levels * np.exp(-d * float(rq.scores.scale32))
+    return np.abs(y - np.floor(y) - 0.5)
+
+
+def _check_v(v: np.ndarray, rq: RowQuant, keys: int) -> np.ndarray:
+    v = np.asarray(v)
+    if v.dtype != np.uint8:
+        raise ValueError(f"V codes must be uint8 (stored around zero point {rq.v_zero_point}), got {v.dtype}")
+    if v.shape[-2] != keys:
+        raise ValueError(f"V has {v.shape[-2]} keys, the scores {keys}")
+    return v.astype(np.int64) - int(rq.v_zero_point)
+
+
+def finish(num: np.ndarray, den: np.ndarray, rq: RowQuant, form: str) -> np.ndarray:
+    """``num / (max(den, 1) * c)`` in float32, exactly as the graph computes it."""
+    den = np.maximum(den, 1)
+    return (num.astype(np.float32) / (den.astype(np.float32) * rq.den_factor(form))).astype(np.float32)
+
+
+def accumulators(
+    x: np.ndarray, v: np.ndarray, rq: RowQuant, valid: np.ndarray | None = None, codes: np.ndarray | None = None,
+    form: str = "int",
+) -> tuple[np.ndarray, np.ndarray]:
+    """(num = E.(v - z), den) as the integer graph computes them (``den`` of the ``int`` form).
+
+    ``codes`` overrides ``E`` (to replay a runtime's codes, e.g. the ``fast`` form's).
+    """
+    check_row_form(form)
+    keys = np.shape(x)[-1]
+    rq.check_keys(keys, form)
+    vz = _check_v(v, rq, keys)
+    e = row_codes(x, rq, valid) if codes is None else np.asarray(codes)
+    num = np.matmul(e.astype(np.int64), vz)
+    if rq.representation == "row":
+        den = e.astype(np.int64).sum(axis=-1, keepdims=True)
+    else:
+        d, m = _row_distance(x, rq.scores, valid)
+        e16 = np.round(2.0**SUM_TABLE_BITS * np.exp(-d * float(rq.scores.scale32))).astype(np.int64)
+        den = (e16 if m is None else np.where(m, e16, 0)).sum(axis=-1, keepdims=True)
+    assert np.abs(num).max(initial=0) <= INT32_MAX and den.max(initial=0) <= INT32_MAX  # guaranteed by check_keys
+    return num, den
+
+
+def reference(form: str, x: np.ndarray, v: np.ndarray, rq: RowQuant, valid: np.ndarray | None = None) -> np.ndarray:
+    """``P.V`` (float32, ``[..., q, d]``) of the ``form`` graph, from score codes ``x`` and V codes ``v``.
+
+    Bit exact for ``int``; for ``fast`` this is the exactly rounded function the
+    graph approximates (codes can differ by one at rounding ties, and
+    ``row_exact``'s float sum of exp by float32 rounding).
+    """
+    num, den = accumulators(x, v, rq, valid, form=form)
+    if form == "fast" and rq.representation == "row_exact":
+        d, m = _row_distance(x, rq.scores, valid)
+        e = np.exp(-d * float(rq.scores.scale32))
+        den = (e if m is None else np.where(m, e, 0.0)).sum(axis=-1, keepdims=True)
+        return (num / (np.maximum(den, 1.0) * float(rq.den_factor(form)))).astype(np.float32)
+    return finish(num, den, rq, form)
+
+
+def probabilities(x: np.ndarray, rq: RowQuant, valid: np.ndarray | None = None) -> np.ndarray:
+    """The effective probabilities ``E / sum(E)`` or ``E / (L sum exp)`` (float64), for comparisons."""
+    e = row_codes(x, rq, valid).astype(np.float64)
+    if rq.representation == "row":
+        return e / np.maximum(e.sum(axis=-1, keepdims=True), 1.0)
+    d, m = _row_distance(x, rq.scores, valid)
+    ex = np.exp(-d * float(rq.scores.scale32))
+    s = (ex if m is None else np.where(m, ex, 0.0)).sum(axis=-1, keepdims=True)
+    return e / (rq.levels * np.maximum(s, 1.0))
+
+
+# ---------------------------------------------------------------------------
+# ONNX
+# ---------------------------------------------------------------------------
+
+
+def build_row_attention(
+    form: str, x: str, v: str, y: str, rq: RowQuant, valid: str | None = None, probs: str | None = None,
+    prefix: str = "softq_attn/", opset: int = 21,
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """Nodes computing ``y = P.V`` (float) from score codes ``x`` and uint8 V codes ``v``.
+
+    ``valid`` names a bool tensor broadcastable to ``x``; ``probs`` (optional)
+    names an extra float output with the effective probabilities (parity checks).
+    """
+    check_row_form(form)
+    if opset < 13:
+        raise ValueError(f"softq's row-code attention needs ONNX opset >= 13, got {opset}")
+    q = rq.scores
+    b = _Builder(prefix, opset)
+    den_f = None
+    if form == "fast":
+        xm = x if valid is None else b.op("Where", [valid, x, b.const("qmin", q.qmin, q.in_dtype)])
+        s_scale, s_zp = b.const("s_scale", q.scale32, np.float32), b.const("s_zp", q.zero_point, q.in_dtype)
+        mx = b.reduce("ReduceMax", xm, -1)
+        f = b.op("Sub", [b.op("DequantizeLinear", [xm, s_scale, s_zp]), b.op("DequantizeLinear", [mx, s_scale, s_zp])])
+        ex = b.op("Exp", [f])
+        e = b.op("QuantizeLinear", [ex, b.const("e_scale", np.float32(1.0 / rq.levels), np.float32),
+                                    b.const("e_zp", 0, np.uint8)])
+        if valid is not None:
+            e = b.op("Where", [valid, e, b.const("zero_u8", 0, np.uint8)])
+        if rq.representation == "row_exact":
+            exm = ex if valid is None else b.op("Where", [valid, ex, b.const("zero_f", 0.0, np.float32)])
+            den_f = b.op("Max", [b.reduce("ReduceSum", exm, -1), b.const("one_f", 1.0, np.float32)])
+    else:
+        xi = b.op("Cast", [x], to=TensorProto.INT32)
+        if valid is not None:
+            xi = b.op("Where", [valid, xi, b.const("qmin", q.qmin, np.int32)])
+        d = b.op("Sub", [b.reduce("ReduceMax", xi, -1), xi])
+        if valid is not None:  # masked keys index the table's final 0 entry
+            d = b.op("Where", [valid, d, b.const("masked_index", 2**q.bits, np.int32)])
+        e = b.op("Gather", [b.const("code_table", code_table(q.scale, rq.levels, q.bits), np.uint8), d], axis=0)
+        if rq.representation == "row_exact":
+            t16 = np.round(2.0**SUM_TABLE_BITS * np.exp(-np.arange(2**q.bits) * float(q.scale32)))
+            e16 = b.op("Gather", [b.const("sum_table", np.append(t16, 0), np.int32), d], axis=0)
+            den_i = b.op("Max", [b.reduce("ReduceSum", e16, -1), b.const("one", 1, np.int32)])
+            den_f = b.op("Cast", [den_i], to=TensorProto.FLOAT)
+    v_zp = b.const("v_zp", rq.v_zero_point, np.uint8)
+    if rq.representation == "row":
+        code, sign = rq.sum_column
+        shape = b.op("Shape", [v])
+        col_shape = b.op("Concat", [b.op("Slice", [shape, b.const("s0", [0], np.int64), b.const("sm1", [-1], np.int64)]),
+                                    b.const("one64", [1], np.int64)], axis=0)
+        col = b.op("Expand", [b.const("sum_code", code, np.uint8), col_shape])
+        acc = b.op("MatMulInteger", [e, b.op("Concat", [v, col], axis=-1), b.const("e_zp0", 0, np.uint8), v_zp])
+        axes = b.const("last", [-1], np.int64)
+        num = b.op("Slice", [acc, b.const("zero64", [0], np.int64), b.const("m1", [-1], np.int64), axes])
+        den_i = b.op("Slice", [acc, b.const("m1b", [-1], np.int64), b.const("big", [INT32_MAX], np.int64), axes])
+        if sign < 0:
+            den_i = b.op("Neg", [den_i])
+        den_f = b.op("Cast", [b.op("Max", [den_i, b.const("one", 1, np.int32)])], to=TensorProto.FLOAT)
+    else:
+        num = b.op("MatMulInteger", [e, v, b.const("e_zp0", 0, np.uint8), v_zp])
+    scaled = b.op("Mul", [den_f, b.const("c", rq.den_factor(form), np.float32)])
+    b.op("Div", [b.op("Cast", [num], to=TensorProto.FLOAT), scaled], out=y)
+    if probs is not None:  # effective probabilities E / den (the scale 1/S_v of c removed again)
+        p_den = b.op("Mul", [scaled, b.const("v_scale", np.float32(rq.v_scale), np.float32)])
+        b.op("Div", [b.op("Cast", [e], to=TensorProto.FLOAT), p_den], out=probs)
+    return b.nodes, b.inits
+
+
+def row_attention_model(form: str, rq: RowQuant, with_valid: bool = False, probs: bool = False,
+                        opset: int = 21) -> onnx.ModelProto:
+    """A standalone core ``x [b,h,q,k], v [b,h,k,d][, valid] -> y [b,h,q,d]`` (dynamic dims; tests, benchmarks)."""
+    nodes, inits = build_row_attention(form, "x", "v", "y", rq, "valid" if with_valid else None,
+                                       "probs" if probs else None, opset=opset)
+    inputs = [helper.make_tensor_value_info("x", rq.scores.in_onnx_type, ["b", "h", "q", "k"]),
+              helper.make_tensor_value_info("v", TensorProto.UINT8, ["b", "h", "k", "d"])]
+    if with_valid:
+        inputs.append(helper.make_tensor_value_info("valid", TensorProto.BOOL, ["vb", "vh", "vq", "k"]))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "h", "q", "d"])]
+    if probs:
+        outputs.append(helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["b", "h", "q", "k"]))
+    graph = helper.make_graph(nodes, f"softq_row_attention_{form}", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="softq")
+    model.ir_version = min(model.ir_version, 10)
+    return model
