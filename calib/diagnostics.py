@@ -66,6 +66,13 @@ class LayerStats:
         return max(self.inf_norm, self.ln_input_inf_norm)
 
     @property
+    def outlier_ratio(self) -> float:
+        """Largest over median per-dimension max |x| at the LayerNorm inputs (what residual_groups="auto" tests)."""
+        if self.dim_max is None:
+            return 0.0
+        return float(self.dim_max.max() / self.dim_max.median().clamp_min(1e-12))
+
+    @property
     def outlier_dims(self) -> list[int]:
         if self.dim_max is None:
             return []
@@ -111,11 +118,13 @@ class Diagnostics:
 
     def table(self) -> str:
         """Plain-text tables: one row per layer, then one row per head."""
-        lines = ["layer  block-out inf-norm  kurtosis  LN-input inf-norm  kurtosis  FFN-out inf-norm  top LN-input dims",
-                 "-----  ------------------  --------  -----------------  --------  ----------------  -----------------"]
+        lines = ["layer  block-out inf-norm  kurtosis  LN-input inf-norm  kurtosis  max/median dim  FFN-out inf-norm  "
+                 "top LN-input dims",
+                 "-----  ------------------  --------  -----------------  --------  --------------  ----------------  "
+                 "-----------------"]
         lines += [f"{s.layer:>5}  {s.inf_norm:>18.2f}  {s.kurtosis:>8.1f}  {s.ln_input_inf_norm:>17.2f}  "
-                  f"{s.ln_input_kurtosis:>8.1f}  {s.ffn_inf_norm:>16.2f}  {','.join(map(str, s.outlier_dims)):>17}"
-                  for s in self.layers]
+                  f"{s.ln_input_kurtosis:>8.1f}  {s.outlier_ratio:>14.1f}  {s.ffn_inf_norm:>16.2f}  "
+                  f"{','.join(map(str, s.outlier_dims)):>17}" for s in self.layers]
         lines += ["", "layer  head  sink-rate  row-sum deficit", "-----  ----  ---------  ---------------"]
         lines += [f"{h.layer:>5}  {h.head:>4}  {h.sink_rate:>9.3f}  {h.row_sum_deficit:>15.5f}" for h in self.heads]
         lines += ["", f"max inf-norm {self.max_inf_norm:.2f} (block outputs), {self.max_residual_inf_norm:.2f} "

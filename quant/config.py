@@ -46,7 +46,7 @@ class QuantConfig:
             scale; exported as a per-axis QuantizeLinear); ``"auto"`` (default)
             uses 4 groups at points whose widest channel range exceeds 16x the
             median one (real pretrained BERTs: 100x) and per-tensor elsewhere
-            (softq's reference models: 2-6x).  See docs/results/minilm.md.
+            (softq's reference LM and ViT: about 2x; `softq report` prints it).  See docs/results/minilm.md.
         exclude: substrings of module names whose Linear layers stay float
             (e.g. ``("lm_head",)``).
     """

@@ -231,6 +231,7 @@ def test_diagnostics_find_post_ln_outliers_at_layernorm_inputs(folder) -> None:
         assert layer.ln_input_inf_norm > 40 > 3 * layer.inf_norm
         assert layer.ffn_inf_norm > 40
         assert layer.outlier_dims[0] == OUTLIER_DIM
+        assert layer.outlier_ratio > 16  # what residual_groups="auto" calls an outlier
     assert diag.max_residual_inf_norm > 40
     assert "LN-input inf-norm" in diag.table()
 
