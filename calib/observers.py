@@ -103,7 +103,7 @@ class PercentileObserver(Observer):
         return self.lo_sum / self.batches, self.hi_sum / self.batches
 
 
-class MSEObserver(Observer):
+class MSEObserver(MinMaxObserver):
     """Grid search over shrink factors of the min-max range for the lowest quantization MSE.
 
     The grid is log-spaced down to 1% of the min-max range: with a handful of
@@ -115,18 +115,16 @@ class MSEObserver(Observer):
     def __init__(self) -> None:
         super().__init__()
         self.samples: list[torch.Tensor] = []
-        self.minmax = MinMaxObserver()
 
     def _update(self, x: torch.Tensor, lo: float, hi: float) -> None:
-        self.minmax._update(x, lo, hi)
-        self.minmax.batches += 1
+        super()._update(x, lo, hi)
         self.samples.append(_subsample(x, RESERVOIR // 8))
         if sum(s.numel() for s in self.samples) > RESERVOIR:
             self.samples = [_subsample(torch.cat(self.samples), RESERVOIR)]
 
     def _range(self, bits: int, signed: bool) -> tuple[float, float]:
         values = torch.cat(self.samples)
-        lo, hi = min(self.minmax.lo, 0.0), max(self.minmax.hi, 0.0)
+        lo, hi = min(self.lo, 0.0), max(self.hi, 0.0)
         best, best_err = (lo, hi), float("inf")
         for factor in self.GRID.tolist():
             cand_lo, cand_hi = lo * factor, hi * factor

@@ -1,8 +1,8 @@
 """DeiT built from a config: how much of the W8A8 logit error is the residual stream's, per scale layout.
 
-A freshly initialised DeiT starts its CLS and distillation tokens at exactly 0, so
-their residual rows stay far smaller than the patch tokens' and one per-tensor (or
-per-channel) 8-bit scale leaves them few steps; the logits read exactly those rows.
+A freshly initialised DeiT starts its CLS and distillation tokens at exactly 0, and
+its logits read exactly those rows; if their residual values stay far smaller than
+the patch tokens', no per-tensor or per-channel 8-bit scale can serve both.
 This probe reports the relative logit error ||q - fp|| / ||fp|| of W8A8 for each
 residual layout, and with the residual stream left float.
 

@@ -87,7 +87,7 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
                                                                     softmax_output=args.softmax_output))
 
 
-def _pooling(args: argparse.Namespace, qmodel) -> tuple[str | None, bool]:  # noqa: ANN001
+def _pooling(args: argparse.Namespace) -> tuple[str | None, bool]:
     """(pooling, normalize) for --pooled: the model directory's sentence-transformers settings, else mean."""
     if not args.pooled:
         return None, False
@@ -104,7 +104,7 @@ def _export(args: argparse.Namespace) -> int:
 
     onnx_utils.check_writable(args.output, args.overwrite)  # before any slow work
     qmodel = load_quantized(args)
-    pooling, normalize = _pooling(args, qmodel)
+    pooling, normalize = _pooling(args)
     written = to_onnx(qmodel, args.output, _example_inputs(qmodel), softmax=args.softmax,
                       overwrite=args.overwrite, weight_storage=args.weight_storage,
                       embeddings=args.embeddings, pooling=pooling, normalize=normalize)

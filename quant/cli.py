@@ -110,10 +110,8 @@ def _task(args: argparse.Namespace):
     calib = hf.read_text_file(args.calib) if args.calib is not None else None
     evaluation = hf.read_text_file(args.eval) if args.eval is not None else None
     loaded = hf.load_model_dir(args.model, max_length=args.max_length)
-    task = model_dir_task(loaded, calib, evaluation, calib_size=args.calib_size or 64,
+    return model_dir_task(loaded, calib, evaluation, calib_size=args.calib_size or 64,
                           eval_limit=args.eval_limit if args.eval_limit is not None else 128)
-    task.source = loaded
-    return task
 
 
 def _quantize(args: argparse.Namespace) -> int:
@@ -133,8 +131,8 @@ def _quantize(args: argparse.Namespace) -> int:
     if args.output is not None:
         from softq.quant.io import save
 
-        source = getattr(task, "source", None)
-        written = save(qmodel, args.output, overwrite=args.overwrite, sidecars_from=source.path if source else None)
+        written = save(qmodel, args.output, overwrite=args.overwrite,
+                       sidecars_from=task.source.path if task.source is not None else None)
         print(f"  saved to {written}")
     return 0
 

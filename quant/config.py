@@ -45,7 +45,7 @@ class QuantConfig:
             K groups chosen by channel range (outlier dimensions get their own
             scale; exported as a per-axis QuantizeLinear); ``"auto"`` (default)
             uses 4 groups at points whose widest channel range exceeds 16x the
-            median one (real pretrained BERTs: 100x) and per-tensor elsewhere
+            median one (all-MiniLM-L6-v2: about 100x) and per-tensor elsewhere
             (softq's reference LM and ViT: about 2x; `softq report` prints it).  See docs/results/minilm.md.
         exclude: substrings of module names whose Linear layers stay float
             (e.g. ``("lm_head",)``).

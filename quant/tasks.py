@@ -163,4 +163,4 @@ def model_dir_task(
         cos = nn.functional.cosine_similarity(outputs(m, inputs), reference[0], dim=-1).mean().item()
         return cos, 1.0 - cos
 
-    return Task(loaded.path.name, loaded.model, calib, eval_inputs, "cosine to FP32", True, cosine_measure)
+    return Task(loaded.path.name, loaded.model, calib, eval_inputs, "cosine to FP32", True, cosine_measure, loaded)

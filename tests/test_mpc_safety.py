@@ -12,21 +12,13 @@ import pytest
 import torch
 
 from softq.mpc import RangeConfig, RangeError, run
-from softq.mpc.party import PartySettings, configure_crypten
+from softq.mpc.party import PartySettings
 from softq.mpc.ranges import check_model
 from softq.mpc.runner import free_port, launch_parties
 from softq.mpc.surrogates import configure_surrogates
-from test_mpc import bert_inputs, tiny_bert
+from test_mpc import bert_inputs, crypten1, tiny_bert  # noqa: F401 - crypten1 is a fixture
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def crypten1():
-    os.environ.setdefault("RENDEZVOUS", f"tcp://127.0.0.1:{free_port()}")
-    crypten = configure_crypten("TFP")
-    crypten.init()
-    return crypten
 
 
 # ---------------------------------------------------------------------------
