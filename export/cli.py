@@ -30,9 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="softmax / attention-core form (default: fast for row codes, qdq for edge codes)")
     p.add_argument("--output", "-o", type=Path, required=True, help="ONNX file to write")
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
-    p.add_argument("--weight-storage", choices=["uint8", "int8"], default="uint8",
-                   help="storage of the symmetric 8-bit weight codes (default uint8 with zero point 128; "
-                        "int8 triggers onnxruntime's u8s8 saturation on AVX2-only x86 CPUs)")
+    p.add_argument("--weight-storage", choices=["int8", "uint8"], default="int8",
+                   help="storage of the symmetric 8-bit weight codes (default int8: onnxruntime's fast u8s8 "
+                        "kernels; on AVX2-only x86 CPUs run it with the session option "
+                        "session.x64quantprecision=1; uint8: zero point 128, exact without it, slower)")
     p.add_argument("--embeddings", choices=["float", "int8"], default="float",
                    help="also store embedding tables as per-row int8 (smaller file; default %(default)s)")
     p.add_argument("--pooled", action="store_true",

@@ -115,7 +115,15 @@ class _QDQFn(torch.autograd.Function):
 
 
 class _GroupQDQFn(torch.autograd.Function):
-    """Per-embedding-group activation QDQ: per-axis QuantizeLinear/DequantizeLinear over the last dimension."""
+    """Per-embedding-group activation QDQ over the last dimension (one scale and zero point per channel).
+
+    Written as ``Div(x, s) -> Add(zp) -> QuantizeLinear(1, 0) -> DequantizeLinear(1, 0) -> Sub(zp) -> Mul(s)``
+    rather than a per-axis QuantizeLinear/DequantizeLinear pair: the same codes (torch's own
+    ``round(x / s + zp)``, bit for bit, where onnxruntime's per-axis kernel rounds ``x / s`` before
+    adding the zero point), still a uint8 tensor in the graph, and fast: onnxruntime's per-axis
+    QuantizeLinear is a scalar loop, measured at 1.7 ms for one [1, 128, 384] tensor (50x its
+    per-tensor kernel on 4x the elements), which alone made MiniLM's INT8 file slower than FP32.
+    """
 
     @staticmethod
     def forward(ctx, x, scale, zp, key: int, qmin: int, qmax: int):  # noqa: ANN001
@@ -125,8 +133,15 @@ class _GroupQDQFn(torch.autograd.Function):
     def symbolic(g, x, scale, zp, key: int, qmin: int, qmax: int):  # noqa: ANN001
         scale_np, zp_np, signed = _STATE.acts[key]
         s = g.op("Constant", value_t=torch.from_numpy(scale_np))
-        z = g.op("Constant", value_t=torch.from_numpy(zp_np))
-        return g.op("DequantizeLinear", g.op("QuantizeLinear", x, s, z, axis_i=-1), s, z, axis_i=-1)
+        z = g.op("Constant", value_t=torch.from_numpy(zp_np.astype(np.float32)))
+        one = g.op("Constant", value_t=torch.tensor(1.0, dtype=torch.float32))
+        zero = g.op("Constant", value_t=_zp_tensor(0, signed))
+        y = g.op("Add", g.op("Div", x, s), z)
+        if signed:  # symmetric signed codes stop at -127, QuantizeLinear would saturate at -128
+            y = g.op("Clip", y, g.op("Constant", value_t=torch.tensor(float(qmin))),
+                     g.op("Constant", value_t=torch.tensor(float(qmax))))
+        codes = g.op("DequantizeLinear", g.op("QuantizeLinear", y, one, zero), one, zero)
+        return g.op("Mul", g.op("Sub", codes, z), s)
 
 
 class _WeightDQFn(torch.autograd.Function):
@@ -719,7 +734,7 @@ def check_exportable_ops(model: onnx.ModelProto, form: str) -> None:
 
 
 def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = None, probs_outputs: bool = False,
-               weight_storage: str = "uint8", embeddings: str = "float", pooling: str | None = None,
+               weight_storage: str = "int8", embeddings: str = "float", pooling: str | None = None,
                normalize: bool = False) -> onnx.ModelProto:
     """The checked ONNX model of a softq-quantized model (not written anywhere)."""
     from softq.quant import is_quantized
@@ -752,7 +767,7 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
     _run_once(wrapper, feeds, "the quantized model")
     onnx_model = _trace(wrapper, feeds, names, outputs)
     onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
-    onnx_model = prune(onnx_model)
+    onnx_model, _ = onnx_utils.dedupe(prune(onnx_model))
     check_exportable_ops(onnx_model, softmax)
     onnx_model.producer_name = "softq"
     onnx.checker.check_model(onnx_model, full_check=True)
@@ -787,7 +802,7 @@ def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> 
 
 
 def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | None = None, overwrite: bool = False,
-            probs_outputs: bool = False, weight_storage: str = "uint8", embeddings: str = "float",
+            probs_outputs: bool = False, weight_storage: str = "int8", embeddings: str = "float",
             pooling: str | None = None, normalize: bool = False) -> str:
     """Export a softq-quantized model to ONNX with an integer softmax; returns the path written.
 
@@ -802,13 +817,17 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     replaced only with ``overwrite=True``.  ``probs_outputs`` adds every layer's
     dequantized softmax output as an extra graph output (for parity checks).
 
-    Weights are symmetric per-output-channel 8-bit codes (-127..127).
-    ``weight_storage="uint8"`` (default) stores them shifted by 128 with zero
-    point 128: the same dequantized values, but onnxruntime then fuses the
-    MatMuls into its u8u8 kernel.  With ``"int8"`` storage onnxruntime's u8s8
-    kernel on x86 CPUs without VNNI (AVX2 only) saturates int16 partial sums and
-    gives wrong results at the default optimisation level (measured: errors of
-    20% of the output range); use ``"int8"`` for runtimes/CPUs without that issue.
+    Weights are symmetric per-output-channel 8-bit codes (-127..127), stored as
+    int8 (``weight_storage="int8"``, the default): onnxruntime runs the linear
+    layers on its u8s8 kernels (MatMulIntegerToFloat), exact on CPUs with VNNI or
+    AMX and on ARM.  On x86 CPUs without VNNI (AVX2 only) that kernel adds pairs of
+    u8*s8 products in int16 and can saturate; onnxruntime fixes it at load time,
+    only on such CPUs, with the session option ``session.x64quantprecision=1``
+    (softq's own sessions set it; set it in yours:
+    ``opts.add_session_config_entry("session.x64quantprecision", "1")``).
+    ``"uint8"`` stores the same codes shifted by 128 (zero point 128): exact
+    everywhere without that option, but the u8u8 kernel measured 2x slower on a
+    VNNI CPU (docs/results/export_speed.md).
     ``embeddings="int8"`` also stores embedding tables as per-row int8 (weight
     only; softq's torch model keeps them float, so outputs move slightly).
 

@@ -104,6 +104,50 @@ def float_valued_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto] |
     return [f"{n.op_type} ({n.name})" for n in chosen if any(types.get(o) in FLOAT_OUTPUT_TYPES for o in n.output)]
 
 
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def needs_u8u8(cpuinfo: str | None = None, machine: str | None = None) -> bool:
+    """Whether onnxruntime must run int8-weight MatMuls as u8u8 on this CPU to be exact.
+
+    x86 CPUs without VNNI (AVX2 / AVX-512 without VNNI) add pairs of u8*s8
+    products in int16 (``vpmaddubsw``), which saturates; onnxruntime's session
+    option ``session.x64quantprecision=1`` converts int8 weights to u8u8 at load
+    time.  It is no free safety net: onnxruntime also applies it on VNNI CPUs
+    (measured on MiniLM: 14.7 ms -> 24.4 ms for its own quantize_dynamic file),
+    so it is set only where needed: x86 without any of ``VNNI_FLAGS`` (Linux
+    ``/proc/cpuinfo``; when the flags cannot be read, it is set, the safe side).
+    ARM and other CPUs have exact int8 dot products.
+    """
+    import platform
+
+    machine = (machine or platform.machine()).lower()
+    if machine not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        return False
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return True
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+    return not any(f in flags for f in VNNI_FLAGS)
+
+
+def session_options(threads: int = 1):
+    """onnxruntime ``SessionOptions`` for softq's INT8 files on this CPU (threads; the u8u8 option where needed)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    if needs_u8u8():
+        opts.add_session_config_entry("session.x64quantprecision", "1")
+    return opts
+
+
 def session(model: onnx.ModelProto | str | os.PathLike, optimization: str = "all", threads: int = 1,
             optimized_path: str | None = None):
     """A CPU onnxruntime session at a named graph optimisation level."""
@@ -117,10 +161,8 @@ def session(model: onnx.ModelProto | str | os.PathLike, optimization: str = "all
     }
     if optimization not in levels:
         raise ValueError(f"optimization must be one of {OPT_LEVELS}, got {optimization!r}")
-    opts = ort.SessionOptions()
+    opts = session_options(threads)
     opts.graph_optimization_level = levels[optimization]
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
     if optimized_path:
         opts.optimized_model_filepath = str(optimized_path)
@@ -139,3 +181,72 @@ def optimized_op_types(model: onnx.ModelProto, optimization: str, workdir: str |
     out = Path(workdir) / f"optimized_{optimization}.onnx"
     session(model, optimization, optimized_path=str(out))
     return [n.op_type for n in onnx.load(str(out)).graph.node]
+
+
+def dedupe(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """Merge nodes that compute the same thing (common subexpressions); returns (model, nodes removed).
+
+    Two initializers or ``Constant`` nodes are the same when their tensors are equal;
+    any other two nodes when op, domain, attributes and (already merged) inputs are equal.
+    Nodes producing graph outputs are kept.  softq's export gives the Q, K and V
+    projections one ``QuantizeLinear`` of the same input each (one activation
+    quantizer per Linear, with the same calibrated grid); onnxruntime does not
+    merge them (its own common-subexpression pass compares the scale tensors by
+    name), so each layer quantized its input three times.
+    """
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    rename: dict[str, str] = {}
+    inputs = {i.name for i in graph.input}
+    first: dict[bytes, str] = {}
+    inits: list[onnx.TensorProto] = []
+    for init in graph.initializer:  # equal initializers (each layer's copy of the same constant) -> one
+        # int8 tensors stay apart: onnxruntime's u8u8 conversion (session.x64quantprecision) rewrites
+        # each weight zero point per node and fails on a shared one
+        if init.name in inputs or init.data_location == onnx.TensorProto.EXTERNAL or init.data_type == onnx.TensorProto.INT8:
+            inits.append(init)
+            continue
+        key_init = onnx.TensorProto()
+        key_init.CopyFrom(init)
+        key_init.ClearField("name")
+        key_init.ClearField("doc_string")
+        key = key_init.SerializeToString(deterministic=True)
+        if key in first:
+            rename[init.name] = first[key]
+        else:
+            first[key] = init.name
+            inits.append(init)
+    del graph.initializer[:]
+    graph.initializer.extend(inits)
+    seen: dict[bytes, onnx.NodeProto] = {}
+    kept: list[onnx.NodeProto] = []
+    removed = 0
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in rename:
+                node.input[i] = rename[name]
+        if node.op_type in ("If", "Loop", "Scan") or any(o in outputs for o in node.output):
+            kept.append(node)
+            continue
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].t.data_type == onnx.TensorProto.INT8:
+            kept.append(node)
+            continue
+        key_node = onnx.NodeProto()
+        key_node.CopyFrom(node)
+        key_node.ClearField("name")
+        del key_node.output[:]
+        key_node.ClearField("doc_string")
+        key = key_node.SerializeToString(deterministic=True)
+        twin = seen.get(key)
+        if twin is not None and len(twin.output) == len(node.output):
+            rename.update(zip(node.output, twin.output))
+            removed += 1
+            continue
+        seen[key] = node
+        kept.append(node)
+    del graph.node[:]
+    graph.node.extend(kept)
+    infos = [vi for vi in graph.value_info if vi.name not in rename]
+    del graph.value_info[:]
+    graph.value_info.extend(infos)
+    return model, removed

@@ -170,19 +170,25 @@ def test_op_allow_lists_and_weights(quantized, form):
     for n in weight_dq:
         src = inits.get(n.input[0]) or consts[n.input[0]].attribute[0].t
         scale = inits.get(n.input[1]) or consts[n.input[1]].attribute[0].t
-        assert src.data_type == onnx.TensorProto.UINT8 and len(scale.dims) == 1 and scale.dims[0] == src.dims[1]
+        assert src.data_type == onnx.TensorProto.INT8 and len(scale.dims) == 1 and scale.dims[0] == src.dims[1]
+        assert np.abs(numpy_helper.to_array(src).astype(int)).max() <= 127
 
 
-def test_int8_weight_storage(quantized):
+def test_uint8_weight_storage(quantized):
+    """The same codes shifted by 128 with zero point 128 (exact u8u8 kernels without session options)."""
     qmodel = quantized[("vit", None)]
-    model = build_onnx(qmodel, tiny_inputs("vit"), "int", weight_storage="int8")
+    model = build_onnx(qmodel, tiny_inputs("vit"), "int", weight_storage="uint8")
     consts = {n.output[0]: n.attribute[0].t for n in model.graph.node if n.op_type == "Constant"}
     inits = {i.name: i for i in model.graph.initializer}
+    seen = 0
     for n in model.graph.node:
         if n.op_type == "DequantizeLinear" and any(a.name == "axis" for a in n.attribute):
             t = inits.get(n.input[0]) or consts[n.input[0]]
-            assert t.data_type == onnx.TensorProto.INT8
-            assert np.abs(numpy_helper.to_array(t).astype(int)).max() <= 127
+            zp = inits.get(n.input[2]) or consts[n.input[2]]
+            assert t.data_type == onnx.TensorProto.UINT8 and set(numpy_helper.to_array(zp).tolist()) == {128}
+            assert np.abs(numpy_helper.to_array(t).astype(int) - 128).max() <= 127
+            seen += 1
+    assert seen == sum(type(m).__name__ == "QLinear" for m in qmodel.modules())
     inputs = tiny_inputs("vit", seed=4)
     ref, _ = _torch_run(qmodel, inputs)
     out = U.run(model, _feeds("vit", inputs), "disable")[0]
@@ -406,3 +412,34 @@ def test_row_codes_refusals(quantized, tmp_path):
     with pytest.raises(ExportError, match="bias correction is exported for softmax_output='edge' only"):
         to_onnx(corrected, tmp_path / "a.onnx", tiny_inputs("vit"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_u8u8_option_only_where_int8_dot_products_saturate():
+    from softq.export.onnx_utils import needs_u8u8
+
+    avx2 = "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n"
+    assert needs_u8u8(avx2, "x86_64")
+    assert not needs_u8u8(avx2.replace("avx512bw", "avx512bw avx512_vnni"), "x86_64")
+    assert not needs_u8u8("flags : avx2 avx_vnni\n", "AMD64")
+    assert not needs_u8u8("Features : fp asimd asimddp\n", "aarch64")
+
+
+def test_int8_weights_with_u8u8_conversion_match(quantized, tmp_path):
+    """The int8-weight file also loads and gives the same outputs under onnxruntime's u8u8 conversion."""
+    import onnxruntime as ort
+
+    qmodel = quantized[("vit", None)]
+    model = build_onnx(qmodel, tiny_inputs("vit"))
+    feeds = _feeds("vit", tiny_inputs("vit", seed=4))
+    from softq.export.onnx_utils import needs_u8u8
+
+    ref, _ = _torch_run(qmodel, tiny_inputs("vit", seed=4))
+    outs = []
+    # without the option, only CPUs with exact int8 dot products are expected to agree
+    for precise in ("1",) if needs_u8u8() else ("0", "1"):
+        opts = ort.SessionOptions()
+        opts.add_session_config_entry("session.x64quantprecision", precise)
+        sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        outs.append(sess.run(None, feeds)[0])
+        np.testing.assert_allclose(outs[-1], ref, atol=1e-4)
+    np.testing.assert_array_equal(outs[0], outs[-1])

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import transformers
@@ -208,6 +209,32 @@ def test_grouped_model_saves_loads_and_exports_bit_exact(folder, tmp_path) -> No
     diff = np.abs(hidden[valid] - expected.numpy()[valid])
     assert diff.max() < 5e-3 and (diff < 2e-5).mean() > 0.98
     np.testing.assert_allclose(emb, loaded.encode([batch], qmodel).numpy(), atol=1e-3)
+
+
+def test_export_graph_runs_on_fast_kernels(folder) -> None:
+    """What keeps the INT8 file fast in onnxruntime: no per-axis QuantizeLinear (a scalar loop there),
+    each distinct activation quantized once (Q, K and V share one), int8 weights, no broadcast Where
+    in the attention cores; and the per-group codes are still torch's bit for bit (checked above)."""
+    from softq.export.model_export import build_onnx
+
+    loaded = hf.load_model_dir(folder)
+    qmodel = softq.quantize(loaded.model, _calib(loaded), softq.QuantConfig(residual_groups=4))
+    batch = loaded.tokenize(["the python class is an object", "return a value"])
+    model = build_onnx(qmodel, batch)
+    nodes = list(model.graph.node)
+    quants = [n for n in nodes if n.op_type == "QuantizeLinear"]
+    assert not [n.name for n in quants if any(a.name == "axis" for a in n.attribute)]
+    keys = [(n.input[0], tuple(n.input[1:])) for n in quants]
+    assert len(keys) == len(set(keys))
+    layers = qmodel.config.num_hidden_layers
+    shared = [n for n in quants if "attention/self/" in n.name and "input_act" in n.name]
+    assert len(shared) == layers  # one for Q, K and V together
+    assert not [n.name for n in nodes if n.op_type == "Where" and n.name.startswith("softq/")
+                and "_open" not in "".join(n.input)]
+    consts = {n.output[0]: n.attribute[0].t for n in nodes if n.op_type == "Constant"}
+    weights = [consts[n.input[0]] for n in nodes if n.op_type == "DequantizeLinear" and n.input[0] in consts
+               and len(consts[n.input[0]].dims) == 2]
+    assert weights and all(w.data_type == onnx.TensorProto.INT8 for w in weights)
 
 
 def test_headless_float_export_outputs_last_hidden_state(folder, tmp_path) -> None:
