@@ -34,8 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="storage of the symmetric 8-bit weight codes (default int8: onnxruntime's fast u8s8 "
                         "kernels; on AVX2-only x86 CPUs run it with the session option "
                         "session.x64quantprecision=1; uint8: zero point 128, exact without it, slower)")
-    p.add_argument("--embeddings", choices=["float", "int8"], default="float",
-                   help="also store embedding tables as per-row int8 (smaller file; default %(default)s)")
+    p.add_argument("--embeddings", choices=["float", "int8"], default=None,
+                   help="embedding tables: default as quantized (int8 codes, one scale per row, unless quantized "
+                        "with embedding_bits=None); int8 also converts float tables; float stores them dequantized")
     p.add_argument("--pooled", action="store_true",
                    help="headless text encoders: also output 'sentence_embedding' (pooling from the directory's "
                         "sentence-transformers files, else mean pooling)")

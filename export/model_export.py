@@ -229,15 +229,21 @@ class _ExportLinear(nn.Module):
 class _ExportEmbedding(nn.Module):
     """Weight-only int8 embedding table (symmetric, one scale per row) -> DequantizeLinear(axis=0) -> Gather.
 
-    Not part of softq's torch model (which keeps embeddings float): an export-time
-    option that shrinks the file (GPT-2's 1024-row position table is float otherwise).
+    From a :class:`softq.quant.quantizers.QEmbedding` (``QuantConfig.embedding_bits``, the
+    default): its own codes and scales, so ONNX computes what the torch model does.  From a
+    float ``nn.Embedding`` (``embeddings="int8"`` on a model quantized with
+    ``embedding_bits=None``): 8-bit codes made here, which the torch model does not use.
     """
 
     def __init__(self, emb: nn.Embedding, key: int) -> None:
         super().__init__()
-        w = emb.weight.detach().to(torch.float32)
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-        codes = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+        if hasattr(emb, "int_weight"):
+            codes = emb.int_weight().to(torch.int8)
+            scale = emb.weight_scale().to(torch.float32)
+        else:
+            w = emb.weight.detach().to(torch.float32)
+            scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+            codes = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
         _STATE.weights[key] = (codes.numpy(), scale.numpy().astype(np.float32), np.zeros(scale.shape, np.int8), 0)
         self.key = key
         self.padding_idx = emb.padding_idx
@@ -245,6 +251,18 @@ class _ExportEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(ids, _WeightDQFn.apply(self.w_deq, self.key), self.padding_idx)
+
+
+class _FloatEmbedding(nn.Module):
+    """A QEmbedding exported as a float table of its dequantized codes (``embeddings="float"``)."""
+
+    def __init__(self, emb: nn.Module) -> None:
+        super().__init__()
+        self.padding_idx = emb.padding_idx
+        self.weight = nn.Parameter(emb.dequantized().detach().clone(), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight, self.padding_idx)
 
 
 class _ScoresTap(nn.Module):
@@ -368,8 +386,8 @@ def _max_positions(model: nn.Module) -> int:
     return 4096
 
 
-def _export_copy(qmodel: nn.Module, weight_storage: str = "uint8",
-                 embeddings: str = "float") -> tuple[nn.Module, dict[int, dict[str, Any]]]:
+def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
+                 embeddings: str | None = None) -> tuple[nn.Module, dict[int, dict[str, Any]]]:
     from softq.attention import attention_points
     from softq.quant.quantizers import QLinear
 
@@ -393,6 +411,12 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "uint8",
     counter = iter(range(10**9))
     _replace_children(model, lambda m: isinstance(m, QLinear), lambda m: _ExportLinear(m, next(counter), weight_storage))
     _replace_children(model, _is_act_quantizer, lambda m: _ExportAct(m, next(counter)))
+    from softq.quant.quantizers import QEmbedding
+
+    if embeddings == "float":
+        _replace_children(model, lambda m: isinstance(m, QEmbedding), _FloatEmbedding)
+    else:
+        _replace_children(model, lambda m: isinstance(m, QEmbedding), lambda m: _ExportEmbedding(m, next(counter)))
     if embeddings == "int8":
         # exact nn.Embedding only: subclasses (OPT's learned positions) have their own forward
         _replace_children(model, lambda m: type(m) is nn.Embedding, lambda m: _ExportEmbedding(m, next(counter)))
@@ -734,7 +758,7 @@ def check_exportable_ops(model: onnx.ModelProto, form: str) -> None:
 
 
 def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = None, probs_outputs: bool = False,
-               weight_storage: str = "int8", embeddings: str = "float", pooling: str | None = None,
+               weight_storage: str = "int8", embeddings: str | None = None, pooling: str | None = None,
                normalize: bool = False) -> onnx.ModelProto:
     """The checked ONNX model of a softq-quantized model (not written anywhere)."""
     from softq.quant import is_quantized
@@ -743,8 +767,8 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
         raise ValueError(f"unknown softmax form {softmax!r}; choose one of {', '.join(ALL_FORMS)}")
     if weight_storage not in WEIGHT_STORAGE:
         raise ExportError(f"weight_storage must be one of {WEIGHT_STORAGE}, got {weight_storage!r}")
-    if embeddings not in ("float", "int8"):
-        raise ExportError(f"embeddings must be 'float' or 'int8', got {embeddings!r}")
+    if embeddings not in (None, "float", "int8"):
+        raise ExportError(f"embeddings must be None (as quantized), 'float' or 'int8', got {embeddings!r}")
     if not is_quantized(qmodel):
         raise ExportError(
             f"{type(qmodel).__name__} was not quantized by softq (no softq_quant_config); run softq.quantize(model, "
@@ -802,7 +826,7 @@ def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> 
 
 
 def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | None = None, overwrite: bool = False,
-            probs_outputs: bool = False, weight_storage: str = "int8", embeddings: str = "float",
+            probs_outputs: bool = False, weight_storage: str = "int8", embeddings: str | None = None,
             pooling: str | None = None, normalize: bool = False) -> str:
     """Export a softq-quantized model to ONNX with an integer softmax; returns the path written.
 
@@ -828,8 +852,11 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     ``"uint8"`` stores the same codes shifted by 128 (zero point 128): exact
     everywhere without that option, but the u8u8 kernel measured 2x slower on a
     VNNI CPU (docs/results/export_speed.md).
-    ``embeddings="int8"`` also stores embedding tables as per-row int8 (weight
-    only; softq's torch model keeps them float, so outputs move slightly).
+    ``embeddings``: ``None`` (default) stores the tables as the model has them:
+    int8 codes with one scale per row for ``QuantConfig.embedding_bits`` (the
+    default), float otherwise; ``"int8"`` also makes int8 tables of float ones
+    (the torch model then differs slightly); ``"float"`` stores quantized tables
+    dequantized (same outputs, larger file).
 
     Models with a head output ``logits``.  Headless encoders (``BertModel``...)
     output ``last_hidden_state``; with ``pooling`` ("mean", "cls", "max") they also

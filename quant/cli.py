@@ -55,6 +55,8 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                    help="scales per residual-stream point: K groups of hidden dimensions, 1 = per tensor, "
                         "'auto' (default) = groups only where outlier dimensions are seen")
     p.add_argument("--no-residual", action="store_true", help="leave the residual stream (LayerNorm inputs) float")
+    p.add_argument("--embedding-bits", type=int, default=8,
+                   help="bits of the embedding tables (per row, weight only); 0 keeps them float (default 8)")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="model directory: calibration texts, one per line or JSONL with a 'text' field "
                         "(default: paragraphs of Python's documentation)")
@@ -89,7 +91,8 @@ def _config(args: argparse.Namespace):
         weight_bits=args.weight_bits, act_bits=args.act_bits,
         softmax_bits=args.softmax_bits or None, bias_correction=args.bias_correction,
         softmax_output=args.softmax_output,
-        smoothquant_alpha=args.smoothquant, observer=args.observer, quantize_residual=not args.no_residual, **extra,
+        smoothquant_alpha=args.smoothquant, observer=args.observer, quantize_residual=not args.no_residual,
+        embedding_bits=args.embedding_bits or None, **extra,
     )
 
 

@@ -47,7 +47,12 @@ class QuantConfig:
             uses 4 groups at points whose widest channel range exceeds 16x the
             median one (all-MiniLM-L6-v2: about 100x) and per-tensor elsewhere
             (softq's reference LM and ViT: about 2x; `softq report` prints it).  See docs/results/minilm.md.
-        exclude: substrings of module names whose Linear layers stay float
+        embedding_bits: bits of the embedding tables (``nn.Embedding``: token,
+            position and token-type tables), symmetric with one scale per row,
+            weight only; ``None`` keeps them float.  8 (default) makes the ONNX
+            file about a quarter of FP32 (MiniLM's token table is half its
+            weights) at no measurable cost (docs/results/export_speed.md).
+        exclude: substrings of module names whose Linear layers and embeddings stay float
             (e.g. ``("lm_head",)``).
     """
 
@@ -64,6 +69,7 @@ class QuantConfig:
     smoothquant_alpha: float | None = None
     quantize_residual: bool = True
     residual_groups: int | Literal["auto"] = "auto"
+    embedding_bits: int | None = 8
     exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -86,6 +92,10 @@ class QuantConfig:
             raise ValueError(
                 f"bias_correction must be one of {BIAS_CORRECTION_GRANULARITIES} or None, got {self.bias_correction!r}"
             )
+        if self.embedding_bits is not None and (not isinstance(self.embedding_bits, int)
+                                                or isinstance(self.embedding_bits, bool)
+                                                or not MIN_BITS <= self.embedding_bits <= 8):
+            raise ValueError(f"embedding_bits must be an integer from {MIN_BITS} to 8 or None, got {self.embedding_bits!r}")
         if self.bias_correction is not None and self.softmax_bits is None:
             raise ValueError("bias_correction corrects the quantized softmax output; it needs softmax_bits")
         if self.residual_groups != "auto" and (not isinstance(self.residual_groups, int)

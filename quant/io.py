@@ -84,6 +84,7 @@ def load(path: str | os.PathLike) -> nn.Module:
         raise ValueError(f"{source}: unsupported softq format {meta.get('format')!r} (expected {FORMAT_VERSION})")
     raw = meta["quant_config"]
     raw.setdefault("softmax_output", "edge")  # saved before the field existed: the uniform edge codes
+    raw.setdefault("embedding_bits", None)  # saved before the field existed: float embedding tables
     config = QuantConfig(**{**raw, "exclude": tuple(raw.get("exclude", ()))})
     hf_config = transformers.AutoConfig.from_pretrained(source)
     arch = (hf_config.architectures or [None])[0]

@@ -30,7 +30,7 @@ from softq.calib.data import Batch, as_batches, run_batches
 from softq.calib.smoothquant import smooth
 from softq.models import conv1d_to_linear, model_family
 from softq.quant.config import QuantConfig
-from softq.quant.quantizers import ActQuantizer, QLinear, SoftmaxOutputQuantizer
+from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, SoftmaxOutputQuantizer
 
 
 class QLayerNorm(nn.LayerNorm):
@@ -51,7 +51,7 @@ def _act(config: QuantConfig, groups: int = 1) -> ActQuantizer:
 
 
 def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
-    """Swap Linear -> QLinear and LayerNorm -> QLayerNorm in place."""
+    """Swap Linear -> QLinear, LayerNorm -> QLayerNorm and Embedding -> QEmbedding in place."""
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{parent_name}.{child_name}" if parent_name else child_name
@@ -61,6 +61,8 @@ def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
                 setattr(parent, child_name, QLinear(child, config.weight_bits, config.weight_per_channel, _act(config)))
             elif type(child) is nn.LayerNorm and config.quantize_residual:
                 setattr(parent, child_name, QLayerNorm(child, _act(config, config.residual_groups)))
+            elif type(child) is nn.Embedding and config.embedding_bits is not None:
+                setattr(parent, child_name, QEmbedding(child, config.embedding_bits))
 
 
 def _attach_attention_quantizers(points: AttentionPoints, config: QuantConfig) -> None:

@@ -1,4 +1,4 @@
-"""Quantization points built on Brevitas: activations, softmax output, Linear layers.
+"""Quantization points built on Brevitas: activations, softmax output, Linear layers, embedding tables.
 
 Weights use Brevitas' ``QuantLinear`` with its per-channel int8 weight quantizer
 (scales follow each output channel's max |w|).  Activations use Brevitas'
@@ -20,7 +20,7 @@ import torch
 from brevitas.core.function_wrapper import RoundSte, TensorClamp
 from brevitas.core.function_wrapper.misc import Identity
 from brevitas.core.quant.int_base import IntQuant
-from brevitas.nn import QuantLinear
+from brevitas.nn import QuantEmbedding, QuantLinear
 from brevitas.quant import Int8WeightPerChannelFloat, Int8WeightPerTensorFloat
 from torch import nn
 
@@ -292,6 +292,45 @@ class QLinear(QuantLinear):
 
     def weight_scale(self) -> torch.Tensor:
         """Per-output-channel (or scalar) weight scale, shape [out] or []."""
+        return self.quant_weight().scale.detach().reshape(-1)
+
+    def int_weight(self) -> torch.Tensor:
+        return self.quant_weight().int().detach()
+
+
+class QEmbedding(QuantEmbedding):
+    """Brevitas ``QuantEmbedding`` with per-row symmetric int weights (one scale per table row).
+
+    Weight-only: the looked-up rows are the dequantized codes, exactly what the
+    ONNX export stores (int8 codes, DequantizeLinear(axis=0), Gather), so the
+    file is about a quarter of FP32 and torch and ONNX agree.  Brevitas' own
+    ``QuantEmbedding.forward`` takes per-tensor scales only, so the lookup is
+    done here on ``quant_weight()``; in inference the dequantized table is
+    computed once and cached (it depends on the weights only).
+    """
+
+    def __init__(self, emb: nn.Embedding, bits: int) -> None:
+        super().__init__(emb.num_embeddings, emb.embedding_dim, padding_idx=emb.padding_idx,
+                         weight_quant=Int8WeightPerChannelFloat, weight_bit_width=bits, return_quant_tensor=False,
+                         device=emb.weight.device, dtype=emb.weight.dtype)
+        with torch.no_grad():
+            self.weight.copy_(emb.weight)
+        self._cache: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def dequantized(self) -> torch.Tensor:
+        if self.training or torch.is_grad_enabled() and self.weight.requires_grad:
+            return self.quant_weight().value
+        key = (self.weight._version, self.weight.data_ptr())
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                self._cache = (key, self.quant_weight().value.detach())
+        return self._cache[1]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.dequantized(), self.padding_idx)
+
+    def weight_scale(self) -> torch.Tensor:
+        """Per-row weight scale, shape [num_embeddings]."""
         return self.quant_weight().scale.detach().reshape(-1)
 
     def int_weight(self) -> torch.Tensor:

@@ -110,8 +110,10 @@ def test_smoothquant_improves_w8a8_with_an_outlier_channel() -> None:
         ref = model(**x).logits
         errs = {}
         for alpha in (None, 0.5):
-            # edge softmax codes, as when this bound was set (row codes: 0.045 -> 0.040, a smaller gap to close)
-            q = softq.quantize(model, calib, softq.QuantConfig(smoothquant_alpha=alpha, softmax_output="edge"))
+            # edge softmax codes, as when this bound was set (row codes: 0.045 -> 0.040, a smaller gap to close);
+            # float embedding tables: this random tiny model's 8-bit tables add an error as large as the gap
+            q = softq.quantize(model, calib, softq.QuantConfig(smoothquant_alpha=alpha, softmax_output="edge",
+                                                               embedding_bits=None))
             errs[alpha] = ((q(**x).logits - ref).norm() / ref.norm()).item()
     assert errs[0.5] < errs[None] * 0.8, errs
 

@@ -307,20 +307,47 @@ def test_head_row_correction_and_signed_scores(quantized):
     assert np.abs(out - ref).max() / np.abs(ref).max() <= LOGIT_TOL
 
 
-def test_int8_embeddings_option(quantized):
+def test_int8_embeddings_by_default(quantized):
+    """QuantConfig.embedding_bits=8 (default): int8 tables with one scale per row in torch and in the file,
+    the same outputs as torch; embeddings="float" stores the same tables dequantized (a larger file)."""
     qmodel = quantized[("gpt2", None)]
-    plain = build_onnx(qmodel, tiny_inputs("gpt2"), "int")
-    small = build_onnx(qmodel, tiny_inputs("gpt2"), "int", embeddings="int8")
-    gathers = [n for n in small.graph.node if n.op_type == "DequantizeLinear"
-               and any(a.name == "axis" and a.i == 0 for a in n.attribute)]
-    assert len(gathers) == 2  # wte and wpe
+    small = build_onnx(qmodel, tiny_inputs("gpt2"), "int")
+    plain = build_onnx(qmodel, tiny_inputs("gpt2"), "int", embeddings="float")
+    tables = [n for n in small.graph.node if n.op_type == "DequantizeLinear"
+              and any(a.name == "axis" and a.i == 0 for a in n.attribute)]
+    assert len(tables) == 2  # wte and wpe
+    consts = {n.output[0]: n.attribute[0].t for n in small.graph.node if n.op_type == "Constant"}
+    wte = qmodel.transformer.wte
+    codes = numpy_helper.to_array(consts[tables[0].input[0]])
+    assert codes.dtype == np.int8 and codes.shape == tuple(wte.weight.shape)
+    np.testing.assert_array_equal(codes, wte.int_weight().numpy())
     assert len(small.SerializeToString()) < len(plain.SerializeToString())
     inputs = tiny_inputs("gpt2", seed=12)
     with torch.no_grad():
         ref = qmodel(**inputs).logits.numpy()
-    out = U.run(small, _feeds("gpt2", inputs), "all")[0]
-    assert np.abs(out - ref).max() / np.abs(ref).max() <= 0.05
-    assert (out.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    outs = [U.run(model, _feeds("gpt2", inputs), "disable")[0] for model in (small, plain)]
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-6)
+    # torch parity as for every export (a value on a rounding boundary may flip one step)
+    assert np.abs(outs[0] - ref).max() / np.abs(ref).max() <= LOGIT_TOL
+
+
+def test_embedding_tables_are_quantized_per_row():
+    from softq.quant.quantizers import QEmbedding
+
+    model = tiny_model("bert")
+    qmodel = softq.quantize(model, [tiny_inputs("bert", seed=s) for s in range(2)], softq.QuantConfig())
+    tables = {n: m for n, m in qmodel.named_modules() if isinstance(m, QEmbedding)}
+    assert {n.rsplit(".", 1)[-1] for n in tables} == {"word_embeddings", "position_embeddings", "token_type_embeddings"}
+    for name, q in tables.items():
+        w = dict(model.named_modules())[name].weight.detach()
+        step = w.abs().amax(1, keepdim=True) / 127
+        deq = q.dequantized()
+        assert torch.equal(deq, q.int_weight().float() * q.weight_scale()[:, None])
+        assert ((deq - w).abs() <= step / 2 + 1e-7).all() and not torch.equal(deq, w)
+    kept = softq.quantize(model, [tiny_inputs("bert", seed=0)], softq.QuantConfig(embedding_bits=None))
+    assert not any(isinstance(m, QEmbedding) for m in kept.modules())
+    with pytest.raises(ValueError, match="embedding_bits must be"):
+        softq.QuantConfig(embedding_bits=12)
 
 
 def test_vit_head_row_correction_matches_torch(quantized):
@@ -374,6 +401,7 @@ def test_row_codes_parity_with_torch(quantized, family, representation, form):
     shapes = [(1, 9), (3, 40)] if family == "gpt2" else [(1,), (5,)]
     for opt in ("disable", "all"):
         sess = U.session(model, opt)
+        exact_rows, same_rows = [], []
         for i, shape in enumerate(shapes):
             inputs = tiny_inputs(family, batch=shape[0], seq=shape[-1], seed=100 + i)
             ref_logits, ref_probs = _torch_run(qmodel, inputs)
@@ -381,12 +409,15 @@ def test_row_codes_parity_with_torch(quantized, family, representation, form):
             err = np.abs(outs[0] - ref_logits).max() / np.abs(ref_logits).max()
             assert err <= LOGIT_TOL, f"{opt}: relative logit error {err:.4f}"
             row_err = np.abs(outs[0] - ref_logits).reshape(-1, ref_logits.shape[-1]).max(-1)
-            assert (row_err <= 1e-5 * np.abs(ref_logits).max()).mean() >= 0.9
+            # over all inputs: in a causal model one tie flip moves every later row of its sequence
+            exact_rows.extend(row_err <= 1e-5 * np.abs(ref_logits).max())
             for p, r in zip(outs[1:], ref_probs):
                 # row_exact's int form sums exp on a 2^-16 grid: |error of the sum| <= keys * 2^-17
                 tol = p.shape[-1] * 2.0**-17 if (representation, form) == ("row_exact", "int") else 1e-6
-                same = np.abs(p - r).max(-1) <= tol  # per row; the others follow an upstream tie flip
-                assert same.mean() >= 0.9 and np.abs(p - r).max() <= 0.1
+                same_rows.extend((np.abs(p - r).max(-1) <= tol).ravel())  # the others follow an upstream tie flip
+                assert np.abs(p - r).max() <= 0.1
+        assert np.mean(exact_rows) >= 0.9, f"{opt}: {np.mean(exact_rows):.2f} of the rows equal torch's"
+        assert np.mean(same_rows) >= 0.9, f"{opt}: {np.mean(same_rows):.2f} of the probability rows equal torch's"
 
 
 def test_row_codes_padding_and_signed_v(quantized):
