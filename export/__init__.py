@@ -5,7 +5,8 @@
 (``row_attention``: the attention core scores -> P.V with a numpy reference),
 ``"qdq"``, ``"ort"`` or ``"int"`` for the uniform edge codes (``int_softmax``:
 three softmax forms with a numpy reference each); ``onnx_utils`` the atomic
-save, checks and sessions.  torch is
+save, checks and sessions; ``runtimes`` one runner for onnxruntime, tract and
+OpenVINO.  torch is
 imported only when a model export is asked for, so ``softq --help`` stays fast.
 """
 
@@ -13,10 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from softq.export import runtimes
 from softq.export.int_softmax import FORMS, OUT_SCALE, SoftmaxQuant, build_softmax, reference, softmax_model
 
 __all__ = ["FORMS", "OUT_SCALE", "SoftmaxQuant", "build_softmax", "reference", "softmax_model",
-           "to_onnx", "to_onnx_float", "build_onnx", "ExportError"]
+           "to_onnx", "to_onnx_float", "build_onnx", "ExportError", "runtimes"]
 
 _LAZY = {"to_onnx", "to_onnx_float", "build_onnx", "build_onnx_float", "ExportError"}
 

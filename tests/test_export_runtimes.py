@@ -1,0 +1,103 @@
+"""softq's ONNX files in runtimes other than onnxruntime: tract and OpenVINO (each skipped when not installed).
+
+Integer-exact parts must equal the numpy reference: the ``int`` edge softmax bit for bit,
+the ``int`` row-code core up to its one final float division (1 ulp); whole models must give onnxruntime's outputs (float parts: within float
+rounding, which can flip an activation code at a tie, as between torch and onnxruntime).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from conftest import tiny_inputs, tiny_model
+
+import softq
+from softq.export import runtimes
+from softq.export.int_softmax import SoftmaxQuant, reference_int, softmax_model
+from softq.export.model_export import build_onnx
+from softq.export.row_attention import RowQuant, reference, row_attention_model
+
+OTHERS = [pytest.param(r, marks=pytest.mark.skipif(not runtimes.available(r), reason=f"{r} not installed"))
+          for r in ("tract", "openvino")]
+LOGIT_TOL = 0.02  # as tests/test_export_model.py: max |diff| / max |logit|
+
+
+@pytest.fixture(scope="module")
+def qmodels() -> dict[str, torch.nn.Module]:
+    out = {}
+    for family in ("bert", "gpt2", "vit"):
+        calib = [tiny_inputs(family, seed=30 + i) for i in range(3)]
+        out[family] = softq.quantize(tiny_model(family), calib, softq.QuantConfig())
+        if family == "bert":
+            out["bert-edge"] = softq.quantize(tiny_model(family), calib, softq.QuantConfig(softmax_output="edge"))
+    return out
+
+
+def _feeds(family: str, seed: int) -> dict[str, np.ndarray]:
+    x = tiny_inputs(family, batch=2, seq=11, seed=seed)
+    if family == "vit":
+        return {"pixel_values": x["pixel_values"].numpy()}
+    mask = np.ones(tuple(x["input_ids"].shape), np.int64)
+    mask[1, 7:] = 0  # padding in the second sequence
+    return {"input_ids": x["input_ids"].numpy(), "attention_mask": mask}
+
+
+@pytest.mark.parametrize("runtime", OTHERS)
+@pytest.mark.parametrize("model_key,form", [("bert", "fast"), ("bert", "int"), ("gpt2", "fast"), ("vit", "fast"),
+                                            ("bert-edge", "qdq"), ("bert-edge", "int")])
+def test_whole_model_matches_onnxruntime(qmodels, tmp_path, runtime, model_key, form):
+    family = model_key.split("-")[0]
+    feeds = _feeds(family, seed=5)
+    example = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    path = tmp_path / "m.onnx"
+    onnx.save(build_onnx(qmodels[model_key], example, form), path)
+    ref = runtimes.runner(path, "onnxruntime")(feeds)[0]
+    run = runtimes.runner(path, runtime)
+    out = run(feeds)[0]
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if out.ndim == 3:  # per-token outputs: padded positions are don't-cares
+        valid = feeds["attention_mask"].astype(bool)
+        out, ref = out[valid], ref[valid]
+    assert np.abs(out - ref).max() <= LOGIT_TOL * np.abs(ref).max()
+    rows = np.abs(out - ref).reshape(-1, out.shape[-1]).max(-1) <= 1e-5 * np.abs(ref).max()
+    assert rows.mean() >= 0.9  # equal but for a rare tie flip
+    again = run(_feeds(family, seed=6))[0]  # a second input through the same runner
+    assert not np.array_equal(again, run(feeds)[0])
+
+
+@pytest.mark.parametrize("runtime", OTHERS)
+@pytest.mark.parametrize("representation", ["row", "row_exact"])
+def test_row_int_core_matches_reference(tmp_path, runtime, representation):
+    q = SoftmaxQuant(scale=0.05, zero_point=9)
+    rq = RowQuant(q, 0.02, 7, 8, representation)
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 256, (2, 3, 7, 33)).astype(np.uint8)
+    v = rng.integers(0, 256, (2, 3, 33, 5)).astype(np.uint8)
+    valid = np.broadcast_to(rng.random((2, 1, 7, 33)) < 0.6, x.shape).copy()
+    valid[0, :, 2] = False  # a fully masked row
+    path = tmp_path / "core.onnx"
+    onnx.save(row_attention_model("int", rq, with_valid=True), path)
+    y = runtimes.runner(path, runtime)({"x": x, "v": v, "valid": valid})[0]
+    # integers up to the accumulators; the one float division at the end may round 1 ulp apart
+    # (a runtime may multiply by the reciprocal): 2**-22 relative is 2 ulp of float32
+    np.testing.assert_allclose(y, reference("int", x, v, rq, valid), rtol=2.0**-22, atol=0)
+    assert np.all(y[0, :, 2] == 0)
+
+
+@pytest.mark.parametrize("runtime", OTHERS)
+def test_edge_int_softmax_bit_exact(tmp_path, runtime):
+    q = SoftmaxQuant(scale=0.06, zero_point=0, signed=True)
+    x = np.random.default_rng(4).integers(-128, 128, (2, 4, 9, 40)).astype(np.int8)
+    path = tmp_path / "sm.onnx"
+    onnx.save(softmax_model("int", q), path)
+    y = runtimes.runner(path, runtime)({"x": x})[0]
+    np.testing.assert_array_equal(y, reference_int(x, q))
+
+
+def test_runner_rejects_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="unknown runtime 'tflite'"):
+        runtimes.runner(tmp_path / "m.onnx", "tflite")
+    with pytest.raises(ValueError, match="threads must be a positive integer"):
+        runtimes.runner(tmp_path / "m.onnx", "onnxruntime", threads=0)
