@@ -313,10 +313,13 @@ def test_int8_embeddings_by_default(quantized):
     qmodel = quantized[("gpt2", None)]
     small = build_onnx(qmodel, tiny_inputs("gpt2"), "int")
     plain = build_onnx(qmodel, tiny_inputs("gpt2"), "int", embeddings="float")
-    tables = [n for n in small.graph.node if n.op_type == "DequantizeLinear"
-              and any(a.name == "axis" and a.i == 0 for a in n.attribute)]
-    assert len(tables) == 2  # wte and wpe
     consts = {n.output[0]: n.attribute[0].t for n in small.graph.node if n.op_type == "Constant"}
+    # int8 rows gathered, then scaled: the table itself is never dequantized as a whole
+    tables = [n for n in small.graph.node if n.op_type == "Gather" and n.input[0] in consts
+              and consts[n.input[0]].data_type == onnx.TensorProto.INT8]
+    assert len(tables) == 2  # wte and wpe
+    assert not [n for n in small.graph.node if n.op_type == "DequantizeLinear"
+                and any(a.name == "axis" and a.i == 0 for a in n.attribute)]
     wte = qmodel.transformer.wte
     codes = numpy_helper.to_array(consts[tables[0].input[0]])
     assert codes.dtype == np.int8 and codes.shape == tuple(wte.weight.shape)

