@@ -117,3 +117,98 @@ def smooth(model: nn.Module, batches: list[Batch], alpha: float = 0.5) -> list[s
             for _, lin in g.linears:
                 lin.weight.mul_(s)
     return [g.norm_name for g in groups]
+
+
+# ---------------------------------------------------------------------------
+# Explicit input smoothing: any Linear, post-LN models included
+# ---------------------------------------------------------------------------
+
+INPUT_SCALE_ATTR = "softq_input_scale"
+
+
+@dataclass
+class InputGroup:
+    """Linear layers that read the same input tensor (Q, K and V read one), and that input's channel ranges."""
+
+    linears: list[tuple[str, nn.Linear]]
+    act_absmax: torch.Tensor
+
+    def channel_ratio(self) -> float:
+        """Widest channel's max |x| over the median channel's: how outlier-dominated this input is."""
+        return float(self.act_absmax.max() / self.act_absmax.median().clamp_min(1e-12))
+
+
+def find_input_groups(model: nn.Module, batches: list[Batch]) -> list[InputGroup]:
+    """Every group of untied Linear layers sharing one input tensor, with per-channel max |x| over ``batches``."""
+    linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear and not _tied(model, m.weight)}
+    members: dict[str, str] = {}  # linear -> first linear that read the same tensor
+    absmax: dict[str, torch.Tensor] = {}
+    first_pass = {"on": True}
+    live: dict[int, tuple[str, torch.Tensor]] = {}
+    handles = []
+
+    def on_linear(name: str):
+        def hook(_m, inp):
+            x = inp[0]
+            if first_pass["on"]:
+                owner = live.get(id(x))
+                if owner is not None and owner[1] is x:
+                    members[name] = owner[0]
+                else:
+                    live[id(x)] = (name, x)
+                    members[name] = name
+            if members.get(name) == name:
+                amax = x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float()
+                absmax[name] = amax if name not in absmax else torch.maximum(absmax[name], amax)
+        return hook
+
+    for name, m in linears.items():
+        handles.append(m.register_forward_pre_hook(on_linear(name)))
+    try:
+        run_batches(model, batches[:1])
+        first_pass["on"] = False
+        live.clear()
+        if len(batches) > 1:
+            run_batches(model, batches[1:], desc="input smoothing stats")
+    finally:
+        for h in handles:
+            h.remove()
+    groups: dict[str, list[tuple[str, nn.Linear]]] = {}
+    for name, lead in members.items():
+        groups.setdefault(lead, []).append((name, linears[name]))
+    return [InputGroup(lins, absmax[lead]) for lead, lins in groups.items()]
+
+
+def smooth_inputs(model: nn.Module, batches: list[Batch], alpha: float, min_ratio: float = 0.0) -> list[str]:
+    """SmoothQuant without a LayerNorm to fold into.  If any input group's channel ratio exceeds
+    ``min_ratio`` (else nothing is done: a model without outlier channels keeps its weights), then for
+    every input group ``s_j = max|X_j|^alpha / max|W_{:,j}|^(1-alpha)``; the weight columns are multiplied by
+    ``s`` and ``1/s`` is stored on each Linear (``softq_input_scale``), which softq's quantized Linear
+    applies to its input before quantizing it (one elementwise Mul; shared by Q, K and V, so the export
+    keeps one Mul and one QuantizeLinear for them).  The float function is unchanged.  Returns the
+    names of the smoothed Linear layers."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"input smoothing alpha must be in [0, 1], got {alpha}")
+    done: list[str] = []
+    groups = find_input_groups(model, batches)
+    # all groups or none: on all-MiniLM-L6-v2 smoothing only the groups past 16x gives embedding
+    # cosine 0.9931, smoothing every group 0.9962
+    if not groups or max(g.channel_ratio() for g in groups) <= min_ratio:
+        return done
+    with torch.no_grad():
+        for group in groups:
+            w_absmax = torch.stack([lin.weight.abs().amax(0) for _, lin in group.linears]).amax(0).float()
+            s = (group.act_absmax.clamp_min(1e-5).pow(alpha) / w_absmax.clamp_min(1e-5).pow(1 - alpha)).clamp_min(1e-5)
+            for name, lin in group.linears:
+                lin.weight.mul_(s.to(lin.weight.dtype))
+                previous = getattr(lin, INPUT_SCALE_ATTR, None)
+                inv = (1.0 / s).to(lin.weight.dtype)
+                setattr(lin, INPUT_SCALE_ATTR, inv if previous is None else previous * inv)
+                if previous is None:  # the float Linear applies it too (softq's QLinear takes it over)
+                    lin.register_forward_pre_hook(_scale_input)
+                done.append(name)
+    return done
+
+
+def _scale_input(module: nn.Linear, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return (inputs[0] * getattr(module, INPUT_SCALE_ATTR),) + tuple(inputs[1:])

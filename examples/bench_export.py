@@ -270,9 +270,10 @@ def write_report(path: Path, command: str, model_rows: list[dict[str, object]], 
         "extra integer Mul, no float op, masked keys stay 0. In `qdq`/`ort` it is an "
         "`Add(DQ(P), beta*valid)` after the output DequantizeLinear: a DQ zero point is an integer and "
         "beta is a fraction of a step.",
-        "- Weights: symmetric per-channel 8-bit codes stored as uint8 with zero point 128. Stored as int8, "
-        "onnxruntime's fused u8s8 MatMul saturates int16 partial sums on x86 CPUs without VNNI (AVX2): the "
-        "`quantize_static` row without reduce_range shows the effect on such a CPU.",
+        "- Weights: symmetric per-channel 8-bit codes stored as int8 (onnxruntime's u8s8 kernels); on x86 "
+        "CPUs without VNNI softq's sessions set `session.x64quantprecision=1` (exact u8u8 kernels there). "
+        "Embedding tables: int8 codes with one scale per row (`QuantConfig.embedding_bits=8`). Speed next to "
+        "onnxruntime's quantizers: docs/results/export_speed.md; storage options: docs/results/weight_storage.md.",
         "- `ort` on causal/padded models: QLinearSoftmax has no mask input, so masked keys enter as the "
         "lowest score code and keep a small weight (the LM `ort` row). `int` and `qdq` mask exactly.",
         "",

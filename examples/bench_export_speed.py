@@ -122,10 +122,8 @@ class Bench:
 
     def latency_feeds(self, size: int) -> dict[str, np.ndarray]:
         if self.text:
-            ids = torch.randint(1000, 20000 if self.name != "lm" else self.model.config.vocab_size, (size, SEQ),
-                                generator=torch.Generator().manual_seed(7))
-            if self.name == "lm":
-                ids = ids % self.model.config.vocab_size
+            low, high = (0, self.model.config.vocab_size) if self.name == "lm" else (1000, 20000)
+            ids = torch.randint(low, high, (size, SEQ), generator=torch.Generator().manual_seed(7))
             return {"input_ids": ids.numpy(), "attention_mask": np.ones((size, SEQ), np.int64)}
         images = torch.cat([b["pixel_values"] for b in self.eval])
         reps = -(-size // len(images))
@@ -238,8 +236,10 @@ def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
         ort_out = U.session(paths["softq INT8, fast"], "all").run(None, feeds)[0]
         out = runs["softq INT8, fast"](feeds)[0]
         t = interleaved({v: (lambda r=r: r(feeds)) for v, r in runs.items()}, args.rounds)
+        a, r = out.reshape(-1, out.shape[-1]).astype(np.float64), ort_out.reshape(-1, out.shape[-1]).astype(np.float64)
+        cos = (a * r).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(r, axis=-1))
         others[rt] = {"fp32_ms": 1e3 * t["FP32"], "ratio": t["softq INT8, fast"] / t["FP32"],
-                      "diff": float(np.abs(out - ort_out).max() / np.abs(ort_out).max())}
+                      "diff": float(np.abs(out - ort_out).max() / np.abs(ort_out).max()), "cos": float(cos.mean())}
     result["others"] = others
     return result
 
@@ -291,15 +291,21 @@ def write(results: list[dict[str, object]], args: argparse.Namespace, command: s
               + "; ".join(f"{r['name']} {r['torch_fp32']:.4f}" for r in results) + ").", ""]
     lines += ["## Other runtimes (1 thread, batch 1)", "",
               "softq's `fast` file and the FP32 file, each run in the runtime itself (tract: shapes fixed per "
-              "runner; OpenVINO: CPU plugin, INFERENCE_PRECISION_HINT=f32). Difference: max |output - "
-              "onnxruntime's output of the same file| / max |output|.", "",
-              "| model | runtime | FP32 ms | softq INT8 / FP32 | difference to onnxruntime |", "|---|---|---|---|---|"]
+              "runner; OpenVINO: CPU plugin, INFERENCE_PRECISION_HINT=f32). Compared with onnxruntime's output "
+              "of the same file: max |difference| / max |output|, and the mean cosine of the output vectors "
+              "(per token or image). Runtimes order float operations differently; where a value lands within "
+              "rounding of a quantization tie its code flips by one step, and on the text encoders (49k values "
+              "per quantization point, residual-stream steps up to 0.9 on MiniLM) a flip or two per point is "
+              "expected and spreads through attention: the same size as onnxruntime vs softq's torch model.", "",
+              "| model | runtime | FP32 ms | softq INT8 / FP32 | max difference to onnxruntime | mean cosine to onnxruntime |",
+              "|---|---|---|---|---|---|"]
     for r in results:
         for rt, o in r["others"].items():
             if isinstance(o, str):
-                lines.append(f"| {r['name']} | {rt} | - | {o} | - |")
+                lines.append(f"| {r['name']} | {rt} | - | {o} | - | - |")
             else:
-                lines.append(f"| {r['name']} | {rt} | {o['fp32_ms']:.1f} | {o['ratio']:.2f} | {o['diff']:.1e} |")
+                lines.append(f"| {r['name']} | {rt} | {o['fp32_ms']:.1f} | {o['ratio']:.2f} | {o['diff']:.1e} | "
+                             f"{o['cos']:.6f} |")
     out = ROOT / "docs" / "results" / "export_speed.md"
     tmp = out.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n")
@@ -331,9 +337,12 @@ def main() -> None:
     torch.set_num_threads(max(args.threads))
     command = "python examples/bench_export_speed.py " + " ".join(sys.argv[1:])
     start = time.perf_counter()
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
-        results = [bench_model(m, args, Path(tmp)) for m in models]
-    print(write(results, args, command.strip(), (time.perf_counter() - start) / 60))
+        for m in models:  # the table is rewritten after each model: a later failure keeps what was measured
+            results.append(bench_model(m, args, Path(tmp)))
+            path = write(results, args, command.strip(), (time.perf_counter() - start) / 60)
+    print(path)
 
 
 if __name__ == "__main__":

@@ -220,8 +220,11 @@ class _ExportLinear(nn.Module):
         self.key = key
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
         self.input_act = layer.input_act
+        self.register_buffer("input_scale", layer.input_scale.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale.numel():  # input smoothing: one Mul, merged for Linear layers sharing the input
+            x = x * self.input_scale
         y = torch.matmul(self.input_act(x), _WeightDQFn.apply(self.w_deq, self.key))
         return y if self.bias is None else y + self.bias
 

@@ -228,6 +228,10 @@ def dedupe(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         if node.op_type in ("If", "Loop", "Scan") or any(o in outputs for o in node.output):
             kept.append(node)
             continue
+        if node.op_type == "Identity":  # the exporter's way of sharing equal parameters: a plain rename
+            rename[node.output[0]] = node.input[0]
+            removed += 1
+            continue
         if node.op_type == "Constant" and node.attribute and node.attribute[0].t.data_type == onnx.TensorProto.INT8:
             kept.append(node)
             continue

@@ -55,6 +55,10 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                    help="scales per residual-stream point: K groups of hidden dimensions, 1 = per tensor, "
                         "'auto' (default) = groups only where outlier dimensions are seen")
     p.add_argument("--no-residual", action="store_true", help="leave the residual stream (LayerNorm inputs) float")
+    p.add_argument("--input-smoothing", type=_smoothing, default="auto", metavar="ALPHA|auto|none",
+                   help="per-channel input smoothing of Linear layers (SmoothQuant as an explicit Mul, post-LN "
+                        "models included): an alpha in [0, 1], auto (default: 0.8 in models with outlier "
+                        "input channels) or none")
     p.add_argument("--embedding-bits", type=int, default=8,
                    help="bits of the embedding tables (per row, weight only); 0 keeps them float (default 8)")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
@@ -83,6 +87,15 @@ def _groups(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
 
 
+def _smoothing(text: str) -> float | str | None:
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an alpha in [0, 1], 'auto' or 'none', got {text!r}") from None
+
+
 def _config(args: argparse.Namespace):
     from softq.quant.config import QuantConfig
 
@@ -92,7 +105,7 @@ def _config(args: argparse.Namespace):
         softmax_bits=args.softmax_bits or None, bias_correction=args.bias_correction,
         softmax_output=args.softmax_output,
         smoothquant_alpha=args.smoothquant, observer=args.observer, quantize_residual=not args.no_residual,
-        embedding_bits=args.embedding_bits or None, **extra,
+        embedding_bits=args.embedding_bits or None, input_smoothing=args.input_smoothing, **extra,
     )
 
 

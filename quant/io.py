@@ -28,7 +28,7 @@ from torch import nn
 from softq.attention import configure_from_config
 from softq.quant.config import QuantConfig
 from softq.quant.quantize import is_quantized, prepare, set_mode
-from softq.quant.quantizers import ActQuantizer, SoftmaxOutputQuantizer
+from softq.quant.quantizers import ActQuantizer, QLinear, SoftmaxOutputQuantizer
 
 FORMAT_VERSION = 1
 
@@ -85,6 +85,7 @@ def load(path: str | os.PathLike) -> nn.Module:
     raw = meta["quant_config"]
     raw.setdefault("softmax_output", "edge")  # saved before the field existed: the uniform edge codes
     raw.setdefault("embedding_bits", None)  # saved before the field existed: float embedding tables
+    raw.setdefault("input_smoothing", None)  # saved before the field existed: no input smoothing
     config = QuantConfig(**{**raw, "exclude": tuple(raw.get("exclude", ()))})
     hf_config = transformers.AutoConfig.from_pretrained(source)
     arch = (hf_config.architectures or [None])[0]
@@ -101,6 +102,9 @@ def load(path: str | os.PathLike) -> nn.Module:
             saved = state.get(f"{name}.{buffer}")
             if isinstance(module, ActQuantizer) and saved is not None and saved.shape != getattr(module, buffer).shape:
                 setattr(module, buffer, torch.zeros_like(saved))
+        saved = state.get(f"{name}.input_scale")  # smoothed Linear inputs
+        if isinstance(module, QLinear) and saved is not None and saved.shape != module.input_scale.shape:
+            module.input_scale = torch.zeros_like(saved)
     for name, info in meta["softmax_outputs"].items():
         quantizer = modules[name]
         for buffer in ("beta", "beta_head"):

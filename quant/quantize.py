@@ -27,9 +27,9 @@ from torch import nn
 
 from softq.attention import AttentionPoints, attention_points
 from softq.calib.data import Batch, as_batches, run_batches
-from softq.calib.smoothquant import smooth
+from softq.calib.smoothquant import smooth, smooth_inputs
 from softq.models import conv1d_to_linear, model_family
-from softq.quant.config import QuantConfig
+from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_RATIO, QuantConfig
 from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, SoftmaxOutputQuantizer
 
 
@@ -108,6 +108,10 @@ def quantize(
     attention_points(qmodel)  # switches to softq attention, keeps an already chosen variant
     if config.smoothquant_alpha is not None:
         smooth(qmodel, batches, config.smoothquant_alpha)
+    if config.input_smoothing is not None:
+        auto = config.input_smoothing == "auto"
+        smooth_inputs(qmodel, batches, AUTO_SMOOTHING_ALPHA if auto else float(config.input_smoothing),
+                      AUTO_SMOOTHING_RATIO if auto else 0.0)
     prepare(qmodel, config)
 
     set_mode(qmodel, "observe")

@@ -286,8 +286,13 @@ class QLinear(QuantLinear):
             if linear.bias is not None:
                 self.bias.copy_(linear.bias)
         self.input_act = act
+        # per-input-channel 1/s of input smoothing (softq.calib.smoothquant.smooth_inputs); empty: none
+        scale = getattr(linear, "softq_input_scale", None)
+        self.register_buffer("input_scale", torch.ones(0) if scale is None else scale.detach().clone().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale.numel():
+            x = x * self.input_scale
         return super().forward(self.input_act(x))
 
     def weight_scale(self) -> torch.Tensor:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
+import numpy as np
+
 import pytest
 import torch
 from conftest import tiny_inputs, tiny_model
@@ -112,8 +116,9 @@ def test_smoothquant_improves_w8a8_with_an_outlier_channel() -> None:
         for alpha in (None, 0.5):
             # edge softmax codes, as when this bound was set (row codes: 0.045 -> 0.040, a smaller gap to close);
             # float embedding tables: this random tiny model's 8-bit tables add an error as large as the gap
+            # and no automatic input smoothing, which would also act on this outlier channel
             q = softq.quantize(model, calib, softq.QuantConfig(smoothquant_alpha=alpha, softmax_output="edge",
-                                                               embedding_bits=None))
+                                                               embedding_bits=None, input_smoothing=None))
             errs[alpha] = ((q(**x).logits - ref).norm() / ref.norm()).item()
     assert errs[0.5] < errs[None] * 0.8, errs
 
@@ -121,3 +126,67 @@ def test_smoothquant_improves_w8a8_with_an_outlier_channel() -> None:
 def test_smoothquant_refuses_post_ln_models() -> None:
     with pytest.raises(ValueError, match="post-LN"):
         softq.quantize(tiny_model("bert"), [tiny_inputs("bert")], softq.QuantConfig(smoothquant_alpha=0.5))
+
+
+def test_input_smoothing_keeps_the_function_and_exports_one_mul_per_input(tmp_path) -> None:
+    """Explicit SmoothQuant on a post-LN model: weights x s, inputs x 1/s (shared by Q, K and V), the float
+    function unchanged; the quantized model saves, loads and exports with one Mul per smoothed input."""
+    from softq.calib.smoothquant import smooth_inputs
+    from softq.export import onnx_utils as U
+    from softq.export.model_export import build_onnx
+    from softq.quant.io import load, save
+    from softq.quant.quantizers import QLinear
+
+    model = tiny_model("bert")
+    with torch.no_grad():
+        for layer in model.bert.encoder.layer:
+            layer.attention.output.LayerNorm.weight[3] = 40.0  # an outlier channel at the FFN input
+    calib = [tiny_inputs("bert", seed=s) for s in range(3)]
+    x = tiny_inputs("bert", seed=9)
+    smoothed = copy.deepcopy(model)
+    names = smooth_inputs(smoothed, calib, 0.8)
+    assert any(n.endswith("intermediate.dense") for n in names)
+    with torch.no_grad():
+        torch.testing.assert_close(smoothed(**x).logits, model(**x).logits, rtol=1e-4, atol=1e-5)
+    q = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8))
+    layer = q.bert.encoder.layer[0]
+    qkv = [layer.attention.self.query, layer.attention.self.key, layer.attention.self.value]
+    assert all(isinstance(m, QLinear) and m.input_scale.numel() == 32 for m in qkv)
+    assert torch.equal(qkv[0].input_scale, qkv[1].input_scale) and torch.equal(qkv[0].input_scale, qkv[2].input_scale)
+    ffn_in = layer.intermediate.dense.input_scale
+    assert ffn_in[3] < ffn_in.median() / 4  # the outlier channel is scaled down before quantization
+    plain = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=None))
+    with torch.no_grad():
+        ref = model(**x).logits
+        err = {k: ((m(**x).logits - ref).norm() / ref.norm()).item() for k, m in (("plain", plain), ("smooth", q))}
+    assert err["smooth"] < err["plain"], err
+    again = load(save(q, tmp_path / "q"))
+    with torch.no_grad():
+        torch.testing.assert_close(again(**x).logits, q(**x).logits, rtol=0, atol=0)
+    onnx_model = build_onnx(again, x)
+    feeds = {"input_ids": x["input_ids"].numpy(), "attention_mask": np.ones_like(x["input_ids"].numpy())}
+    out = U.run(onnx_model, feeds, "all")[0]
+    assert np.abs(out - q(**x).logits.detach().numpy()).max() <= 0.02 * np.abs(out).max()
+    quants = [n for n in onnx_model.graph.node if n.op_type == "QuantizeLinear" and "attention/self/" in n.name
+              and "input_act" in n.name]
+    assert len(quants) == q.config.num_hidden_layers  # Q, K, V still share one Mul and one QuantizeLinear
+    assert all(any(p.op_type == "Mul" for p in onnx_model.graph.node if p.output[0] == n.input[0]) for n in quants)
+
+
+def test_input_smoothing_config_is_validated() -> None:
+    for bad in (1.5, -0.1, "always", True):
+        with pytest.raises(ValueError, match="input_smoothing must be an alpha"):
+            softq.QuantConfig(input_smoothing=bad)
+
+
+def test_auto_input_smoothing_only_in_models_with_outlier_inputs() -> None:
+    from softq.quant.quantizers import QLinear
+
+    calib = [tiny_inputs("bert", seed=s) for s in range(3)]
+    plain = softq.quantize(tiny_model("bert"), calib)  # input_smoothing="auto"
+    assert not any(m.input_scale.numel() for m in plain.modules() if isinstance(m, QLinear))
+    model = tiny_model("bert")
+    with torch.no_grad():
+        model.bert.encoder.layer[0].attention.output.LayerNorm.weight[3] = 40.0
+    smoothed = softq.quantize(model, calib)
+    assert all(m.input_scale.numel() for m in smoothed.modules() if isinstance(m, QLinear))
