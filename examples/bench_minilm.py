@@ -79,6 +79,8 @@ def main() -> int:
     parser.add_argument("--groups", default="1,2,4,8,384",
                         help="residual_groups values to compare besides the default (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default 7)")
+    parser.add_argument("--smoothing", default="none,0.5",
+                        help="input_smoothing alphas to compare with the default ('none': no smoothing)")
     parser.add_argument("--output", type=Path, default=Path("docs/results/minilm.md"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -100,6 +102,10 @@ def main() -> int:
             configs.append((f"softq residual_groups={k}" + (" (per tensor)" if k == 1 else ""),
                             softq.QuantConfig(residual_groups=k)))
     configs.append(("softq, residual stream float (quantize_residual=False)", softq.QuantConfig(quantize_residual=False)))
+    for alpha in [a for a in args.smoothing.split(",") if a]:
+        value = None if alpha == "none" else float(alpha)
+        configs.append((f"softq input_smoothing={value}" + (" (no smoothing)" if value is None else ""),
+                        softq.QuantConfig(input_smoothing=value)))
     qmodels = {}
     for label, cfg in configs:
         qmodel = softq.quantize(model, calib, cfg)

@@ -82,6 +82,18 @@ def minilm_step(out_dir: Path, texts: int) -> None:
     mb = Path(path).stat().st_size / 1e6
     print(f"  softq INT8 ONNX ({mb:.0f} MB)     {cosines(onnx_embed(path))}")
     print(f"  ORT quantize_dynamic ({dyn_path.stat().st_size / 1e6:.0f} MB) {cosines(onnx_embed(str(dyn_path)))}")
+    # latency, 1 thread, one 128-token text, the three files interleaved (medians of 9)
+    feeds = {"input_ids": np.full((1, 128), 2023, np.int64), "attention_mask": np.ones((1, 128), np.int64)}
+    sessions = {"FP32": session(fp_path), "softq INT8": session(path), "quantize_dynamic": session(str(dyn_path))}
+    times: dict[str, list[float]] = {k: [] for k in sessions}
+    for _ in range(10):
+        for k, sess in sessions.items():
+            t = time.perf_counter()
+            sess.run(None, feeds)
+            times[k].append(time.perf_counter() - t)
+    med = {k: float(np.median(v[1:])) for k, v in times.items()}
+    print("onnxruntime latency, 1 thread, batch 1 x 128 tokens: " + ", ".join(
+        f"{k} {1e3 * v:.1f} ms ({v / med['FP32']:.2f}x)" for k, v in med.items()))
 
 
 def export_and_run(task, qmodel: torch.nn.Module, out_dir: Path) -> None:
