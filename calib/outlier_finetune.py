@@ -68,7 +68,10 @@ class OutlierFinetuneConfig:
         weight_decay: AdamW weight decay of the matrices.
         grad_clip: gradient-norm clip (0 = none).
         pi_init: gate opening at conversion, in (0, 1).
-        clip_alpha: clipped softmax ``gamma = -alpha / T`` (T = valid keys of the row).
+        clip_alpha: clipped softmax ``gamma = -alpha / T`` (T = valid keys of the row).  A row
+            can be clipped to all zeros (a head doing nothing) only if ``alpha > T / (T - 1)``,
+            so the default 2 (the paper's range is 2-4) lets a pretrained head switch itself off;
+            from scratch that same rule kills uniform rows (docs/outliers.md section 3).
         embed_weight: weight of ``1 - cos`` between pooled sentence embeddings.
         hidden_weight: weight of the relative squared error of the block outputs.
         penalty_weight: weight of the activation penalty (0 = pure distillation).
@@ -82,14 +85,14 @@ class OutlierFinetuneConfig:
     batch_size: int = 8
     max_length: int = 128
     min_words: int = 8
-    lr: float = 5e-5
+    lr: float = 3e-4
     gate_lr: float = 1e-3
     warmup: int = 20
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     pi_init: float = 0.5
-    clip_alpha: float = 0.5
-    embed_weight: float = 1.0
+    clip_alpha: float = 2.0
+    embed_weight: float = 10.0
     hidden_weight: float = 1.0
     penalty_weight: float = 1.0
     penalty_threshold: float = 16.0
