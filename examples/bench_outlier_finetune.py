@@ -72,7 +72,47 @@ def evaluate(loaded: hf.HFModel, model: torch.nn.Module, data: dict, method: str
     r["q_cos_self"] = cos(qemb, emb).mean().item()  # quantization error alone: W8A8 vs this model's own FP32
     r["q_recall"] = hf.recall_at_1(loaded.encode(data["qb"], qmodel), loaded.encode(data["cb"], qmodel))
     r["gates"] = gate_values(model, data["ev"][:2])
+    r["tokens"] = token_outliers(model, data["ev"], loaded.tokenizer.sep_token_id)
     return r
+
+
+@torch.no_grad()
+def token_outliers(model: torch.nn.Module, batches: list[dict], sep_id: int) -> list[dict[str, float]]:
+    """Per layer, max |x| over the block's LayerNorm inputs at [CLS], at [SEP] and at every other valid token."""
+    from softq.models import transformer_blocks
+
+    out = [{"cls": 0.0, "sep": 0.0, "other": 0.0} for _ in transformer_blocks(model)]
+    box: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def hook(index: int):
+        def fn(_m, inputs):
+            a = inputs[0].abs().amax(-1)  # [b, s]
+            ids, valid = box["ids"], box["mask"].bool()
+            sep = (ids == sep_id) & valid
+            other = valid & ~sep
+            other[:, 0] = False
+            rec = out[index]
+            rec["cls"] = max(rec["cls"], a[:, 0].max().item())
+            rec["sep"] = max(rec["sep"], a[sep].max().item() if sep.any() else 0.0)
+            rec["other"] = max(rec["other"], a[other].max().item() if other.any() else 0.0)
+        return fn
+
+    for i, (_, block) in enumerate(transformer_blocks(model)):
+        for m in block.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                handles.append(m.register_forward_pre_hook(hook(i)))
+    was = model.training
+    model.eval()
+    try:
+        for batch in batches:
+            box["ids"], box["mask"] = batch["input_ids"], batch["attention_mask"]
+            model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was)
+    return out
 
 
 def run_name(cfg: OutlierFinetuneConfig) -> str:
@@ -227,6 +267,12 @@ def main() -> int:
         cells = [f"{l['ln_inf']:.0f} / {l['ffn_inf']:.0f} / {l['ln_kurt']:.0f} [{','.join(map(str, l['dims']))}]"
                  for l in r["layers"]]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", f"## Where the LayerNorm-input outliers sit (seed {seeds[0]}): max |x| at [CLS] / [SEP] / all other tokens", "",
+              "| model | " + " | ".join(f"layer {i}" for i in range(len(orig["layers"]))) + " |",
+              "|---|" + "---|" * len(orig["layers"])]
+    for label, r in results.items():
+        lines.append(f"| {label} | " + " | ".join(f"{t['cls']:.0f} / {t['sep']:.0f} / {t['other']:.0f}"
+                                                  for t in r["tokens"]) + " |")
     gated = results.get("gated")
     if gated and gated["gates"]:
         lines += ["", f"## What the gates learned (seed {seeds[0]}; conversion opens every gate to pi = {args.pi})", "",
