@@ -163,6 +163,7 @@ def main() -> int:
     parser.add_argument("--hidden-weight", type=float, default=OutlierFinetuneConfig.hidden_weight)
     parser.add_argument("--penalty-weight", type=float, default=OutlierFinetuneConfig.penalty_weight)
     parser.add_argument("--threshold", type=float, default=OutlierFinetuneConfig.penalty_threshold)
+    parser.add_argument("--gate-lr", type=float, default=OutlierFinetuneConfig.gate_lr)
     parser.add_argument("--pi", type=float, default=OutlierFinetuneConfig.pi_init)
     parser.add_argument("--alpha", type=float, default=OutlierFinetuneConfig.clip_alpha)
     parser.add_argument("--eval-limit", type=int, default=128, help="eval paragraphs (default 128)")
@@ -187,7 +188,7 @@ def main() -> int:
 
     def config(method: str, seed: int, penalty: float) -> OutlierFinetuneConfig:
         return OutlierFinetuneConfig(method=method, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                                     embed_weight=args.embed_weight, hidden_weight=args.hidden_weight,
+                                     gate_lr=args.gate_lr, embed_weight=args.embed_weight, hidden_weight=args.hidden_weight,
                                      penalty_weight=penalty, penalty_threshold=args.threshold, pi_init=args.pi,
                                      clip_alpha=args.alpha, seed=seed)
 
@@ -230,7 +231,7 @@ def main() -> int:
              f"sum relu(|x| - {cfg0.penalty_threshold:g})^2 / {cfg0.penalty_threshold:g}^2 per token. Teacher: the "
              f"original model. Training text: random word windows of the {len(train_texts)} calib paragraphs. "
              f"Evaluation: {len(texts)} held-out eval paragraphs (disjoint); W8A8 calibrated on {args.calib_size} calib "
-             f"paragraphs. Gated: pi_init {args.pi}; clipped: alpha {args.alpha} (gamma = -alpha/T per row). "
+             f"paragraphs. Gated: pi_init {args.pi}, gate lr {args.gate_lr:g}; clipped: alpha {args.alpha} (gamma = -alpha/T per row). "
              f"Seeds: {', '.join(map(str, seeds))}.", "",
              "Cosines are to the ORIGINAL FP32 model's sentence embeddings. W8A8 = `softq.quantize` with "
              "`QuantConfig(residual_groups=1)` (per-tensor 8-bit residual stream; clipped models with "
