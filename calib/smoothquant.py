@@ -179,18 +179,22 @@ def find_input_groups(model: nn.Module, batches: list[Batch]) -> list[InputGroup
     return [InputGroup(lins, absmax[lead]) for lead, lins in groups.items()]
 
 
-def smooth_inputs(model: nn.Module, batches: list[Batch], alpha: float, min_ratio: float = 0.0) -> list[str]:
+def smooth_inputs(model: nn.Module, batches: list[Batch], alpha: float, min_ratio: float = 0.0,
+                  exclude: tuple[str, ...] = ()) -> list[str]:
     """SmoothQuant without a LayerNorm to fold into.  If any input group's channel ratio exceeds
     ``min_ratio`` (else nothing is done: a model without outlier channels keeps its weights), then for
     every input group ``s_j = max|X_j|^alpha / max|W_{:,j}|^(1-alpha)``; the weight columns are multiplied by
     ``s`` and ``1/s`` is stored on each Linear (``softq_input_scale``), which softq's quantized Linear
     applies to its input before quantizing it (one elementwise Mul; shared by Q, K and V, so the export
     keeps one Mul and one QuantizeLinear for them).  The float function is unchanged.  Returns the
-    names of the smoothed Linear layers."""
+    names of the smoothed Linear layers.  Groups with a Linear layer matching ``exclude`` (the layers
+    ``QuantConfig.exclude`` keeps float) are left alone: a float Linear would need the input scale as a
+    hook, which a saved model does not keep."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"input smoothing alpha must be in [0, 1], got {alpha}")
     done: list[str] = []
-    groups = find_input_groups(model, batches)
+    groups = [g for g in find_input_groups(model, batches)
+              if not any(pattern in name for name, _ in g.linears for pattern in exclude)]
     # all groups or none: on all-MiniLM-L6-v2 smoothing only the groups past 16x gives embedding
     # cosine 0.9931, smoothing every group 0.9962
     if not groups or max(g.channel_ratio() for g in groups) <= min_ratio:

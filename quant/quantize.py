@@ -111,7 +111,7 @@ def quantize(
     if config.input_smoothing is not None:
         auto = config.input_smoothing == "auto"
         smooth_inputs(qmodel, batches, AUTO_SMOOTHING_ALPHA if auto else float(config.input_smoothing),
-                      AUTO_SMOOTHING_RATIO if auto else 0.0)
+                      AUTO_SMOOTHING_RATIO if auto else 0.0, exclude=config.exclude)
     prepare(qmodel, config)
 
     set_mode(qmodel, "observe")

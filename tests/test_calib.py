@@ -190,3 +190,17 @@ def test_auto_input_smoothing_only_in_models_with_outlier_inputs() -> None:
         model.bert.encoder.layer[0].attention.output.LayerNorm.weight[3] = 40.0
     smoothed = softq.quantize(model, calib)
     assert all(m.input_scale.numel() for m in smoothed.modules() if isinstance(m, QLinear))
+
+
+def test_input_smoothing_leaves_excluded_layers_float_and_unscaled(tmp_path) -> None:
+    from softq.quant.io import load, save
+
+    model = tiny_model("bert")
+    calib = [tiny_inputs("bert", seed=s) for s in range(3)]
+    q = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8, exclude=("intermediate",)))
+    dense = q.bert.encoder.layer[0].intermediate.dense
+    assert type(dense) is torch.nn.Linear and torch.equal(dense.weight, model.bert.encoder.layer[0].intermediate.dense.weight)
+    assert q.bert.encoder.layer[0].attention.self.query.input_scale.numel() == 32
+    x = tiny_inputs("bert", seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(load(save(q, tmp_path / "q"))(**x).logits, q(**x).logits, rtol=0, atol=0)
