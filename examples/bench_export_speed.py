@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -37,7 +36,8 @@ import onnxruntime as ort
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_export import CalibReader, onnx_metric  # noqa: E402
+from bench_export import onnx_metric, ort_quantize_static  # noqa: E402
+from bench_minilm import interleaved as interleaved_runs  # noqa: E402
 
 import softq  # noqa: E402
 from softq.export import onnx_utils as U  # noqa: E402
@@ -140,15 +140,13 @@ class Bench:
         for form in ("fast", "int"):
             paths[f"softq INT8, {form}"] = Path(to_onnx(qmodel, workdir / f"{self.name}_{form}.onnx", self.example(),
                                                         softmax=form, overwrite=True, **pool))
-        from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+        from onnxruntime.quantization import QuantType, quantize_dynamic
 
         dyn = workdir / f"{self.name}_dynamic.onnx"
         quantize_dynamic(str(paths["FP32"]), str(dyn), per_channel=True, weight_type=QuantType.QInt8)
         paths["ORT quantize_dynamic"] = dyn
         static = workdir / f"{self.name}_static.onnx"
-        quantize_static(str(paths["FP32"]), str(static), CalibReader(self.calib, self.names),
-                        quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QUInt8,
-                        weight_type=QuantType.QInt8)
+        ort_quantize_static(paths["FP32"], static, self.calib, self.names, reduce_range=False)
         paths["ORT quantize_static (QDQ)"] = static
         return paths
 
@@ -187,17 +185,10 @@ class Bench:
 
 
 def interleaved(runs: dict[str, callable], rounds: int) -> dict[str, float]:
-    """Median seconds per call of each function, calls interleaved round by round (order rotated)."""
-    names = list(runs)
-    for n in names:
-        runs[n]()  # warm-up
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names):] + names[: r % len(names)]:
-            t = time.perf_counter()
-            runs[n]()
-            times[n].append(time.perf_counter() - t)
-    return {n: statistics.median(ts) for n, ts in times.items()}
+    """One warm-up call each, then bench_minilm's interleaved medians (order rotated round by round)."""
+    for run in runs.values():
+        run()
+    return interleaved_runs(runs, rounds)
 
 
 def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, object]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ import onnxruntime as ort
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_export_speed import cpu_description  # noqa: E402
+from bench_export_speed import cpu_description, interleaved  # noqa: E402
 
 import softq  # noqa: E402
 from softq import hf  # noqa: E402
@@ -129,17 +128,8 @@ def main() -> None:
         for size in (1, 32):
             ids = torch.randint(1000, 20000, (size, 128), generator=torch.Generator().manual_seed(3)).numpy()
             feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-            for s in variants.values():
-                s.run(None, feeds)
-            times = {n: [] for n in variants}
             rounds = args.rounds if size == 1 else max(3, args.rounds // 3)
-            for r in range(rounds):
-                names = list(variants)
-                for n in names[r % len(names):] + names[: r % len(names)]:
-                    t = time.perf_counter()
-                    variants[n].run(None, feeds)
-                    times[n].append(time.perf_counter() - t)
-            lat[size] = {n: statistics.median(ts) for n, ts in times.items()}
+            lat[size] = interleaved({n: (lambda s=s: s.run(None, feeds)) for n, s in variants.items()}, rounds)
     bad, pairs, outputs = saturation(q8, evals[:1])
     base = "int8 weights (default)"
     lines = [

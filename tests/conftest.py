@@ -9,6 +9,16 @@ import transformers
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models train as fast on one thread, and far faster on a busy machine; used by a module with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     """A 2-layer model of ``family`` with hidden size 32 and 4 heads, in eval mode."""
     torch.manual_seed(seed)

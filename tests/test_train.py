@@ -13,12 +13,7 @@ from softq.cli import main as softq_main
 from softq.models import attention_modules
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model_and_input(family: str, seed: int = 0):
