@@ -114,7 +114,7 @@ def needs_u8u8(cpuinfo: str | None = None, machine: str | None = None) -> bool:
     products in int16 (``vpmaddubsw``), which saturates; onnxruntime's session
     option ``session.x64quantprecision=1`` converts int8 weights to u8u8 at load
     time.  It is no free safety net: onnxruntime also applies it on VNNI CPUs
-    (measured on MiniLM: 14.7 ms -> 24.4 ms for its own quantize_dynamic file),
+    (1.62x the time on MiniLM, docs/results/weight_storage.md),
     so it is set only where needed: x86 without any of ``VNNI_FLAGS`` (Linux
     ``/proc/cpuinfo``; when the flags cannot be read, it is set, the safe side).
     ARM and other CPUs have exact int8 dot products.

@@ -12,8 +12,8 @@ export tests check every form in each runtime installed here, and
   onnxruntime's: measured bit-equal outputs on softq's files.
 * ``openvino`` (PyPI ``openvino``): compiled with ``INFERENCE_PRECISION_HINT=f32``.
   Its CPU plugin otherwise runs the float parts in bf16 on CPUs with AVX512-BF16
-  or AMX (measured on a tiny BERT: 1.7% of the largest logit off; with the hint,
-  equal to onnxruntime within 4e-9).
+  or AMX, which does not match onnxruntime on softq's files; with the hint it does
+  (tests/test_export_runtimes.py).
 
 ``runner(path, runtime, threads)`` returns ``run(feeds) -> list of outputs``
 (numpy arrays, in the file's output order).
