@@ -8,8 +8,9 @@ export tests check every form in each runtime installed here, and
 * ``onnxruntime``: :func:`softq.export.onnx_utils.session` (ORT_ENABLE_ALL; the
   u8u8 option on x86 CPUs without VNNI).
 * ``tract`` (Sonos, PyPI ``tract``): input shapes are fixed per session, so a
-  runner is built (and cached) per input shape.  Integer arithmetic as
-  onnxruntime's: measured bit-equal outputs on softq's files.
+  runner is built (and cached) per input shape.  Its integer cores equal the
+  numpy reference; whole models equal onnxruntime's outputs up to float-order
+  rounding ties (tests/test_export_runtimes.py, docs/results/export_speed.md).
 * ``openvino`` (PyPI ``openvino``): compiled with ``INFERENCE_PRECISION_HINT=f32``.
   Its CPU plugin otherwise runs the float parts in bf16 on CPUs with AVX512-BF16
   or AMX, which does not match onnxruntime on softq's files; with the hint it does
