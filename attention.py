@@ -163,7 +163,7 @@ def softq_attention(
         scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
         probs = get_softmax("softmax")(scores, valid)
     else:
-        scores = torch.matmul(points.q(query), points.k(key).transpose(-1, -2)) * scaling
+        scores = torch.matmul(points.q(query), points.k(key).transpose(-1, -2)).mul_(scaling)  # matmul's grad needs no output
         scores = points.scores(scores)
         probs = get_softmax(points.softmax_name)(scores, valid, **points.softmax_params)
         probs = points.probs(probs, valid)

@@ -175,6 +175,18 @@ class ChannelRange(Observer):
     def _range(self, bits: int, signed: bool) -> tuple[float, float]:
         return float(self.lo.min()), float(self.hi.max())
 
+    @staticmethod
+    def merged(ranges: list["ChannelRange"]) -> "ChannelRange":
+        """One range over the channels of several (observers of parts of one tensor)."""
+        out = ChannelRange()
+        for r in ranges:
+            if r.lo is None:
+                continue
+            out.lo = r.lo if out.lo is None else torch.minimum(out.lo, r.lo)
+            out.hi = r.hi if out.hi is None else torch.maximum(out.hi, r.hi)
+            out.batches += r.batches
+        return out
+
     def widths(self, signed: bool) -> torch.Tensor:
         if self.batches == 0 or self.lo is None or self.hi is None:
             raise RuntimeError("observer saw no data: the calibration set never reached this layer")

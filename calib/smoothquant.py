@@ -131,78 +131,143 @@ class InputGroup:
     """Linear layers that read the same input tensor (Q, K and V read one), and that input's channel ranges."""
 
     linears: list[tuple[str, nn.Linear]]
-    act_absmax: torch.Tensor
+    lo: torch.Tensor  # per-channel min of the input over the data seen
+    hi: torch.Tensor  # per-channel max
+
+    @property
+    def act_absmax(self) -> torch.Tensor:
+        return self.lo.abs().maximum(self.hi.abs())
 
     def channel_ratio(self) -> float:
         """Widest channel's max |x| over the median channel's: how outlier-dominated this input is."""
-        return float(self.act_absmax.max() / self.act_absmax.median().clamp_min(1e-12))
+        absmax = self.act_absmax
+        return float(absmax.max() / absmax.median().clamp_min(1e-12))
+
+
+class InputRecorder:
+    """Records, while ``model`` runs, which of ``linears`` read the same input tensor and each input's
+    per-channel min and max, with forward pre-hooks (the Linear input before anything the layer does).
+
+    Sharing is told by tensor identity on the first model call; later calls only update the ranges, so
+    the recording rides along any pass over the calibration set (softq.quantize's observation pass).
+    """
+
+    def __init__(self, model: nn.Module, linears: dict[str, nn.Linear]) -> None:
+        self.linears = linears
+        self.members: dict[str, str] = {}  # linear -> first linear that read the same tensor
+        self.lo: dict[str, torch.Tensor] = {}
+        self.hi: dict[str, torch.Tensor] = {}
+        self.calls = 0
+        self._live: dict[int, tuple[str, torch.Tensor]] = {}
+        self._handles = [model.register_forward_pre_hook(self._next_call)]
+        self._handles += [m.register_forward_pre_hook(self._hook(name)) for name, m in linears.items()]
+
+    def _next_call(self, _m: nn.Module, _args: tuple) -> None:
+        self.calls += 1
+        self._live.clear()
+
+    def _hook(self, name: str):  # noqa: ANN202
+        def hook(_m: nn.Module, inp: tuple[torch.Tensor, ...]) -> None:
+            x = inp[0]
+            if self.calls <= 1 and name not in self.members:
+                owner = self._live.get(id(x))
+                if owner is not None and owner[1] is x:
+                    self.members[name] = owner[0]
+                else:
+                    self._live[id(x)] = (name, x)
+                    self.members[name] = name
+            if self.members.get(name) == name:
+                flat = x.detach().reshape(-1, x.shape[-1]).float()
+                lo, hi = flat.amin(0), flat.amax(0)  # 4x faster than aminmax(dim=0) on CPU
+                if name in self.lo:
+                    lo, hi = torch.minimum(self.lo[name], lo), torch.maximum(self.hi[name], hi)
+                self.lo[name], self.hi[name] = lo, hi
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._live.clear()
+
+    def groups(self) -> list[InputGroup]:
+        grouped: dict[str, list[tuple[str, nn.Linear]]] = {}
+        for name, lead in self.members.items():
+            grouped.setdefault(lead, []).append((name, self.linears[name]))
+        return [InputGroup(lins, self.lo[lead], self.hi[lead]) for lead, lins in grouped.items() if lead in self.lo]
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters held by more than one module (e.g. GPT-2's lm_head and embeddings)."""
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {key for key, count in seen.items() if count > 1}
+
+
+def tied_linears(model: nn.Module) -> tuple[str, ...]:
+    """Names of the Linear layers whose weights another module shares."""
+    shared = _shared_parameters(model)
+    return tuple(name for name, m in model.named_modules() if isinstance(m, nn.Linear) and id(m.weight) in shared)
+
+
+def smoothable_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Linear layers (softq's quantized ones included) whose weights are not shared with another module."""
+    shared = _shared_parameters(model)
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and id(m.weight) not in shared}
 
 
 def find_input_groups(model: nn.Module, batches: list[Batch]) -> list[InputGroup]:
-    """Every group of untied Linear layers sharing one input tensor, with per-channel max |x| over ``batches``."""
-    linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear and not _tied(model, m.weight)}
-    members: dict[str, str] = {}  # linear -> first linear that read the same tensor
-    absmax: dict[str, torch.Tensor] = {}
-    first_pass = {"on": True}
-    live: dict[int, tuple[str, torch.Tensor]] = {}
-    handles = []
-
-    def on_linear(name: str):
-        def hook(_m, inp):
-            x = inp[0]
-            if first_pass["on"]:
-                owner = live.get(id(x))
-                if owner is not None and owner[1] is x:
-                    members[name] = owner[0]
-                else:
-                    live[id(x)] = (name, x)
-                    members[name] = name
-            if members.get(name) == name:
-                amax = x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float()
-                absmax[name] = amax if name not in absmax else torch.maximum(absmax[name], amax)
-        return hook
-
-    for name, m in linears.items():
-        handles.append(m.register_forward_pre_hook(on_linear(name)))
+    """Every group of untied Linear layers sharing one input tensor, with per-channel ranges over ``batches``."""
+    recorder = InputRecorder(model, smoothable_linears(model))
     try:
-        run_batches(model, batches[:1])
-        first_pass["on"] = False
-        live.clear()
-        if len(batches) > 1:
-            run_batches(model, batches[1:], desc="input smoothing stats")
+        run_batches(model, batches, desc="input smoothing stats")
     finally:
-        for h in handles:
-            h.remove()
-    groups: dict[str, list[tuple[str, nn.Linear]]] = {}
-    for name, lead in members.items():
-        groups.setdefault(lead, []).append((name, linears[name]))
-    return [InputGroup(lins, absmax[lead]) for lead, lins in groups.items()]
+        recorder.remove()
+    return recorder.groups()
 
 
-def smooth_inputs(model: nn.Module, batches: list[Batch], alpha: float, min_ratio: float = 0.0,
-                  exclude: tuple[str, ...] = ()) -> list[str]:
-    """SmoothQuant without a LayerNorm to fold into.  If any input group's channel ratio exceeds
-    ``min_ratio`` (else nothing is done: a model without outlier channels keeps its weights), then for
-    every input group ``s_j = max|X_j|^alpha / max|W_{:,j}|^(1-alpha)``; the weight columns are multiplied by
-    ``s`` and ``1/s`` is stored on each Linear (``softq_input_scale``), which softq's quantized Linear
-    applies to its input before quantizing it (one elementwise Mul; shared by Q, K and V, so the export
-    keeps one Mul and one QuantizeLinear for them).  The float function is unchanged.  Returns the
-    names of the smoothed Linear layers.  Groups with a Linear layer matching ``exclude`` (the layers
-    ``QuantConfig.exclude`` keeps float) are left alone: a float Linear would need the input scale as a
-    hook, which a saved model does not keep."""
+def smoothing_scales(groups: list[InputGroup], alpha: float, min_ratio: float = 0.0,
+                     skip: tuple[str, ...] = ()) -> list[tuple[InputGroup, torch.Tensor]]:
+    """(group, s) for every group to smooth: ``s_j = max|X_j|^alpha / max|W_{:,j}|^(1-alpha)``.
+
+    All groups or none: if no group's channel ratio exceeds ``min_ratio``, nothing (a model without
+    outlier channels keeps its weights); on all-MiniLM-L6-v2 smoothing only the groups past 16x gives
+    embedding cosine 0.9931, smoothing every group 0.9962.  Groups with a Linear whose name contains one
+    of ``skip`` are left alone.
+    """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"input smoothing alpha must be in [0, 1], got {alpha}")
-    done: list[str] = []
-    groups = [g for g in find_input_groups(model, batches)
-              if not any(pattern in name for name, _ in g.linears for pattern in exclude)]
-    # all groups or none: on all-MiniLM-L6-v2 smoothing only the groups past 16x gives embedding
-    # cosine 0.9931, smoothing every group 0.9962
+    groups = [g for g in groups if not any(pattern in name for name, _ in g.linears for pattern in skip)]
     if not groups or max(g.channel_ratio() for g in groups) <= min_ratio:
-        return done
+        return []
+    out = []
     with torch.no_grad():
         for group in groups:
             w_absmax = torch.stack([lin.weight.abs().amax(0) for _, lin in group.linears]).amax(0).float()
             s = (group.act_absmax.clamp_min(1e-5).pow(alpha) / w_absmax.clamp_min(1e-5).pow(1 - alpha)).clamp_min(1e-5)
+            out.append((group, s))
+    return out
+
+
+def smooth_inputs(model: nn.Module, batches: list[Batch], alpha: float, min_ratio: float = 0.0,
+                  exclude: tuple[str, ...] = ()) -> list[str]:
+    """SmoothQuant without a LayerNorm to fold into, on a float model (:func:`smoothing_scales` decides).
+
+    The weight columns are multiplied by ``s`` and ``1/s`` is stored on each Linear
+    (``softq_input_scale``) and applied by a pre-hook; softq's quantized Linear takes it over and applies
+    it to its input before quantizing it (one elementwise Mul; shared by Q, K and V, so the export keeps
+    one Mul and one QuantizeLinear for them).  The float function is unchanged.  Returns the names of the
+    smoothed Linear layers.  Groups with a Linear layer matching ``exclude`` (the layers
+    ``QuantConfig.exclude`` keeps float) are left alone: a float Linear would need the input scale as a
+    hook, which a saved model does not keep.  ``softq.quantize`` does the same without a pass of its own
+    (it records the inputs during its observation pass)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"input smoothing alpha must be in [0, 1], got {alpha}")
+    done: list[str] = []
+    with torch.no_grad():
+        for group, s in smoothing_scales(find_input_groups(model, batches), alpha, min_ratio, exclude):
             for name, lin in group.linears:
                 lin.weight.mul_(s.to(lin.weight.dtype))
                 previous = getattr(lin, INPUT_SCALE_ATTR, None)

@@ -81,6 +81,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default 7)")
     parser.add_argument("--smoothing", default="none,0.5",
                         help="input_smoothing alphas to compare with the default ('none': no smoothing)")
+    parser.add_argument("--prefix", default="0",
+                        help="residual_prefix values to compare with the default (default %(default)s: no [CLS] scales)")
     parser.add_argument("--output", type=Path, default=Path("docs/results/minilm.md"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -106,6 +108,9 @@ def main() -> int:
         value = None if alpha == "none" else float(alpha)
         configs.append((f"softq input_smoothing={value}" + (" (no smoothing)" if value is None else ""),
                         softq.QuantConfig(input_smoothing=value)))
+    for k in [int(p) for p in args.prefix.split(",") if p]:
+        configs.append((f"softq residual_prefix={k}" + (" ([CLS] shares the residual scales)" if k == 0 else ""),
+                        softq.QuantConfig(residual_prefix=k)))
     qmodels = {}
     for label, cfg in configs:
         qmodel = softq.quantize(model, calib, cfg)

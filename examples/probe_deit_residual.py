@@ -4,7 +4,8 @@ A freshly initialised DeiT starts its CLS and distillation tokens at exactly 0, 
 its logits read exactly those rows; if their residual values stay far smaller than
 the patch tokens', no per-tensor or per-channel 8-bit scale can serve both.
 This probe reports the relative logit error ||q - fp|| / ||fp|| of W8A8 for each
-residual layout, and with the residual stream left float.
+residual layout (channel groups, and scales of their own for the prefix tokens:
+``QuantConfig.residual_prefix``), and with the residual stream left float.
 
     python examples/probe_deit_residual.py      # writes docs/results/deit_residual.md
 """
@@ -35,11 +36,16 @@ def main() -> int:
     with torch.no_grad():
         ref = model(pixel_values=x).logits
     rows = []
-    for label, config in [("per tensor (residual_groups=1)", softq.QuantConfig(residual_groups=1)),
-                          ("auto (default)", softq.QuantConfig()),
-                          ("4 groups", softq.QuantConfig(residual_groups=4)),
-                          ("per channel (192 groups)", softq.QuantConfig(residual_groups=192)),
-                          ("residual stream float", softq.QuantConfig(quantize_residual=False))]:
+    for label, config in [
+        ("per tensor, prefix tokens share it (residual_groups=1, residual_prefix=0)",
+         softq.QuantConfig(residual_groups=1, residual_prefix=0)),
+        ("4 groups, shared (residual_prefix=0)", softq.QuantConfig(residual_groups=4, residual_prefix=0)),
+        ("per channel (192 groups), shared (residual_prefix=0)", softq.QuantConfig(residual_groups=192, residual_prefix=0)),
+        ("groups auto, CLS row on its own scales (residual_prefix=1)", softq.QuantConfig(residual_prefix=1)),
+        ("default: groups auto, CLS and distillation rows on their own scales (residual_prefix='auto' = 2)",
+         softq.QuantConfig()),
+        ("residual stream float", softq.QuantConfig(quantize_residual=False)),
+    ]:
         qmodel = softq.quantize(model, calib, config)
         with torch.no_grad():
             out = qmodel(pixel_values=x).logits

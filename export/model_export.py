@@ -195,8 +195,17 @@ class _ExportAct(nn.Module):
         else:
             self.scale = float(quantizer.scale)
             self.zp = int(round(float(quantizer.zero_point)))
+        # prefix-token rows (QuantConfig.residual_prefix): Slice -> their own Q/DQ -> Concat, as in torch
+        self.prefix = nn.ModuleList(_ExportAct(row, -(key * 16 + i + 1))
+                                    for i, row in enumerate(getattr(quantizer, "prefix", ())))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.prefix) and x.dim() >= 3:
+            rows = [q(x[..., i:i + 1, :]) for i, q in enumerate(self.prefix)]  # empty past a short input's end
+            return torch.cat([*rows, self._forward(x[..., len(self.prefix):, :])], dim=-2)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.grouped:
             return _GroupQDQFn.apply(x, self.scale_v, self.zp_v, self.key, self.qmin, self.qmax)
         return _QDQFn.apply(x, self.scale, self.zp, self.qmin, self.qmax, self.signed)

@@ -54,6 +54,9 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--residual-groups", type=_groups, default=None, metavar="K",
                    help="scales per residual-stream point: K groups of hidden dimensions, 1 = per tensor, "
                         "'auto' (default) = groups only where outlier dimensions are seen")
+    p.add_argument("--residual-prefix", type=_groups, default=None, metavar="K",
+                   help="leading positions with residual-stream scales of their own (special tokens): K, or "
+                        "'auto' (default: [CLS] for BERT/RoBERTa/ViT, [CLS] + distillation for DeiT, none for LMs)")
     p.add_argument("--no-residual", action="store_true", help="leave the residual stream (LayerNorm inputs) float")
     p.add_argument("--input-smoothing", type=_smoothing, default="auto", metavar="ALPHA|auto|none",
                    help="per-channel input smoothing of Linear layers (SmoothQuant as an explicit Mul, post-LN "
@@ -84,7 +87,7 @@ def _groups(text: str) -> int | str:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
 def _smoothing(text: str) -> float | str | None:
@@ -100,6 +103,8 @@ def _config(args: argparse.Namespace):
     from softq.quant.config import QuantConfig
 
     extra = {} if args.residual_groups is None else {"residual_groups": args.residual_groups}
+    if args.residual_prefix is not None:
+        extra["residual_prefix"] = args.residual_prefix
     return QuantConfig(
         weight_bits=args.weight_bits, act_bits=args.act_bits,
         softmax_bits=args.softmax_bits or None, bias_correction=args.bias_correction,

@@ -12,6 +12,9 @@ MIN_BITS, MAX_BITS = 2, 16
 # many times its median channel (max |x| over the calibration set)
 AUTO_SMOOTHING_ALPHA = 0.8
 AUTO_SMOOTHING_RATIO = 16.0
+# residual_prefix: special tokens at the start of every sequence, per encoder family
+PREFIX_TOKENS = {"bert": 1, "roberta": 1, "vit": 1, "deit": 2}
+MAX_PREFIX = 8
 
 
 @dataclass(frozen=True)
@@ -60,10 +63,20 @@ class QuantConfig:
         residual_groups: scales of each residual-stream point over the hidden
             dimension: ``1`` per tensor; ``K`` per-embedding-group quantization with
             K groups chosen by channel range (outlier dimensions get their own
-            scale; exported as a per-axis QuantizeLinear); ``"auto"`` (default)
-            uses 4 groups at points whose widest channel range exceeds 16x the
-            median one (all-MiniLM-L6-v2: about 100x) and per-tensor elsewhere
-            (softq's reference LM and ViT: about 2x; `softq report` prints it).  See docs/results/minilm.md.
+            scale; exported as Div/Add/QuantizeLinear/DequantizeLinear/Sub/Mul with
+            per-channel vectors); ``"auto"`` (default) uses 8 groups at points whose
+            widest channel range (prefix rows included) exceeds 16x the median one
+            (all-MiniLM-L6-v2: about 100x) and per-tensor elsewhere (softq's reference
+            LM and ViT: about 2x; `softq report` prints it).  See docs/results/minilm.md.
+        residual_prefix: leading sequence positions whose residual-stream rows get
+            scales of their own (special tokens whose values live on another scale
+            than the text or patch tokens': a DeiT's CLS and distillation tokens
+            start at exactly 0 and its logits read only those rows).  ``"auto"``
+            (default): the family's special prefix tokens (BERT/RoBERTa [CLS] 1,
+            ViT CLS 1, DeiT CLS + distillation 2); ``0`` for none.  Causal LMs
+            (GPT-2, OPT) take 0 only: with a KV cache a decoding step's one row is
+            not position 0.  Exported as slices with Q/DQ pairs of their own
+            (measured in docs/results/deit_residual.md and minilm.md).
         embedding_bits: bits of the embedding tables (``nn.Embedding``: token,
             position and token-type tables), symmetric with one scale per row,
             weight only; ``None`` keeps them float.  8 (default) makes the ONNX
@@ -87,6 +100,7 @@ class QuantConfig:
     input_smoothing: float | Literal["auto"] | None = "auto"
     quantize_residual: bool = True
     residual_groups: int | Literal["auto"] = "auto"
+    residual_prefix: int | Literal["auto"] = "auto"
     embedding_bits: int | None = 8
     exclude: tuple[str, ...] = ()
 
@@ -119,6 +133,11 @@ class QuantConfig:
         if self.residual_groups != "auto" and (not isinstance(self.residual_groups, int)
                                                or isinstance(self.residual_groups, bool) or self.residual_groups < 1):
             raise ValueError(f"residual_groups must be a positive integer or 'auto', got {self.residual_groups!r}")
+        if self.residual_prefix != "auto" and (not isinstance(self.residual_prefix, int)
+                                               or isinstance(self.residual_prefix, bool)
+                                               or not 0 <= self.residual_prefix <= MAX_PREFIX):
+            raise ValueError(f"residual_prefix must be an integer from 0 to {MAX_PREFIX} or 'auto', "
+                             f"got {self.residual_prefix!r}")
         if self.bias_correction is not None and self.softmax_output == "row":
             raise ValueError("bias_correction is zero by construction for softmax_output='row' (its rows sum to "
                              "exactly 1, so the mean rounding error over a row is 0); use it with 'edge' or 'row_exact'")

@@ -86,6 +86,7 @@ def load(path: str | os.PathLike) -> nn.Module:
     raw.setdefault("softmax_output", "edge")  # saved before the field existed: the uniform edge codes
     raw.setdefault("embedding_bits", None)  # saved before the field existed: float embedding tables
     raw.setdefault("input_smoothing", None)  # saved before the field existed: no input smoothing
+    raw.setdefault("residual_prefix", 0)  # saved before the field existed: no prefix-token scales
     config = QuantConfig(**{**raw, "exclude": tuple(raw.get("exclude", ()))})
     hf_config = transformers.AutoConfig.from_pretrained(source)
     arch = (hf_config.architectures or [None])[0]

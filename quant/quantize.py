@@ -15,6 +15,11 @@ never edited.
 
 The passes run in this order, each on the calibration set:
 SmoothQuant (optional) -> range observation -> softmax bias correction (optional).
+Input smoothing (``QuantConfig.input_smoothing``) needs no pass of its own with the
+min-max observer: the observation pass also records each Linear input's per-channel
+ranges, smoothing is decided from them afterwards, and the smoothed inputs' ranges
+follow exactly (a positive per-channel factor maps each channel's min and max to the
+scaled input's).  Other observers get a statistics pass first.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from torch import nn
 
 from softq.attention import AttentionPoints, attention_points
 from softq.calib.data import Batch, as_batches, run_batches
-from softq.calib.smoothquant import smooth, smooth_inputs
+from softq.calib.observers import MinMaxObserver
+from softq.calib.smoothquant import InputRecorder, smooth, smooth_inputs, smoothable_linears, smoothing_scales, tied_linears
 from softq.models import conv1d_to_linear, model_family
-from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_RATIO, QuantConfig
+from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_RATIO, PREFIX_TOKENS, QuantConfig
 from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, SoftmaxOutputQuantizer
 
 
@@ -46,12 +52,24 @@ class QLayerNorm(nn.LayerNorm):
         return super().forward(self.input_act(x))
 
 
-def _act(config: QuantConfig, groups: int = 1) -> ActQuantizer:
-    return ActQuantizer(config.act_bits, config.act_symmetric, config.observer, config.percentile, groups)
+def _act(config: QuantConfig, groups: int | str = 1, prefix: int = 0) -> ActQuantizer:
+    return ActQuantizer(config.act_bits, config.act_symmetric, config.observer, config.percentile, groups, prefix)
+
+
+def residual_prefix(model: nn.Module, config: QuantConfig) -> int:
+    """How many leading positions get residual-stream scales of their own (``QuantConfig.residual_prefix``)."""
+    family = model_family(model)
+    if config.residual_prefix == "auto":
+        return PREFIX_TOKENS.get(family, 0)
+    if config.residual_prefix and family not in PREFIX_TOKENS:
+        raise ValueError(f"residual_prefix applies to encoders ({', '.join(PREFIX_TOKENS)}); a {family} model "
+                         "decodes with a KV cache, where a step's first row is not position 0")
+    return int(config.residual_prefix)
 
 
 def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
     """Swap Linear -> QLinear, LayerNorm -> QLayerNorm and Embedding -> QEmbedding in place."""
+    prefix = residual_prefix(model, config)
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{parent_name}.{child_name}" if parent_name else child_name
@@ -60,7 +78,7 @@ def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
             if type(child) is nn.Linear:
                 setattr(parent, child_name, QLinear(child, config.weight_bits, config.weight_per_channel, _act(config)))
             elif type(child) is nn.LayerNorm and config.quantize_residual:
-                setattr(parent, child_name, QLayerNorm(child, _act(config, config.residual_groups)))
+                setattr(parent, child_name, QLayerNorm(child, _act(config, config.residual_groups, prefix)))
             elif type(child) is nn.Embedding and config.embedding_bits is not None:
                 setattr(parent, child_name, QEmbedding(child, config.embedding_bits))
 
@@ -108,14 +126,29 @@ def quantize(
     attention_points(qmodel)  # switches to softq attention, keeps an already chosen variant
     if config.smoothquant_alpha is not None:
         smooth(qmodel, batches, config.smoothquant_alpha)
+    smoothing = None
     if config.input_smoothing is not None:
         auto = config.input_smoothing == "auto"
-        smooth_inputs(qmodel, batches, AUTO_SMOOTHING_ALPHA if auto else float(config.input_smoothing),
-                      AUTO_SMOOTHING_RATIO if auto else 0.0, exclude=config.exclude)
+        smoothing = (AUTO_SMOOTHING_ALPHA if auto else float(config.input_smoothing),
+                     AUTO_SMOOTHING_RATIO if auto else 0.0)
+    # Min-max ranges of a smoothed input follow from its per-channel ranges, so smoothing is decided
+    # after the one observation pass; other observers need the smoothed values themselves: a stats pass first.
+    one_pass = smoothing is not None and config.observer == "minmax"
+    if smoothing is not None and not one_pass:
+        smooth_inputs(qmodel, batches, *smoothing, exclude=config.exclude)
+    tied = tied_linears(qmodel)  # before prepare copies the weights: a tied Linear is left alone, as in smooth_inputs
     prepare(qmodel, config)
 
     set_mode(qmodel, "observe")
-    run_batches(qmodel, batches, desc="calibrating ranges")
+    recorder = InputRecorder(qmodel, smoothable_linears(qmodel)) if one_pass else None
+    try:
+        run_batches(qmodel, batches, desc="calibrating ranges")
+    finally:
+        if recorder is not None:
+            recorder.remove()
+    if recorder is not None:
+        floats = tuple(name for name, m in qmodel.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QLinear))
+        _smooth_observed(recorder, *smoothing, config.exclude + tied + floats)
     for q in act_quantizers(qmodel):
         q.finish_calibration()
     set_mode(qmodel, "quant")
@@ -123,6 +156,24 @@ def quantize(
     if config.bias_correction is not None:
         correct_softmax_bias(qmodel, batches, config.bias_correction)
     return qmodel
+
+
+def _smooth_observed(recorder: InputRecorder, alpha: float, min_ratio: float, skip: tuple[str, ...]) -> None:
+    """Input smoothing decided from the observation pass just run (``smooth_inputs`` without a pass of its
+    own): weight columns x s, ``input_scale`` = 1/s, and each input quantizer's min-max range set to what it
+    would have seen on the smoothed input, min/max over channels of the channel's min/max times 1/s (exact:
+    scaling by a positive factor and rounding are both monotonic)."""
+    with torch.no_grad():
+        for group, s in smoothing_scales(recorder.groups(), alpha, min_ratio, skip):
+            inv = 1.0 / s
+            lo, hi = float((group.lo * inv).min()), float((group.hi * inv).max())
+            for _, lin in group.linears:
+                lin.weight.mul_(s.to(lin.weight.dtype))
+                lin.input_scale = inv.to(lin.weight.dtype).clone()
+                observer = lin.input_act.observer
+                if not isinstance(observer, MinMaxObserver) or lin.input_act.channels is not None:
+                    raise RuntimeError("one-pass input smoothing needs per-tensor min-max input observers")
+                observer.lo, observer.hi = lo, hi
 
 
 def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:

@@ -14,6 +14,8 @@ Every activation point has three modes:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -40,9 +42,9 @@ def _brevitas_int_quant(signed: bool) -> IntQuant:
     )
 
 
-# Groups used by residual_groups="auto" where outliers are seen.  4 came from a first sweep; the
-# committed MiniLM benchmark (docs/results/minilm.md) measures 8 slightly better (cosine 0.9931 vs 0.9920).
-AUTO_GROUPS = 4
+# Groups used by residual_groups="auto" where outliers are seen: 8 measures best on all-MiniLM-L6-v2
+# (docs/results/minilm.md, rows residual_groups=4 and 8); the ONNX cost does not depend on the count.
+AUTO_GROUPS = 8
 OUTLIER_RATIO = 16.0  # "outliers": widest channel range > this many times the median channel range
 
 
@@ -59,10 +61,15 @@ class ActQuantizer(nn.Module):
     of their channels.  ``groups="auto"`` uses :data:`AUTO_GROUPS` groups when the
     widest channel range exceeds :data:`OUTLIER_RATIO` times the median one (a
     all-MiniLM-L6-v2: about 100x), else per-tensor with the configured observer.
+
+    ``prefix=k > 0`` gives each of the first k sequence positions (dimension -2:
+    special tokens such as [CLS] or a DeiT's distillation token) a quantizer of its
+    own, with the same groups; this one then observes and quantizes the other rows.
+    Inputs of fewer than 3 dimensions are not sequences and use this one alone.
     """
 
     def __init__(self, bits: int, signed: bool, observer: str = "minmax", percentile: float = 99.99,
-                 groups: int | str = 1):
+                 groups: int | str = 1, prefix: int = 0):
         super().__init__()
         if groups != "auto" and (not isinstance(groups, int) or isinstance(groups, bool) or groups < 1):
             raise ValueError(f"activation groups must be a positive integer or 'auto', got {groups!r}")
@@ -76,8 +83,26 @@ class ActQuantizer(nn.Module):
         self.register_buffer("scale", torch.tensor(1.0))
         self.register_buffer("zero_point", torch.tensor(0.0))
         self.register_buffer("bit_width", torch.tensor(float(bits)))
+        self.prefix = nn.ModuleList(ActQuantizer(bits, signed, observer, percentile, groups) for _ in range(prefix))
+
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: Mode) -> None:  # the prefix rows follow
+        self._mode = value
+        for row in getattr(self, "prefix", ()):
+            row.mode = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.prefix) and x.dim() >= 3 and self.mode != "float":
+            rows = [q(x[..., i:i + 1, :]) for i, q in enumerate(self.prefix)]  # empty past a short input's end
+            rest = self._forward(x[..., len(self.prefix):, :])
+            return x if self.mode == "observe" else torch.cat([*rows, rest], dim=-2)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "quant":
             if torch.is_grad_enabled():
                 return self.quant(self.scale, self.zero_point, self.bit_width, x)
@@ -99,13 +124,21 @@ class ActQuantizer(nn.Module):
         y.add_(self.zero_point).round_().clamp_(qmin, qmax).sub_(self.zero_point)
         return y.mul_(self.scale)
 
-    def finish_calibration(self) -> None:
-        """Fix scale and zero point from what the observers saw, then drop them."""
+    def finish_calibration(self, groups: int | None = None) -> None:
+        """Fix scale and zero point from what the observers saw, then drop them.
+
+        ``groups="auto"`` decides on the whole point, prefix rows included (their
+        outliers are the point's outliers: all-MiniLM-L6-v2's dimension 99 sits on
+        [CLS] in layers 0-3), and the prefix rows use the same number of groups.
+        """
         if self.observer is None and self.channels is None:
             return
-        groups = self.groups
+        if groups is None:
+            groups = self.groups
         if groups == "auto":
-            groups = AUTO_GROUPS if self.channels.outlier_ratio(self.signed) > OUTLIER_RATIO else 1
+            seen = [self.channels] + [row.channels for row in self.prefix
+                                      if row.channels is not None and row.channels.batches]
+            groups = AUTO_GROUPS if ChannelRange.merged(seen).outlier_ratio(self.signed) > OUTLIER_RATIO else 1
         if groups == 1:
             r = self.observer.range(self.bits, self.signed)
             scale, zero_point = scale_and_zero_point(r, self.bits, self.signed)
@@ -116,6 +149,13 @@ class ActQuantizer(nn.Module):
             self.scale = scale.to(self.scale.dtype)
             self.zero_point = zero_point.to(self.zero_point.dtype)
         self.observer = self.channels = None
+        for row in self.prefix:  # a prefix row never seen (inputs without a sequence axis) takes these scales
+            seen = row.observer if row.observer is not None else row.channels
+            if seen is not None and seen.batches == 0:
+                row.scale, row.zero_point = self.scale.clone(), self.zero_point.clone()
+                row.observer = row.channels = None
+            else:
+                row.finish_calibration(groups)
 
     def int_repr(self, x: torch.Tensor) -> torch.Tensor:
         """Integer codes of ``x`` (what an integer runtime stores), for export and tests."""
@@ -196,7 +236,8 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
 
     def forward(self, probs: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         if self.mode == "observe":
-            self.max_seen = max(self.max_seen, probs.detach().max().item())
+            if self.representation == "edge" and self.scale_policy == "calibrated":  # the only use of max_seen
+                self.max_seen = max(self.max_seen, probs.detach().max().item())
             return probs
         if self.mode != "quant":
             return probs
@@ -271,29 +312,80 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         return f"bits={self.bits}, {self.representation}, {scale}, mode={self.mode}, bias_correction={corr}"
 
 
-class QLinear(QuantLinear):
+@contextmanager
+def _copying(cls: type) -> Iterator[None]:
+    cls._copying = True
+    try:
+        yield
+    finally:
+        cls._copying = False
+
+
+class _CopiedWeights:
+    """Mixin: skip the random initialisation of weights that the constructor overwrites with copies (on
+    all-MiniLM-L6-v2 the embedding table's normal_ alone cost 5% of a calibration pass)."""
+
+    _copying = False
+
+    def reset_parameters(self) -> None:
+        if not type(self)._copying:
+            super().reset_parameters()
+
+
+WEIGHT_SCALE_MIN = 1e-10  # Brevitas' scaling_min_val of Int8WeightPer{Channel,Tensor}Float (on max |w|)
+
+
+def dequantized_weight(weight: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
+    """What Brevitas' ``Int8WeightPerChannelFloat`` / ``Int8WeightPerTensorFloat`` (any bit width) returns
+    as ``quant_weight().value``, computed in plain torch at about 4x its speed, for inference caches
+    (tests check equality with Brevitas bit for bit): scale ``max(max|w|, 1e-10) / (2^(b-1) - 1)`` per
+    row or tensor, codes ``round(w / scale)`` clamped to the narrow signed range."""
+    w = weight.detach()
+    absmax = w.abs().amax(dim=tuple(range(1, w.dim())), keepdim=True) if per_channel else w.abs().max()
+    qmax = 2 ** (bits - 1) - 1
+    scale = absmax.clamp_min(WEIGHT_SCALE_MIN) / qmax
+    return torch.clamp(torch.round(w / scale), -qmax, qmax) * scale
+
+
+class QLinear(_CopiedWeights, QuantLinear):
     """Brevitas ``QuantLinear`` (int weights, float bias) behind a softq activation quantizer."""
 
     def __init__(self, linear: nn.Linear, weight_bits: int, per_channel: bool, act: ActQuantizer) -> None:
         weight_quant = Int8WeightPerChannelFloat if per_channel else Int8WeightPerTensorFloat
-        super().__init__(
-            linear.in_features, linear.out_features, bias=linear.bias is not None,
-            weight_quant=weight_quant, weight_bit_width=weight_bits, return_quant_tensor=False,
-            device=linear.weight.device, dtype=linear.weight.dtype,
-        )
+        with _copying(QLinear):
+            super().__init__(
+                linear.in_features, linear.out_features, bias=linear.bias is not None,
+                weight_quant=weight_quant, weight_bit_width=weight_bits, return_quant_tensor=False,
+                device=linear.weight.device, dtype=linear.weight.dtype,
+            )
         with torch.no_grad():
             self.weight.copy_(linear.weight)
             if linear.bias is not None:
                 self.bias.copy_(linear.bias)
         self.input_act = act
+        self.weight_bits, self.per_channel = weight_bits, per_channel
         # per-input-channel 1/s of input smoothing (softq.calib.smoothquant.smooth_inputs); empty: none
         scale = getattr(linear, "softq_input_scale", None)
         self.register_buffer("input_scale", torch.ones(0) if scale is None else scale.detach().clone().float())
 
+        self._cache: tuple[tuple[int, int], torch.Tensor] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale.numel():
             x = x * self.input_scale
-        return super().forward(self.input_act(x))
+        x = self.input_act(x)
+        if self.training or torch.is_grad_enabled() or self.weight_quant.disable_quant:
+            return super().forward(x)
+        # inference: the same product on the dequantized weight, computed once per weight version
+        # (Brevitas re-quantizes the weight on every call; tests check the outputs are equal)
+        return nn.functional.linear(x, self.dequantized_weight(), self.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        key = (self.weight._version, self.weight.data_ptr())
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                self._cache = (key, dequantized_weight(self.weight, self.weight_bits, self.per_channel))
+        return self._cache[1]
 
     def weight_scale(self) -> torch.Tensor:
         """Per-output-channel (or scalar) weight scale, shape [out] or []."""
@@ -303,7 +395,7 @@ class QLinear(QuantLinear):
         return self.quant_weight().int().detach()
 
 
-class QEmbedding(QuantEmbedding):
+class QEmbedding(_CopiedWeights, QuantEmbedding):
     """Brevitas ``QuantEmbedding`` with per-row symmetric int weights (one scale per table row).
 
     Weight-only: the looked-up rows are the dequantized codes, exactly what the
@@ -315,20 +407,22 @@ class QEmbedding(QuantEmbedding):
     """
 
     def __init__(self, emb: nn.Embedding, bits: int) -> None:
-        super().__init__(emb.num_embeddings, emb.embedding_dim, padding_idx=emb.padding_idx,
-                         weight_quant=Int8WeightPerChannelFloat, weight_bit_width=bits, return_quant_tensor=False,
-                         device=emb.weight.device, dtype=emb.weight.dtype)
+        with _copying(QEmbedding):
+            super().__init__(emb.num_embeddings, emb.embedding_dim, padding_idx=emb.padding_idx,
+                             weight_quant=Int8WeightPerChannelFloat, weight_bit_width=bits,
+                             return_quant_tensor=False, device=emb.weight.device, dtype=emb.weight.dtype)
         with torch.no_grad():
             self.weight.copy_(emb.weight)
+        self.bits = bits
         self._cache: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def dequantized(self) -> torch.Tensor:
-        if self.training or torch.is_grad_enabled() and self.weight.requires_grad:
+        if self.training or torch.is_grad_enabled() and self.weight.requires_grad or self.weight_quant.disable_quant:
             return self.quant_weight().value
         key = (self.weight._version, self.weight.data_ptr())
         if self._cache is None or self._cache[0] != key:
             with torch.no_grad():
-                self._cache = (key, self.quant_weight().value.detach())
+                self._cache = (key, dequantized_weight(self.weight, self.bits, True))
         return self._cache[1]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
