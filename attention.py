@@ -159,6 +159,8 @@ def softq_attention(
 
     if points is not None and points.fast_training and module.training and _points_are_identity(points):
         return _fast_training_attention(points, query, key, value, valid, scaling, dropout)
+    if points is not None and not module.training and _observing_only(points):
+        return _observing_attention(points, query, key, value, valid, scaling)
     if points is None:
         scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
         probs = get_softmax("softmax")(scores, valid)
@@ -181,6 +183,37 @@ def _points_are_identity(points: AttentionPoints) -> bool:
     """True when no quantizer or observer is attached (so nothing needs the probabilities)."""
     return (all(isinstance(m, nn.Identity) for m in (points.q, points.k, points.scores, points.v))
             and type(points.probs) is ProbsQuantizer and type(points.pv) is ProbsTimesV)
+
+
+def _observing_only(points: AttentionPoints) -> bool:
+    """Calibration of an exact-softmax layer whose probabilities nobody reads: the scores are observed,
+    not changed, and the softmax-output point has nothing to observe (no hooks on it either)."""
+    probs = points.probs
+    return (points.softmax_name == "softmax" and getattr(points.scores, "mode", None) == "observe"
+            and type(points.pv) is ProbsTimesV and not probs._forward_hooks and not probs._forward_pre_hooks
+            and (type(probs) is ProbsQuantizer or not getattr(probs, "needs_probs", lambda: True)()))
+
+
+def _observing_attention(
+    points: AttentionPoints,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor | None,
+    scaling: float,
+) -> tuple[torch.Tensor, None]:
+    """The eager path's function for a calibration pass at about half its cost: the scores are computed
+    for their observer, the output by SDPA (no masked copy, no probability tensor, no P.V matmul)."""
+    q, k, v = points.q(query), points.k(key), points.v(value)
+    points.scores(torch.matmul(q, k.transpose(-1, -2)).mul_(scaling))
+    mask = None if valid is None else valid.to(torch.bool)
+    out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    if points.gate is not None:
+        if points._hidden is None:
+            raise RuntimeError("gated attention needs the module input; use softq.attention.configure_attention")
+        out = out * points.gate(points._hidden)
+        points._hidden = None
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _fast_training_attention(

@@ -234,6 +234,11 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         """Integer codes of ``probs``: uniform codes (``edge``) or the row codes ``E`` (``row``, ``row_exact``)."""
         return self.quant.to_int(self._scale_for(probs), self.zero_point, self.bit_width, probs)
 
+    def needs_probs(self) -> bool:
+        """Whether this point reads the probabilities now (else calibration may skip computing them)."""
+        return self.mode == "quant" or self.measuring or (
+            self.mode == "observe" and self.representation == "edge" and self.scale_policy == "calibrated")
+
     def forward(self, probs: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         if self.mode == "observe":
             if self.representation == "edge" and self.scale_policy == "calibrated":  # the only use of max_seen

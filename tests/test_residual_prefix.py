@@ -153,3 +153,27 @@ def test_cached_weights_equal_brevitas(bits: int) -> None:
     emb = torch.nn.Embedding(50, 8, padding_idx=0)
     qe = QEmbedding(emb, bits)
     assert torch.equal(dequantized_weight(qe.weight, bits, True), qe.quant_weight().value.detach())
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_calibration_attention_shortcut_observes_what_the_eager_path_does(family: str, monkeypatch) -> None:
+    """Calibration computes an exact-softmax layer's output by SDPA when nothing reads its probabilities;
+    the ranges it fits equal the eager path's (padding and causal masks included)."""
+    import softq.attention as attention
+
+    model = tiny_model(family)
+    calib = [tiny_inputs(family, seed=s) for s in range(2)]
+    calib[0]["attention_mask"] = torch.ones_like(calib[0]["input_ids"])
+    calib[0]["attention_mask"][0, 15:] = 0  # padding
+    calls = []
+    original = attention._observing_attention
+    monkeypatch.setattr(attention, "_observing_attention", lambda *a: calls.append(1) or original(*a))
+    fast = softq.quantize(model, calib)
+    assert len(calls) == 2 * len(calib)  # two layers, every batch
+    monkeypatch.setattr(attention, "_observing_only", lambda points: False)
+    eager = softq.quantize(model, calib)
+    pairs = [(a, b) for a, b in zip(fast.modules(), eager.modules()) if isinstance(a, ActQuantizer)]
+    assert len(pairs) > 10
+    for a, b in pairs:
+        torch.testing.assert_close(a.scale, b.scale, rtol=1e-5, atol=0)
+        torch.testing.assert_close(a.zero_point, b.zero_point, rtol=0, atol=1)
