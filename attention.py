@@ -171,12 +171,20 @@ def softq_attention(
         probs = points.probs(probs, valid)
     weights = nn.functional.dropout(probs, p=dropout, training=module.training)
     out = torch.matmul(weights, value) if points is None else points.pv(weights, points.v(value))
-    if points is not None and points.gate is not None:
-        if points._hidden is None:
-            raise RuntimeError("gated attention needs the module input; use softq.attention.configure_attention")
-        out = out * points.gate(points._hidden)
-        points._hidden = None
+    if points is not None:
+        out = _gated(points, out)
     return out.transpose(1, 2).contiguous(), probs
+
+
+def _gated(points: AttentionPoints, out: torch.Tensor) -> torch.Tensor:
+    """Gated attention's per-head gate applied to the [b, h, s, d] output (identity without a gate)."""
+    if points.gate is None:
+        return out
+    if points._hidden is None:
+        raise RuntimeError("gated attention needs the module input; use softq.attention.configure_attention")
+    out = out * points.gate(points._hidden)
+    points._hidden = None
+    return out
 
 
 def _points_are_identity(points: AttentionPoints) -> bool:
@@ -208,11 +216,7 @@ def _observing_attention(
     points.scores(torch.matmul(q, k.transpose(-1, -2)).mul_(scaling))
     mask = None if valid is None else valid.to(torch.bool)
     out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-    if points.gate is not None:
-        if points._hidden is None:
-            raise RuntimeError("gated attention needs the module input; use softq.attention.configure_attention")
-        out = out * points.gate(points._hidden)
-        points._hidden = None
+    out = _gated(points, out)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -234,11 +238,7 @@ def _fast_training_attention(
         scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
         probs = compiled_softmax(points.softmax_name)(scores, valid, **points.softmax_params)
         out = torch.matmul(nn.functional.dropout(probs, p=dropout, training=True), value)
-    if points.gate is not None:
-        if points._hidden is None:
-            raise RuntimeError("gated attention needs the module input; use softq.attention.configure_attention")
-        out = out * points.gate(points._hidden)
-        points._hidden = None
+    out = _gated(points, out)
     return out.transpose(1, 2).contiguous(), None
 
 

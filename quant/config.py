@@ -64,7 +64,7 @@ class QuantConfig:
             dimension: ``1`` per tensor; ``K`` per-embedding-group quantization with
             K groups chosen by channel range (outlier dimensions get their own
             scale; exported as Div/Add/QuantizeLinear/DequantizeLinear/Sub/Mul with
-            per-channel vectors); ``"auto"`` (default) uses 8 groups at points whose
+            per-channel vectors); ``"auto"`` (default) uses 4 groups at points whose
             widest channel range (prefix rows included) exceeds 16x the median one
             (all-MiniLM-L6-v2: about 100x) and per-tensor elsewhere (softq's reference
             LM and ViT: about 2x; `softq report` prints it).  See docs/results/minilm.md.
