@@ -101,7 +101,7 @@ def main() -> int:
     configs = [(f"softq default: {default.describe()}", default)]
     for k in [int(g) for g in args.groups.split(",") if g]:
         if k != default.residual_groups:
-            configs.append((f"softq residual_groups={k}" + (" (per tensor)" if k == 1 else ""),
+            configs.append((f"softq residual_groups={k}" + (" (per tensor)" if k == 1 else " (at every residual point)"),
                             softq.QuantConfig(residual_groups=k)))
     configs.append(("softq, residual stream float (quantize_residual=False)", softq.QuantConfig(quantize_residual=False)))
     for alpha in [a for a in args.smoothing.split(",") if a]:

@@ -42,9 +42,10 @@ def _brevitas_int_quant(signed: bool) -> IntQuant:
     )
 
 
-# Groups used by residual_groups="auto" where outliers are seen.  On all-MiniLM-L6-v2 (docs/results/minilm.md)
-# 8 groups beat 4 while [CLS] shared the residual scales (cosine 0.9970 vs 0.9962); with its own scales
-# (residual_prefix) 4 measure at least as well as 8 (0.9975 vs 0.9972).  The ONNX cost does not depend on it.
+# Groups used by residual_groups="auto" at the points where outliers are seen (other points stay per
+# tensor: one QuantizeLinear instead of the six-op grouped form).  On all-MiniLM-L6-v2, auto with 8 groups
+# measured the same as with 4 in an earlier run of examples/bench_minilm.py (embedding cosine within
+# 0.0001); grouping every residual point (an explicit residual_groups=K) gains a little more (minilm.md).
 AUTO_GROUPS = 4
 OUTLIER_RATIO = 16.0  # "outliers": widest channel range > this many times the median channel range
 
