@@ -76,7 +76,7 @@ def run_task(task: Task, table_rows: list[Row]) -> list[tuple[str, float, float,
         note = ""
         if row.baseline is not None:
             gap = losses[row.baseline] - fp_loss
-            note = f"{(losses[row.baseline] - loss) / gap * 100:.0f}%" if gap > 1e-6 else "no gap"
+            note = f"{(losses[row.baseline] - loss) / gap * 100:.0f}%" if gap > 1e-4 else "no gap"
         table.append((row.label, value, loss, note))
         print(f"[{task.name}] {row.label.strip():<52} {task.metric_name} {value:.4f} loss {loss:.5f} {note} "
               f"({time.time() - start:.0f}s)", flush=True)
@@ -97,7 +97,8 @@ def markdown(sections: list[tuple[Task, list[tuple[str, float, float, str]]]], c
         "softmax output unsigned: `edge` = uniform codes at scale 2^-bits; `row` (the default) = codes",
         "E = round((2^b-1) exp(s - rowmax)), P.V = (E.V)/sum(E); `row_exact` = the same codes divided by (2^b-1) times the",
         "exact sum of exp.  'gap closed' = share of the held-out loss increase (cross-entropy in nats, FP -> uncorrected",
-        "row of the same representation) that the correction wins back; 100% = as good as float, negative = worse.",
+        "row of the same representation) that the correction wins back; 100% = as good as float, negative = worse;",
+        "'no gap' = the uncorrected row is within 1e-4 nats of FP (nothing to win back).",
         "",
     ]
     for task, table in sections:

@@ -159,7 +159,7 @@ def section(task: Task, steps: int, bits_list: list[int], fp: tuple[float, float
                 if mode != "none":
                     gap = results[bits, representation, "none"][1] - fp_loss
                     base = results[bits, representation, "none"][1]
-                    note = f"{(base - loss) / gap * 100:.0f}%" if gap > 1e-5 else "no gap"
+                    note = f"{(base - loss) / gap * 100:.0f}%" if gap > 1e-4 else "no gap"
                 name = f"`{representation}`" + (" (default)" if representation == "row" else "")
                 lines.append(f"| {name if mode == 'none' else ''} | {label.lstrip('+ ') if mode != 'none' else 'none'} | "
                              f"{metric:.4f} | {delta} | {loss:.5f} | {note} |")
@@ -210,7 +210,8 @@ def main() -> int:
              "1, so the mean error over a row is 0 by construction); *oracle beta* = the same constant computed on the "
              "evaluated input itself; *oracle, truncated entries only* = the row's lost mass given back to the entries "
              "whose code is 0. 'gap closed' = share of the held-out loss increase (float softmax -> plain rounding of "
-             "the same representation) that the correction wins back; negative = worse.", ""]
+             "the same representation) that the correction wins back; negative = worse; 'no gap' = plain rounding is within "
+             "1e-4 nats of float.", ""]
     write_atomic(args.output, "\n".join(lines + body) + "\n")
     print(f"wrote {args.output}")
     return 0
