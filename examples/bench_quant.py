@@ -2,7 +2,7 @@
 
 Writes docs/results/quant.md (atomically) with the command that produced it.
 
-    python examples/bench_quant.py              # full held-out sets (~15-25 min on 2 cores, after training)
+    python examples/bench_quant.py              # full held-out sets (a few minutes on one core, after training)
     python examples/bench_quant.py --quick      # a few windows/images, for a smoke run
 """
 
