@@ -20,7 +20,9 @@ correction removes it.  Also writes, per layer on the first held-out input, the 
 deficit, the mass of entries that round to 0 and the relative error of the attention output
 P.V (without and with the oracle beta).  Writes docs/results/bias_correction.md.
 
-    python examples/probe_bias_correction.py --bits 8,4 --steps 800,2400
+    python examples/probe_bias_correction.py --bits 8,6,4 --steps 800,2400 --threads 1
+
+A budget that is not cached is trained first (the 2400-step LM: about half an hour on one core).
 """
 
 from __future__ import annotations
