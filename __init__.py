@@ -3,7 +3,7 @@
 The one-verb API::
 
     import softq
-    qmodel = softq.quantize(model, calib_data, config=softq.QuantConfig(bias_correction="head_row"))
+    qmodel = softq.quantize(model, calib_data, config=softq.QuantConfig())
 
 Heavy dependencies (torch, transformers, Brevitas) load on first use, so
 ``softq --help`` stays instant.
