@@ -1,4 +1,4 @@
-"""DeiT built from a config: how much of the W8A8 logit error is the residual stream's, per scale layout.
+"""DeiT and ViT built from a config: how much of the W8A8 logit error is the residual stream's, per layout.
 
 A freshly initialised DeiT starts its CLS and distillation tokens at exactly 0, and
 its logits read exactly those rows; if their residual values stay far smaller than
@@ -25,37 +25,55 @@ from bench_quant import command_line, write_atomic  # noqa: E402
 import softq  # noqa: E402
 
 
-def main() -> int:
-    start = time.time()
+def errors(model: torch.nn.Module, configs: list[tuple[str, softq.QuantConfig]]) -> list[tuple[str, float]]:
     torch.manual_seed(0)
-    cfg = transformers.DeiTConfig(image_size=64, patch_size=8, hidden_size=192, num_hidden_layers=6,
-                                  num_attention_heads=3, intermediate_size=768, num_labels=10)
-    model = transformers.DeiTForImageClassification(cfg).eval()
     calib = [torch.randn(8, 3, 64, 64) for _ in range(2)]
     x = torch.randn(16, 3, 64, 64)
     with torch.no_grad():
         ref = model(pixel_values=x).logits
     rows = []
-    for label, config in [
-        ("per tensor, prefix tokens share it (residual_groups=1, residual_prefix=0)",
-         softq.QuantConfig(residual_groups=1, residual_prefix=0)),
-        ("4 groups, shared (residual_prefix=0)", softq.QuantConfig(residual_groups=4, residual_prefix=0)),
-        ("per channel (192 groups), shared (residual_prefix=0)", softq.QuantConfig(residual_groups=192, residual_prefix=0)),
-        ("groups auto, CLS row on its own scales (residual_prefix=1)", softq.QuantConfig(residual_prefix=1)),
-        ("default: groups auto, CLS and distillation rows on their own scales (residual_prefix='auto' = 2)",
-         softq.QuantConfig()),
-        ("residual stream float", softq.QuantConfig(quantize_residual=False)),
-    ]:
+    for label, config in configs:
         qmodel = softq.quantize(model, calib, config)
         with torch.no_grad():
             out = qmodel(pixel_values=x).logits
         rows.append((label, ((out - ref).norm() / ref.norm()).item()))
-    lines = ["# DeiT from a config: W8A8 logit error by residual-stream layout", "", f"Command: `{command_line()}`", "",
-             "DeiT (64x64 images, patch 8, hidden 192, 6 layers, 3 heads), random init (CLS and distillation tokens "
-             "start at 0), calibrated on 16 random images, evaluated on 16 others.", "",
-             "| residual stream | relative logit error |", "|---|---|"]
-    lines += [f"| {label} | {err:.3f} |" for label, err in rows]
-    lines += ["", f"Took {time.time() - start:.0f} s.", ""]
+    return rows
+
+
+def main() -> int:
+    start = time.time()
+    shape = dict(image_size=64, patch_size=8, hidden_size=192, num_hidden_layers=6, num_attention_heads=3,
+                 intermediate_size=768, num_labels=10)
+    torch.manual_seed(0)
+    deit = transformers.DeiTForImageClassification(transformers.DeiTConfig(**shape)).eval()
+    torch.manual_seed(0)
+    vit = transformers.ViTForImageClassification(transformers.ViTConfig(**shape)).eval()
+    shared = [
+        ("per tensor, prefix tokens share it (residual_groups=1, residual_prefix=0)",
+         softq.QuantConfig(residual_groups=1, residual_prefix=0)),
+        ("4 groups, shared (residual_prefix=0)", softq.QuantConfig(residual_groups=4, residual_prefix=0)),
+        ("per channel (192 groups), shared (residual_prefix=0)", softq.QuantConfig(residual_groups=192, residual_prefix=0)),
+    ]
+    float_row = [("residual stream float", softq.QuantConfig(quantize_residual=False))]
+    sections = [
+        ("DeiT", "CLS and distillation tokens start at exactly 0; the logits read those two rows",
+         errors(deit, shared + [
+             ("groups auto, CLS row on its own scales (residual_prefix=1)", softq.QuantConfig(residual_prefix=1)),
+             ("default: groups auto, CLS and distillation rows on their own scales (residual_prefix='auto' = 2)",
+              softq.QuantConfig())] + float_row)),
+        ("ViT", "the CLS token starts from a truncated normal; the logits read its row",
+         errors(vit, shared + [("default: groups auto, CLS row on its own scales (residual_prefix='auto' = 1)",
+                                softq.QuantConfig())] + float_row)),
+    ]
+    lines = ["# DeiT and ViT from a config: W8A8 logit error by residual-stream layout", "",
+             f"Command: `{command_line()}`", "",
+             "64x64 images, patch 8, hidden 192, 6 layers, 3 heads, random init, calibrated on 16 random images, "
+             "evaluated on 16 others; relative logit error ||q - fp|| / ||fp||.", ""]
+    for name, note, rows in sections:
+        lines += [f"## {name} ({note})", "", "| residual stream | relative logit error |", "|---|---|"]
+        lines += [f"| {label} | {err:.3f} |" for label, err in rows]
+        lines.append("")
+    lines += [f"Took {time.time() - start:.0f} s.", ""]
     write_atomic(Path("docs/results/deit_residual.md"), "\n".join(lines))
     print("\n".join(lines))
     return 0
