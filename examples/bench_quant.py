@@ -37,7 +37,8 @@ def rows(bits_list: tuple[int, ...] = (8, 6, 4), correction: bool = True) -> lis
 
     Bias correction is measured on top of ``edge`` and of ``row_exact`` (on ``row`` it is zero by
     construction: rows of E/sum(E) sum to 1); its 'gap closed' is relative to the same
-    representation without it.
+    representation without it.  After the 8-bit rows, the default without input smoothing and
+    without the prefix tokens' own residual scales.
     """
     Q = softq.QuantConfig
     out = [
@@ -53,6 +54,10 @@ def rows(bits_list: tuple[int, ...] = (8, 6, 4), correction: bool = True) -> lis
         out += [Row(edge, Q(softmax_bits=bits, softmax_output="edge")), *([edge_bc] if correction else []),
                 Row(f"W8A8, {bits}-bit softmax, row (default)", Q(softmax_bits=bits)),
                 Row(exact, Q(softmax_bits=bits, softmax_output="row_exact")), *([exact_bc] if correction else [])]
+        if bits == 8:  # what two of the default's outlier passes contribute on these models
+            out += [Row("  default without input smoothing (input_smoothing=None)", Q(input_smoothing=None)),
+                    Row("  default, [CLS] shares the residual scales (residual_prefix=0; the LM's default)",
+                        Q(residual_prefix=0))]
     return out
 
 

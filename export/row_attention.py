@@ -288,11 +288,11 @@ def build_row_attention(
     v_zp = b.const("v_zp", rq.v_zero_point, np.uint8)
     if rq.representation == "row":
         code, sign = rq.sum_column
-        shape = b.op("Shape", [v])
-        col_shape = b.op("Concat", [b.op("Slice", [shape, b.const("s0", [0], np.int64), b.const("sm1", [-1], np.int64)]),
-                                    b.const("one64", [1], np.int64)], axis=0)
-        col = b.op("Expand", [b.const("sum_code", code, np.uint8), col_shape])
-        acc = b.op("MatMulInteger", [e, b.op("Concat", [v, col], axis=-1), b.const("e_zp0", 0, np.uint8), v_zp])
+        # V [b, h, k, d] padded with one column of ``code`` at the end of d: one Pad instead of
+        # Shape/Slice/Concat/Expand/Concat
+        pads = b.const("pad_last", [0, 0, 0, 0, 0, 0, 0, 1], np.int64)
+        v_col = b.op("Pad", [v, pads, b.const("sum_code", code, np.uint8)], mode="constant")
+        acc = b.op("MatMulInteger", [e, v_col, b.const("e_zp0", 0, np.uint8), v_zp])
         axes = b.const("last", [-1], np.int64)
         num = b.op("Slice", [acc, b.const("zero64", [0], np.int64), b.const("m1", [-1], np.int64), axes])
         den_i = b.op("Slice", [acc, b.const("m1b", [-1], np.int64), b.const("big", [INT32_MAX], np.int64), axes])
