@@ -93,6 +93,9 @@ class AttentionPoints(nn.Module):
         # Set by :func:`fast_training` while a training loop runs: exact softmax goes through
         # PyTorch SDPA, other variants through their torch.compile'd form.
         self.fast_training = False
+        # Leading positions whose residual-stream rows have scales of their own (QuantConfig.residual_prefix):
+        # the special tokens must be there, so a left-padded batch is refused.
+        self.prefix_rows = 0
         # The attention module's input, stashed by a pre-hook when a gate needs it.
         self._hidden: torch.Tensor | None = None
 
@@ -156,6 +159,8 @@ def softq_attention(
     """Attention with softq's softmax variant and quantization points; [b, s, h, d] out."""
     points: AttentionPoints | None = getattr(module, "softq", None)
     key, value, valid, scaling = attention_inputs(module, query, key, value, attention_mask, scaling)
+    if points is not None and points.prefix_rows and valid is not None:
+        _check_prefix_rows(valid, points.prefix_rows)
 
     if points is not None and points.fast_training and module.training and _points_are_identity(points):
         return _fast_training_attention(points, query, key, value, valid, scaling, dropout)
@@ -174,6 +179,16 @@ def softq_attention(
     if points is not None:
         out = _gated(points, out)
     return out.transpose(1, 2).contiguous(), probs
+
+
+def _check_prefix_rows(valid: torch.Tensor, rows: int) -> None:
+    """Refuse a batch whose special prefix tokens are not its first rows (left padding)."""
+    keys = valid.reshape(-1, valid.shape[-1])
+    padded_first = (keys[:, :rows] == 0).any(-1) & (keys[:, rows:] != 0).any(-1)
+    if bool(padded_first.any()):
+        raise ValueError(f"a sequence of this batch is left-padded: the model was quantized with residual scales "
+                         f"of their own for its first {rows} position(s) (the special tokens, QuantConfig."
+                         f"residual_prefix), so pad on the right (tokenizer.padding_side='right')")
 
 
 def _gated(points: AttentionPoints, out: torch.Tensor) -> torch.Tensor:

@@ -437,6 +437,7 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
             except ValueError as err:
                 raise ExportError(f"attention layer '{name}': {err}; the model takes "
                                   f"{_max_positions(model)} positions") from err
+        points.prefix_rows = 0  # the left-padding check is torch's; ONNX graphs cannot refuse an input
         tap = _ScoresTap()
         points.scores = tap
         points.probs = _ValidTap(tap)

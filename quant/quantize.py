@@ -185,8 +185,10 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
     conv1d_to_linear(model)
     layers = attention_points(model)
     _replace_modules(model, config)
+    prefix = residual_prefix(model, config) if config.quantize_residual else 0
     for _, points in layers:
         _attach_attention_quantizers(points, config)
+        points.prefix_rows = prefix
     model.softq_quant_config = config
     return model
 

@@ -177,3 +177,18 @@ def test_calibration_attention_shortcut_observes_what_the_eager_path_does(family
     for a, b in pairs:
         torch.testing.assert_close(a.scale, b.scale, rtol=1e-5, atol=0)
         torch.testing.assert_close(a.zero_point, b.zero_point, rtol=0, atol=1)
+
+
+def test_left_padded_batch_is_refused_with_prefix_scales() -> None:
+    model = tiny_model("bert")
+    q = softq.quantize(model, [tiny_inputs("bert", seed=s) for s in range(2)])
+    x = tiny_inputs("bert", seed=3)
+    right = torch.ones_like(x["input_ids"])
+    right[0, 20:] = 0
+    with torch.no_grad():
+        q(input_ids=x["input_ids"], attention_mask=right)  # right padding: fine
+        left = right.flip(-1)
+        with pytest.raises(ValueError, match="left-padded"):
+            q(input_ids=x["input_ids"], attention_mask=left)
+        q0 = softq.quantize(model, [tiny_inputs("bert", seed=s) for s in range(2)], softq.QuantConfig(residual_prefix=0))
+        q0(input_ids=x["input_ids"], attention_mask=left)  # no prefix scales: nothing to refuse
