@@ -171,7 +171,7 @@ def softq_attention(
         probs = get_softmax("softmax")(scores, valid)
     else:
         scores = torch.matmul(points.q(query), points.k(key).transpose(-1, -2)).mul_(scaling)  # matmul's grad needs no output
-        scores = points.scores(scores)
+        scores = _scores_point(points, scores, valid)
         probs = get_softmax(points.softmax_name)(scores, valid, **points.softmax_params)
         probs = points.probs(probs, valid)
     weights = nn.functional.dropout(probs, p=dropout, training=module.training)
@@ -179,6 +179,16 @@ def softq_attention(
     if points is not None:
         out = _gated(points, out)
     return out.transpose(1, 2).contiguous(), probs
+
+
+def _scores_point(points: AttentionPoints, scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """The softmax-input point.  While observing, it sees only the scores a row can attend to: masked
+    keys (padding, a causal model's future) never reach the softmax, so their range would only coarsen
+    the step (on the 2400-step reference LM the future scores widen it, docs/results/softmax_input.md)."""
+    if valid is not None and getattr(points.scores, "mode", None) == "observe":
+        points.scores(scores.masked_select(valid.expand_as(scores) != 0))
+        return scores
+    return points.scores(scores)
 
 
 def _check_prefix_rows(valid: torch.Tensor, rows: int) -> None:
@@ -228,7 +238,7 @@ def _observing_attention(
     """The eager path's function for a calibration pass at about half its cost: the scores are computed
     for their observer, the output by SDPA (no masked copy, no probability tensor, no P.V matmul)."""
     q, k, v = points.q(query), points.k(key), points.v(value)
-    points.scores(torch.matmul(q, k.transpose(-1, -2)).mul_(scaling))
+    _scores_point(points, torch.matmul(q, k.transpose(-1, -2)).mul_(scaling), valid)
     mask = None if valid is None else valid.to(torch.bool)
     out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     out = _gated(points, out)

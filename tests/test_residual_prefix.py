@@ -192,3 +192,19 @@ def test_left_padded_batch_is_refused_with_prefix_scales() -> None:
             q(input_ids=x["input_ids"], attention_mask=left)
         q0 = softq.quantize(model, [tiny_inputs("bert", seed=s) for s in range(2)], softq.QuantConfig(residual_prefix=0))
         q0(input_ids=x["input_ids"], attention_mask=left)  # no prefix scales: nothing to refuse
+
+
+def test_softmax_input_range_comes_from_the_keys_a_row_can_see() -> None:
+    """Masked scores (padding, a causal model's future) never reach the softmax, so they do not widen
+    the softmax-input step."""
+    from softq.attention import AttentionPoints, _scores_point
+
+    points = AttentionPoints(num_heads=2)
+    points.scores = ActQuantizer(8, False)
+    points.scores.mode = "observe"
+    scores = torch.rand(1, 2, 4, 4)
+    scores[..., 0, 3] = 1000.0  # a future key of the first query: masked
+    causal = torch.ones(4, 4).tril()
+    assert _scores_point(points, scores, causal) is scores  # observing leaves the scores alone
+    points.scores.finish_calibration()
+    assert points.scores.scale < 1.0 / 255 + 1e-6  # the valid scores span [0, 1)
