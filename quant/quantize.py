@@ -118,6 +118,7 @@ def quantize(
     """
     config = config or QuantConfig()
     model_family(model)  # clear error for unsupported families before any work
+    residual_prefix(model, config)  # and for a prefix a causal LM cannot have
     batches = as_batches(model, calib_data)
     _try_forward(model, batches[0])
     qmodel = model if inplace else copy.deepcopy(model)
