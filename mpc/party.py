@@ -415,7 +415,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (MPCError, ValueError, FileNotFoundError) as err:
         print(f"softq mpc party: error: {err}", file=sys.stderr, flush=True)
+        if _joined():
+            # Both parties stop at once (a model mismatch): the process-group teardown at interpreter
+            # exit can then find its peer gone, and gloo aborts the process (exit -6 instead of 2).
+            sys.stdout.flush()
+            os._exit(2)
         return 2
+
+
+def _joined() -> bool:
+    """Whether this process joined the parties' process group (only then is there a teardown to skip)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 if __name__ == "__main__":
