@@ -272,8 +272,9 @@ def fast_training(model: nn.Module) -> Iterator[None]:
     """Train faster without changing the function: SDPA for exact softmax, fused variants otherwise.
 
     Only layers without quantizers or observers take the fast path, and only in
-    training mode; evaluation and calibration always see the eager path (which
-    also returns the probabilities).
+    training mode; evaluation always sees the eager path (which also returns the
+    probabilities), and calibration too unless nothing reads a layer's probabilities
+    (then its output comes from SDPA, see ``_observing_only``).
     """
     points = [module.softq for _, module in attention_modules(model) if getattr(module, "softq", None) is not None]
     before = [p.fast_training for p in points]

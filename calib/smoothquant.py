@@ -178,7 +178,7 @@ class InputRecorder:
                     self.members[name] = name
             if self.members.get(name) == name:
                 flat = x.detach().reshape(-1, x.shape[-1]).float()
-                lo, hi = flat.amin(0), flat.amax(0)  # 4x faster than aminmax(dim=0) on CPU
+                lo, hi = flat.amin(0), flat.amax(0)  # 4x faster than aminmax(dim=0) on CPU (timed ad hoc)
                 if name in self.lo:
                     lo, hi = torch.minimum(self.lo[name], lo), torch.maximum(self.hi[name], hi)
                 self.lo[name], self.hi[name] = lo, hi

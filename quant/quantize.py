@@ -63,7 +63,8 @@ def residual_prefix(model: nn.Module, config: QuantConfig) -> int:
         return PREFIX_TOKENS.get(family, 0)
     if config.residual_prefix and family not in PREFIX_TOKENS:
         raise ValueError(f"residual_prefix applies to encoders ({', '.join(PREFIX_TOKENS)}); a {family} model "
-                         "decodes with a KV cache, where a step's first row is not position 0")
+                         "decodes with a KV cache, where a step's first row is not position 0; use residual_prefix=0 "
+                         "(what 'auto' picks for it)")
     return int(config.residual_prefix)
 
 
