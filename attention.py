@@ -227,6 +227,13 @@ def _observing_only(points: AttentionPoints) -> bool:
             and (type(probs) is ProbsQuantizer or not getattr(probs, "needs_probs", lambda: True)()))
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, scaling: float,
+          dropout: float = 0.0) -> torch.Tensor:
+    """Exact softmax attention by PyTorch SDPA with softq's 0/1 ``valid`` mask (fully masked rows give 0)."""
+    mask = None if valid is None else valid.to(torch.bool)
+    return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+
+
 def _observing_attention(
     points: AttentionPoints,
     query: torch.Tensor,
@@ -239,9 +246,7 @@ def _observing_attention(
     for their observer, the output by SDPA (no masked copy, no probability tensor, no P.V matmul)."""
     q, k, v = points.q(query), points.k(key), points.v(value)
     _scores_point(points, torch.matmul(q, k.transpose(-1, -2)).mul_(scaling), valid)
-    mask = None if valid is None else valid.to(torch.bool)
-    out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-    out = _gated(points, out)
+    out = _gated(points, _sdpa(q, k, v, valid, scaling))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -256,9 +261,7 @@ def _fast_training_attention(
 ) -> tuple[torch.Tensor, None]:
     """The same function as the eager path, computed faster for training (no probabilities returned)."""
     if points.softmax_name == "softmax":
-        mask = None if valid is None else valid.to(torch.bool)
-        out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
-                                                         scale=scaling)
+        out = _sdpa(query, key, value, valid, scaling, dropout)
     else:
         scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
         probs = compiled_softmax(points.softmax_name)(scores, valid, **points.softmax_params)
