@@ -185,6 +185,8 @@ def _scores_point(points: AttentionPoints, scores: torch.Tensor, valid: torch.Te
     """The softmax-input point.  While observing, it sees only the scores a row can attend to: masked
     keys (padding, a causal model's future) never reach the softmax, so their range would only coarsen
     the step (on the 2400-step reference LM the future scores widen it, docs/results/softmax_input.md)."""
+    if getattr(points.scores, "takes_valid", False):  # a grid relative to each row's max over valid keys
+        return points.scores(scores, valid)
     if valid is not None and getattr(points.scores, "mode", None) == "observe":
         points.scores(scores.masked_select(valid.expand_as(scores) != 0))
         return scores
@@ -245,7 +247,8 @@ def _observing_attention(
     """The eager path's function for a calibration pass at about half its cost: the scores are computed
     for their observer, the output by SDPA (no masked copy, no probability tensor, no P.V matmul)."""
     q, k, v = points.q(query), points.k(key), points.v(value)
-    _scores_point(points, torch.matmul(q, k.transpose(-1, -2)).mul_(scaling), valid)
+    if not getattr(points.scores, "takes_valid", False):  # a row-relative grid observes nothing
+        _scores_point(points, torch.matmul(q, k.transpose(-1, -2)).mul_(scaling), valid)
     out = _gated(points, _sdpa(q, k, v, valid, scaling))
     return out.transpose(1, 2).contiguous(), None
 

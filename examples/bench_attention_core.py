@@ -27,32 +27,58 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quant import command_line, write_atomic  # noqa: E402
 
 from softq.export import onnx_utils as U  # noqa: E402
-from softq.export.int_softmax import SoftmaxQuant, softmax_model  # noqa: E402
+from softq.export.int_softmax import (  # noqa: E402
+    SoftmaxQuant,
+    _Builder,
+    build_relative_codes,
+    relative_codes,
+    softmax_model,
+)
 from softq.export.row_attention import RowQuant, reference, row_attention_model  # noqa: E402
+from softq.quant.config import softmax_input_span  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-S_SCALE, S_ZP, V_SCALE, V_ZP = 0.06, 128, 0.02, 128
+V_SCALE, V_ZP = 0.02, 128
 
 
 def float_core() -> "onnx.ModelProto":  # noqa: F821
-    """DequantizeLinear(scores) -> Softmax -> MatMul(P, DequantizeLinear(V)): the float core."""
+    """Softmax(scores) -> MatMul(P, DequantizeLinear(V)): the float core."""
     nodes = [
-        helper.make_node("DequantizeLinear", ["x", "s_scale", "s_zp"], ["xf"]),
-        helper.make_node("Softmax", ["xf"], ["p"], axis=-1),
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
         helper.make_node("DequantizeLinear", ["v", "v_scale", "v_zp"], ["vf"]),
         helper.make_node("MatMul", ["p", "vf"], ["y"]),
     ]
-    inits = [helper.make_tensor("s_scale", TensorProto.FLOAT, [], [S_SCALE]),
-             helper.make_tensor("s_zp", TensorProto.UINT8, [], [S_ZP]),
-             helper.make_tensor("v_scale", TensorProto.FLOAT, [], [V_SCALE]),
-             helper.make_tensor("v_zp", TensorProto.UINT8, [], [V_ZP])]
-    return _model(nodes, inits, "float_core")
+    return _model(nodes, _v_inits(), "float_core")
 
 
-def edge_core(form: str) -> "onnx.ModelProto":  # noqa: F821
-    """Today's edge export: softmax form -> DequantizeLinear(2^-8) -> MatMul with the dequantized V."""
-    sm = softmax_model(form, SoftmaxQuant(scale=S_SCALE, zero_point=S_ZP))
-    nodes = list(sm.graph.node) + [
+def _v_inits() -> list:
+    return [helper.make_tensor("v_scale", TensorProto.FLOAT, [], [V_SCALE]),
+            helper.make_tensor("v_zp", TensorProto.UINT8, [], [V_ZP])]
+
+
+def _codes(q: SoftmaxQuant) -> tuple[list, list]:
+    """Nodes from the float scores ``s`` to the score codes ``x``: per-tensor QuantizeLinear, or the
+    row-relative codes (Min/ReduceMax/Max/Sub/QuantizeLinear without a mask: ReduceMax/Sub/QuantizeLinear)."""
+    if q.relative:
+        b = _Builder("input/", 21)
+        build_relative_codes(b, "s", q, out="x")
+        return b.nodes, b.inits
+    return ([helper.make_node("QuantizeLinear", ["s", "s_scale", "s_zp"], ["x"])],
+            [helper.make_tensor("s_scale", TensorProto.FLOAT, [], [q.scale]),
+             helper.make_tensor("s_zp", TensorProto.UINT8, [], [q.zero_point])])
+
+
+def row_core(form: str, rq: RowQuant) -> "onnx.ModelProto":  # noqa: F821
+    nodes, inits = _codes(rq.scores)
+    core = row_attention_model(form, rq)
+    return _model(nodes + list(core.graph.node), inits + list(core.graph.initializer), f"row_{form}")
+
+
+def edge_core(form: str, q: SoftmaxQuant) -> "onnx.ModelProto":  # noqa: F821
+    """The edge export: score codes -> softmax form -> DequantizeLinear(2^-8) -> MatMul with the dequantized V."""
+    nodes, inits = _codes(q)
+    sm = softmax_model(form, q)
+    nodes += list(sm.graph.node) + [
         helper.make_node("DequantizeLinear", ["y", "p_scale", "p_zp"], ["pf"]),
         helper.make_node("DequantizeLinear", ["v", "v_scale", "v_zp"], ["vf"]),
         helper.make_node("MatMul", ["pf", "vf"], ["out"]),
@@ -60,18 +86,16 @@ def edge_core(form: str) -> "onnx.ModelProto":  # noqa: F821
     for n in nodes:
         n.output[:] = ["probs_codes" if o == "y" else ("y" if o == "out" else o) for o in n.output]
         n.input[:] = ["probs_codes" if i == "y" else i for i in n.input]
-    inits = list(sm.graph.initializer) + [
+    inits += list(sm.graph.initializer) + _v_inits() + [
         helper.make_tensor("p_scale", TensorProto.FLOAT, [], [2.0**-8]),
-        helper.make_tensor("p_zp", TensorProto.UINT8, [], [0]),
-        helper.make_tensor("v_scale", TensorProto.FLOAT, [], [V_SCALE]),
-        helper.make_tensor("v_zp", TensorProto.UINT8, [], [V_ZP])]
+        helper.make_tensor("p_zp", TensorProto.UINT8, [], [0])]
     opsets = {o.domain: o.version for o in sm.opset_import}
     return _model(nodes, inits, f"edge_{form}", opsets)
 
 
 def _model(nodes, inits, name, opsets=None):  # noqa: ANN001, ANN202
     dims = ["b", "h", "q", "k"]
-    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.UINT8, dims),
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("s", TensorProto.FLOAT, dims),
                                             helper.make_tensor_value_info("v", TensorProto.UINT8, ["b", "h", "k", "d"])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "h", "q", "d"])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in (opsets or {"": 21}).items()])
@@ -79,27 +103,37 @@ def _model(nodes, inits, name, opsets=None):  # noqa: ANN001, ANN202
     return model
 
 
-def forms() -> list[tuple[str, object]]:
-    q = SoftmaxQuant(scale=S_SCALE, zero_point=S_ZP)
-    out = [("float core: DQ -> Softmax -> MatMul", float_core())]
+def grids(s: np.ndarray) -> dict[str, SoftmaxQuant]:
+    """The score grids: row-relative (the default; span of 8-bit row codes / of row_exact) and per tensor
+    (min-max over these scores, as softq's default observer would calibrate it)."""
+    relative = {rep: SoftmaxQuant(scale=softmax_input_span(rep, 8) / 255, zero_point=255, relative=True)
+                for rep in ("row", "row_exact")}
+    scale = float(s.max() - s.min()) / 255
+    return {**relative, "tensor": SoftmaxQuant(scale=scale, zero_point=int(np.clip(round(-s.min() / scale), 0, 255)))}
+
+
+def forms(s: np.ndarray) -> list[tuple[str, object]]:
+    g = grids(s)
+    out = [("float core: Softmax -> MatMul", float_core())]
     for rep in ("row", "row_exact"):
-        rq = RowQuant(q, V_SCALE, V_ZP, 8, rep)
-        out += [(f"{rep}, fast (Exp in Q/DQ, MatMulInteger)", row_attention_model("fast", rq)),
-                (f"{rep}, int (exp table, MatMulInteger)", row_attention_model("int", rq))]
-    out += [("edge, qdq (today's default export)", edge_core("qdq")),
-            ("edge, ort (QLinearSoftmax)", edge_core("ort")),
-            ("edge, int (table softmax)", edge_core("int"))]
+        for grid, label in ((g[rep], "row-relative input"), (g["tensor"], "per-tensor input")):
+            rq = RowQuant(grid, V_SCALE, V_ZP, 8, rep)
+            default = " (default)" if (rep, grid.relative) == ("row", True) else ""
+            out += [(f"{rep}, fast, {label}{default}", row_core("fast", rq)),
+                    (f"{rep}, int, {label}", row_core("int", rq))]
+    for form in ("qdq", "ort", "int"):
+        out.append((f"edge, {form}, per-tensor input", edge_core(form, g["tensor"])))
     return out
 
 
 def bench_shape(shape: tuple[int, int, int, int], repeats: int, d_head: int) -> list[dict[str, object]]:
     b, h, n, k = shape
     rng = np.random.default_rng(0)
-    x = np.clip(np.round(rng.normal(0, 2.5, shape) / S_SCALE) + S_ZP, 0, 255).astype(np.uint8)
+    s = rng.normal(0, 2.5, shape).astype(np.float32)
     v = rng.integers(0, 256, (b, h, k, d_head)).astype(np.uint8)
-    feeds = {"x": x, "v": v}
-    exact = _exact(x, v)
-    sessions = [(label, U.session(model, "all", threads=1)) for label, model in forms()]
+    feeds = {"s": s, "v": v}
+    exact = _exact(s, v)
+    sessions = [(label, U.session(model, "all", threads=1)) for label, model in forms(s)]
     times: dict[str, list[float]] = {label: [] for label, _ in sessions}
     errors = {}
     for label, sess in sessions:  # warm-up and accuracy
@@ -111,8 +145,9 @@ def bench_shape(shape: tuple[int, int, int, int], repeats: int, d_head: int) -> 
             sess.run(None, feeds)
             times[label].append(time.perf_counter() - t)
     base = statistics.median(times[sessions[0][0]])
-    rq = RowQuant(SoftmaxQuant(scale=S_SCALE, zero_point=S_ZP), V_SCALE, V_ZP)
-    ref_err = float(np.abs(reference("int", x, v, rq) - exact).max() / np.abs(exact).max())
+    q = grids(s)["row"]
+    rq = RowQuant(q, V_SCALE, V_ZP)
+    ref_err = float(np.abs(reference("int", relative_codes(s, q), v, rq) - exact).max() / np.abs(exact).max())
     rows = []
     for label, _ in sessions:
         med = statistics.median(times[label])
@@ -122,8 +157,8 @@ def bench_shape(shape: tuple[int, int, int, int], repeats: int, d_head: int) -> 
     return rows
 
 
-def _exact(x: np.ndarray, v: np.ndarray) -> np.ndarray:
-    xf = (x.astype(np.float64) - S_ZP) * np.float32(S_SCALE)
+def _exact(s: np.ndarray, v: np.ndarray) -> np.ndarray:
+    xf = s.astype(np.float64)
     p = np.exp(xf - xf.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     return p @ ((v.astype(np.float64) - V_ZP) * np.float32(V_SCALE))
@@ -137,11 +172,14 @@ def markdown(rows: list[dict[str, object]], args: argparse.Namespace, seconds: f
         f"Machine: {os.cpu_count()} CPU cores (shared), `{platform.processor() or platform.machine()}`, onnxruntime "
         f"{ort.__version__}; 1 intra-op thread, ORT_ENABLE_ALL; took {seconds / 60:.1f} min.",
         "",
-        f"Inputs: uint8 score codes (scale {S_SCALE}, zero point {S_ZP}, N(0, 2.5) logits) and uint8 V codes "
-        f"(scale {V_SCALE}, zero point {V_ZP}), head size {args.d_head}. Each form's time is the median of "
+        f"Inputs: float32 scores (N(0, 2.5) logits, what the Q.K^T MatMul gives) and uint8 V codes "
+        f"(scale {V_SCALE}, zero point {V_ZP}), head size {args.d_head}; every quantized core starts with its "
+        f"score codes: row-relative (`QuantConfig.softmax_input='row'`, the default: ReduceMax, Sub, "
+        f"QuantizeLinear at step T/255) or per tensor (QuantizeLinear on the min-max grid of the scores). "
+        f"Each form's time is the median of "
         f"{args.repeats} runs interleaved with the other forms' runs; 'x float' is that median over the float "
         "core's median in the same run. 'rel. error' = max |y - exact P.V| / max |exact P.V| (exact: float64 softmax "
-        "of the dequantized scores times the dequantized V).",
+        "of the float scores times the dequantized V).",
         "",
         "| shape [b,h,q,k] | attention core | ms | x float | rel. error |",
         "|---|---|---|---|---|",
@@ -156,6 +194,8 @@ def markdown(rows: list[dict[str, object]], args: argparse.Namespace, seconds: f
         "exp instead (float ReduceSum in `fast`, a second 2^16 table in `int`). One division per output element.",
         "- `int` forms are integer from the score codes to the int32 accumulators (exp table by Gather); their "
         "cost is onnxruntime's Gather, a scalar kernel.",
+        "- Row-relative codes are `qmax - d` already, so the core takes no row max: `fast` dequantizes them into "
+        "the Exp, `int` indexes its tables by the code.",
         "- Edge rows: today's export of the uniform 2^-8 codes (softmax form, DequantizeLinear, float MatMul).",
         "",
     ]

@@ -53,6 +53,8 @@ def rows(bits_list: tuple[int, ...] = (8, 6, 4), correction: bool = True) -> lis
                                                              bias_correction="head_row"), exact)
         out += [Row(edge, Q(softmax_bits=bits, softmax_output="edge")), *([edge_bc] if correction else []),
                 Row(f"W8A8, {bits}-bit softmax, row (default)", Q(softmax_bits=bits)),
+                Row("  softmax input on one calibrated grid per tensor (softmax_input='tensor')",
+                    Q(softmax_bits=bits, softmax_input="tensor")),
                 Row(exact, Q(softmax_bits=bits, softmax_output="row_exact")), *([exact_bc] if correction else [])]
         if bits == 8:  # what two of the default's outlier passes contribute on these models
             out += [Row("  default without input smoothing (input_smoothing=None)", Q(input_smoothing=None)),
@@ -97,8 +99,10 @@ def markdown(sections: list[tuple[Task, list[tuple[str, float, float, str]]]], c
         f"took {seconds / 60:.1f} min.",
         "",
         "W8A8 everywhere (`QuantConfig` defaults otherwise): per-channel int8 weights, int8 embedding tables (one scale",
-        "per row), asymmetric int8 activations (Linear inputs, Q, K, V, softmax input, residual stream) with min-max",
-        "ranges on 16 calibration windows/images from the training split;",
+        "per row), asymmetric int8 activations (Linear inputs, Q, K, V, residual stream) with min-max",
+        "ranges on 16 calibration windows/images from the training split; softmax input (`softmax_input='auto'`):",
+        "8-bit codes of s - rowmax on [-T, 0] (T = 6.34 for 8-bit `row` output, 11.89 for `row_exact`) for `row` and",
+        "`row_exact`, one calibrated asymmetric grid per tensor for `edge` (the 'softmax_input=tensor' rows: per tensor);",
         "softmax output unsigned: `edge` = uniform codes at scale 2^-bits; `row` (the default) = codes",
         "E = round((2^b-1) exp(s - rowmax)), P.V = (E.V)/sum(E); `row_exact` = the same codes divided by (2^b-1) times the",
         "exact sum of exp.  'gap closed' = share of the held-out loss increase (cross-entropy in nats, FP -> uncorrected",

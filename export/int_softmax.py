@@ -87,8 +87,14 @@ class SoftmaxQuant:
     bits: int = 8
     signed: bool = False
     out_signed: bool = False
+    # codes relative to the row max (QuantConfig.softmax_input="row"): zero point qmax, the row max of
+    # valid keys is always code qmax, masked keys arrive as code 0 (:func:`relative_codes`)
+    relative: bool = False
 
     def __post_init__(self) -> None:
+        if self.relative and (self.signed or int(self.zero_point) != self.qmax):
+            raise ValueError(f"row-relative softmax input codes are unsigned with zero point {self.qmax} "
+                             f"(the row max), got zero point {self.zero_point}{' signed' if self.signed else ''}")
         if not (isinstance(self.scale, (float, int, np.floating)) and math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"softmax input scale must be a positive finite number, got {self.scale!r}")
         if not isinstance(self.bits, (int, np.integer)) or not 2 <= int(self.bits) <= 32:
@@ -216,6 +222,51 @@ def _check_input(x: np.ndarray, q: SoftmaxQuant) -> np.ndarray:
 def _finish(q_unsigned: np.ndarray, q: SoftmaxQuant) -> np.ndarray:
     """Saturate a 0..256 integer result and move it to the output zero point."""
     return (np.minimum(q_unsigned, 255) + q.out_zero_point).astype(q.out_dtype)
+
+
+# ---------------------------------------------------------------------------
+# Row-relative input codes (QuantConfig.softmax_input="row")
+# ---------------------------------------------------------------------------
+
+# Masked keys get MASKED_SCORE added before the row max; the max is raised to at least EMPTY_ROW_MAX, so
+# a fully masked row (max about MASKED_SCORE) still puts its keys far below it: every masked key gets code 0.
+MASKED_SCORE = np.float32(-1.0e30)
+EMPTY_ROW_MAX = np.float32(-5.0e29)
+
+
+def relative_codes(s: np.ndarray, q: SoftmaxQuant, valid: np.ndarray | None = None) -> np.ndarray:
+    """Codes ``clamp(round((s - m) / S) + qmax, 0, qmax)`` of float32 scores ``s``, ``m`` the row max over
+    valid keys; masked keys (and every key of a fully masked row) get 0.  Float32 throughout, exactly as
+    :func:`build_relative_codes` computes them (Add of the pushed-down mask, ReduceMax, Max, Sub, QuantizeLinear)."""
+    if not q.relative:
+        raise ValueError("relative_codes needs a SoftmaxQuant with relative=True")
+    s = np.asarray(s)
+    if s.dtype != np.float32:
+        raise ValueError(f"softmax scores must be float32, got {s.dtype}")
+    v = _check_valid(s, valid)
+    if v is not None:
+        s = s + (v.astype(np.float32) - np.float32(1)) * -MASKED_SCORE
+        m = np.maximum(s.max(axis=-1, keepdims=True), EMPTY_ROW_MAX)
+    else:
+        m = s.max(axis=-1, keepdims=True)
+    r = np.rint((s - m) / q.scale32)  # float32 Sub and Div, round half to even: QuantizeLinear
+    return (np.clip(r, -q.qmax, 0) + q.qmax).astype(q.in_dtype)
+
+
+def build_relative_codes(b: "_Builder", s: str, q: SoftmaxQuant, valid: str | None = None, out: str | None = None,
+                         valid_float: str | None = None) -> str:
+    """Nodes of :func:`relative_codes` (``valid``: bool, broadcastable to ``s``); returns the codes' name.
+
+    ``valid_float``: the same mask as float 0/1, if the graph has it (then no Where is needed)."""
+    if valid is not None or valid_float is not None:  # s + (valid - 1) 1e30 on the small mask: s at valid keys exactly
+        vf = valid_float or b.op("Cast", [valid], to=TensorProto.FLOAT)
+        low = b.op("Mul", [b.op("Sub", [vf, b.const("one", 1.0, np.float32)]), b.const("push", -MASKED_SCORE, np.float32)])
+        s = b.op("Add", [s, low])
+        m = b.op("Max", [b.reduce("ReduceMax", s, -1), b.const("empty_row", EMPTY_ROW_MAX, np.float32)])
+    else:
+        m = b.reduce("ReduceMax", s, -1)
+    return b.op("QuantizeLinear", [b.op("Sub", [s, m]), b.const("r_scale", q.scale32, np.float32),
+                                   b.const("r_zp", q.qmax, q.in_dtype)], out=out)
 
 
 # ---------------------------------------------------------------------------
@@ -534,6 +585,20 @@ def softmax_model(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in g.opset_imports.items()],
                               producer_name="softq")
     model.ir_version = min(model.ir_version, 10)  # onnxruntime 1.2x reads IR <= 10
+    return model
+
+
+def relative_codes_model(q: SoftmaxQuant, with_valid: bool = False, opset: int = 21) -> onnx.ModelProto:
+    """A standalone model ``s [b,h,q,k] float32[, valid bool] -> x`` (uint8 row-relative codes; tests, benchmarks)."""
+    b = _Builder("softq_input/", opset)
+    build_relative_codes(b, "s", q, "valid" if with_valid else None, out="x")
+    inputs = [helper.make_tensor_value_info("s", TensorProto.FLOAT, ["b", "h", "q", "k"])]
+    if with_valid:
+        inputs.append(helper.make_tensor_value_info("valid", TensorProto.BOOL, ["vb", "vh", "vq", "k"]))
+    graph = helper.make_graph(b.nodes, "softq_relative_codes", inputs,
+                              [helper.make_tensor_value_info("x", q.in_onnx_type, ["b", "h", "q", "k"])], b.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="softq")
+    model.ir_version = min(model.ir_version, 10)
     return model
 
 

@@ -14,8 +14,9 @@ has an ONNX ``symbolic``:
   output is P.V.
 
 The TorchScript exporter (``dynamo=False``) traces that copy; afterwards each
-marker is replaced, after ``QuantizeLinear`` of the scores, by the form chosen for
-the layer's softmax-output representation:
+marker is replaced, after the scores' codes (``QuantizeLinear`` of ``s - rowmax`` for the
+default row-relative input, :func:`softq.export.int_softmax.build_relative_codes`; of ``s``
+for a per-tensor grid), by the form chosen for the layer's softmax-output representation:
 
 * ``row`` / ``row_exact`` (:mod:`softq.export.row_attention`): ``fast`` or
   ``int``, integer codes relative to the row max, ``MatMulInteger`` with the
@@ -57,7 +58,7 @@ from torch import nn
 
 from softq.export import onnx_utils
 from softq.export.int_softmax import FORMS as EDGE_FORMS
-from softq.export.int_softmax import OUT_SCALE, SoftmaxQuant, build_softmax
+from softq.export.int_softmax import OUT_SCALE, SoftmaxQuant, _Builder, build_relative_codes, build_softmax
 from softq.export.row_attention import ROW_FORMS, RowQuant, build_row_attention
 
 TORCH_OPSET = 18
@@ -379,7 +380,8 @@ def _softmax_params(name: str, points: nn.Module, key: int) -> dict[str, Any]:
     if int(scores.bits) > 8:
         raise ExportError(f"attention layer '{name}': {scores.bits}-bit softmax inputs are not exportable (max 8)")
     q = SoftmaxQuant(scale=float(scores.scale), zero_point=int(round(float(scores.zero_point))),
-                     bits=int(scores.bits), signed=bool(scores.signed), out_signed=False)
+                     bits=int(scores.bits), signed=bool(scores.signed), out_signed=False,
+                     relative=bool(getattr(scores, "takes_valid", False)))
     if probs.representation != "edge":
         return {"name": name, "q": q, "representation": probs.representation, "rq": _row_quant(name, points, q)}
     if abs(float(probs.scale) - float(OUT_SCALE)) > 0 or int(probs.bits) != 8 or float(probs.zero_point) != 0:
@@ -718,13 +720,19 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
         scores, v, out = node.input[0], node.input[1], node.output[0]
         probs = f"{p}probs"
         valid_b = None
-        extra_inits += [_init(f"{p}s_scale", np.float32(q.scale)), _init(f"{p}s_zp", np.array(q.zero_point, q.in_dtype))]
-        new_nodes.append(helper.make_node("QuantizeLinear", [scores, f"{p}s_scale", f"{p}s_zp"], [f"{p}codes"],
-                                          name=f"{p}QuantizeLinear"))
         if len(node.input) > 2 and node.input[2]:
             valid_b = f"{p}valid"
             new_nodes.append(helper.make_node("Cast", [node.input[2]], [valid_b], name=f"{p}CastValid",
                                               to=TensorProto.BOOL))
+        if q.relative:  # codes of s - rowmax; masked keys get code 0, which every row core maps to E = 0
+            b = _Builder(f"{p}input/", opset)
+            build_relative_codes(b, scores, q, out=f"{p}codes", valid_float=node.input[2] if valid_b else None)
+            new_nodes += b.nodes
+            extra_inits += b.inits
+        else:
+            extra_inits += [_init(f"{p}s_scale", np.float32(q.scale)), _init(f"{p}s_zp", np.array(q.zero_point, q.in_dtype))]
+            new_nodes.append(helper.make_node("QuantizeLinear", [scores, f"{p}s_scale", f"{p}s_zp"], [f"{p}codes"],
+                                              name=f"{p}QuantizeLinear"))
         if info["representation"] == "edge":
             nodes, inits, domains = _edge_core(p, info, form, scores, valid_b, probs, opset)
             nodes.append(helper.make_node("MatMul", [probs, v], [out], name=f"{p}MatMulPV"))
@@ -734,7 +742,9 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
             nodes = [helper.make_node("QuantizeLinear", [v, f"{p}v_scale", f"{p}v_zp"], [f"{p}vcodes"],
                                       name=f"{p}QuantizeV")]
             inits = [_init(f"{p}v_scale", np.float32(rq.v_scale)), _init(f"{p}v_zp", np.array(rq.v_zero_point, np.uint8))]
-            core, core_inits = build_row_attention(form, f"{p}codes", f"{p}vcodes", out, rq, valid_b,
+            # relative codes need no mask in the core, except row_exact's float sum of exp (fast form)
+            core_valid = None if q.relative and (rq.representation == "row" or form == "int") else valid_b
+            core, core_inits = build_row_attention(form, f"{p}codes", f"{p}vcodes", out, rq, core_valid,
                                                    probs if probs_outputs else None, prefix=f"{p}core/", opset=opset)
             nodes += core
             inits += core_inits

@@ -38,6 +38,13 @@ Forms:
     Bit exact against :func:`reference` (the final float32 Cast/Mul/Div are
     correctly rounded IEEE operations in numpy and onnxruntime alike).
 
+Row-relative score codes (``QuantConfig.softmax_input="row"``, the default; ``SoftmaxQuant.relative``):
+the codes already are ``qmax - d`` (:func:`softq.export.int_softmax.relative_codes`), so neither form
+takes a row max: ``fast`` dequantizes them straight into the Exp, ``int`` indexes the tables by the
+code.  Code 0 (masked keys, scores ``T`` or more below the max) gives ``E = 0`` and a 0 exact-sum
+entry (checked by :class:`RowQuant`), so the export feeds the core no mask except for
+``row_exact``'s float sum (``fast``).
+
 int32 safety: ``|E.(v - z)| <= L * max|v - z| * L_k``; rows longer than
 :meth:`RowQuant.max_keys` are refused (about 33k keys with asymmetric uint8 V and
 8-bit codes, 66k with symmetric V stored as uint8 around 128).
@@ -85,6 +92,14 @@ class RowQuant:
         if not 0 <= self.v_qmin <= int(self.v_zero_point) <= self.v_qmax <= 255:
             raise ValueError(f"V zero point {self.v_zero_point} and code range [{self.v_qmin}, {self.v_qmax}] "
                              "must lie in the uint8 range with qmin <= zero point <= qmax")
+        if self.scores.relative:  # code 0 (masked keys, scores T or more below the max) must give E = 0
+            tables = [code_table(self.scores.scale, self.levels, self.scores.bits)]
+            if self.representation == "row_exact":
+                tables.append(sum_table(self.scores.scale, self.scores.bits))
+            if any(t[self.scores.qmax] != 0 for t in tables):
+                raise ValueError(f"row-relative score codes span {self.scores.qmax * float(self.scores.scale32):.3g} "
+                                 f"below the row max, too little for the {self.bits}-bit {self.representation} "
+                                 "codes: their lowest code must give exp code 0")
 
     @property
     def levels(self) -> int:
@@ -138,10 +153,18 @@ def code_table(scale: float, levels: int, in_bits: int = 8) -> np.ndarray:
     return np.append(e, 0).astype(np.uint8 if levels <= 255 else np.int64)
 
 
+def sum_table(scale: float, in_bits: int = 8) -> np.ndarray:
+    """``round(2**16 exp(-d S))`` for ``d = 0 .. 2**in_bits - 1`` plus a final 0 (row_exact's int-form sum)."""
+    t16 = np.round(2.0**SUM_TABLE_BITS * np.exp(-np.arange(2**in_bits) * float(np.float32(scale))))
+    return np.append(t16, 0).astype(np.int32)
+
+
 def _row_distance(x: np.ndarray, q: SoftmaxQuant, valid: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-    """``d = rowmax - x`` over valid keys (int64), and the broadcast mask."""
+    """``d = rowmax - x`` over valid keys (int64; ``qmax - x`` for row-relative codes), and the broadcast mask."""
     xi = _check_input(x, q)
     v = _check_valid(xi, valid)
+    if q.relative:
+        return q.qmax - (xi if v is None else np.where(v, xi, q.qmin)), v
     xm = xi if v is None else np.where(v, xi, q.qmin)
     return xm.max(axis=-1, keepdims=True) - xm, v
 
@@ -193,7 +216,7 @@ def accumulators(
         den = e.astype(np.int64).sum(axis=-1, keepdims=True)
     else:
         d, m = _row_distance(x, rq.scores, valid)
-        e16 = np.round(2.0**SUM_TABLE_BITS * np.exp(-d * float(rq.scores.scale32))).astype(np.int64)
+        e16 = sum_table(rq.scores.scale, rq.scores.bits).astype(np.int64)[d]
         den = (e16 if m is None else np.where(m, e16, 0)).sum(axis=-1, keepdims=True)
     assert np.abs(num).max(initial=0) <= INT32_MAX and den.max(initial=0) <= INT32_MAX  # guaranteed by check_keys
     return num, den
@@ -262,12 +285,16 @@ def build_row_attention(
         # masks as Min/Max with per-key caps (4x faster than a broadcast Where in onnxruntime)
         xm = x if valid is None else b.op("Min", [x, _cap(b, valid, q.in_dtype, q.qmin, "x")])
         s_scale, s_zp = b.const("s_scale", q.scale32, np.float32), b.const("s_zp", q.zero_point, q.in_dtype)
-        mx = b.reduce("ReduceMax", xm, -1)
-        f = b.op("Sub", [b.op("DequantizeLinear", [xm, s_scale, s_zp]), b.op("DequantizeLinear", [mx, s_scale, s_zp])])
+        if q.relative:  # DQ(x) = (x - qmax) S is already s - rowmax; code 0 (masked) gives E = 0
+            f = b.op("DequantizeLinear", [xm, s_scale, s_zp])
+        else:
+            mx = b.reduce("ReduceMax", xm, -1)
+            f = b.op("Sub", [b.op("DequantizeLinear", [xm, s_scale, s_zp]),
+                             b.op("DequantizeLinear", [mx, s_scale, s_zp])])
         ex = b.op("Exp", [f])
         e = b.op("QuantizeLinear", [ex, b.const("e_scale", np.float32(1.0 / rq.levels), np.float32),
                                     b.const("e_zp", 0, np.uint8)])
-        if valid is not None:
+        if valid is not None and not q.relative:
             e = b.op("Min", [e, _cap(b, valid, np.uint8, 0, "e")])
         if rq.representation == "row_exact":
             exm = ex if valid is None else b.op("Mul", [ex, b.op("Cast", [valid], to=TensorProto.FLOAT)])
@@ -276,13 +303,17 @@ def build_row_attention(
         xi = b.op("Cast", [x], to=TensorProto.INT32)
         if valid is not None:
             xi = b.op("Min", [xi, _cap(b, valid, np.int32, q.qmin, "x")])
-        d = b.op("Sub", [b.reduce("ReduceMax", xi, -1), xi])
-        if valid is not None:  # masked keys index the table's final 0 entry (d of a valid key is < 2**bits)
-            d = b.op("Max", [d, _cap(b, valid, np.int32, 2**q.bits, "d", low=True)])
-        e = b.op("Gather", [b.const("code_table", code_table(q.scale, rq.levels, q.bits), np.uint8), d], axis=0)
+        codes, sums = code_table(q.scale, rq.levels, q.bits), sum_table(q.scale, q.bits)
+        if q.relative:  # tables indexed by the code itself (d = qmax - x); code 0 gives 0 in both
+            d = xi
+            codes, sums = codes[q.qmax::-1], sums[q.qmax::-1]
+        else:
+            d = b.op("Sub", [b.reduce("ReduceMax", xi, -1), xi])
+            if valid is not None:  # masked keys index the table's final 0 entry (d of a valid key is < 2**bits)
+                d = b.op("Max", [d, _cap(b, valid, np.int32, 2**q.bits, "d", low=True)])
+        e = b.op("Gather", [b.const("code_table", codes, np.uint8), d], axis=0)
         if rq.representation == "row_exact":
-            t16 = np.round(2.0**SUM_TABLE_BITS * np.exp(-np.arange(2**q.bits) * float(q.scale32)))
-            e16 = b.op("Gather", [b.const("sum_table", np.append(t16, 0), np.int32), d], axis=0)
+            e16 = b.op("Gather", [b.const("sum_table", sums, np.int32), d], axis=0)
             den_i = b.op("Max", [b.reduce("ReduceSum", e16, -1), b.const("one", 1, np.int32)])
             den_f = b.op("Cast", [den_i], to=TensorProto.FLOAT)
     v_zp = b.const("v_zp", rq.v_zero_point, np.uint8)

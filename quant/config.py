@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
 BIAS_CORRECTION_GRANULARITIES = ("tensor", "head", "head_row")
 SOFTMAX_OUTPUTS = ("row", "row_exact", "edge")
+SOFTMAX_INPUTS = ("auto", "row", "tensor")
+# Grid of the exact sums of exp that integer softmax forms accumulate (row_exact's sum table, the edge int form)
+SUM_GRID = 2**16
+# A row-relative softmax input stops at the distance T below the row max where the output code is
+# round(K exp(-T)) = round(ROW_INPUT_TAIL) = 0, with K the output grid: its last code means "exp is 0"
+ROW_INPUT_TAIL = 0.45
+
+
+def softmax_input_span(softmax_output: str, softmax_bits: int) -> float:
+    """T of ``softmax_input="row"``: scores further than T below their row max get output code 0.
+
+    ``"row"`` outputs ``round((2**b - 1) exp(-d))``, so ``T = ln((2**b - 1) / 0.45)`` (6.34 at 8 bits,
+    3.51 at 4); ``"row_exact"`` and ``"edge"`` also sum exp on the integer forms' 2**-16 grid, so
+    ``T = ln(2**16 / 0.45)`` (11.89), where that sum's entry is 0 too.
+    """
+    if softmax_output not in SOFTMAX_OUTPUTS:
+        raise ValueError(f"softmax output representation must be one of {SOFTMAX_OUTPUTS}, got {softmax_output!r}")
+    grid = 2**softmax_bits - 1 if softmax_output == "row" else SUM_GRID
+    return math.log(grid / ROW_INPUT_TAIL)
 MIN_BITS, MAX_BITS = 2, 16
 # input_smoothing="auto": this alpha, in models where some Linear input's widest channel exceeds this
 # many times its median channel (max |x| over the calibration set)
@@ -35,6 +55,17 @@ class QuantConfig:
             ``"row_exact"``: the same codes divided by ``(2**b - 1)`` times the
             exact sum of exp (best at 4-6 bits); ``"edge"``: uniform codes at
             scale ``softmax_scale`` (the TFLite/QNN convention).
+        softmax_input: grid of the softmax input (the attention scores), used when
+            ``softmax_bits`` is set.  ``"auto"`` (default): ``"row"`` for ``row`` and
+            ``row_exact`` outputs, ``"tensor"`` for ``edge`` (the TFLite/QNN convention
+            its runtimes' softmax kernels take).  ``"row"``: codes of ``s - rowmax``
+            (over the keys the row may attend) on ``[-T, 0]`` with the fixed step
+            ``T / (2**act_bits - 1)``, no calibration; ``T`` is where the output code
+            becomes 0 (:func:`softmax_input_span`: 6.34 for 8-bit ``row`` outputs), so
+            the clamp loses nothing the output keeps and the step does not grow with
+            the score range.  ``"tensor"``: one calibrated grid per tensor (the
+            observer's), the common PTQ convention; the 2400-step reference LM's
+            layer-1 scores span [-80, 53], a step of 0.52 (docs/results/softmax_input.md).
         softmax_scale: ``"edge"`` output only. ``"fixed"`` uses ``2**-softmax_bits``
             (the TFLite/QNN edge convention, what the ONNX export emits);
             ``"calibrated"`` fits the scale to the largest probability seen.
@@ -96,6 +127,7 @@ class QuantConfig:
     act_symmetric: bool = False
     softmax_bits: int | None = 8
     softmax_output: Literal["row", "row_exact", "edge"] = "row"
+    softmax_input: Literal["auto", "row", "tensor"] = "auto"
     softmax_scale: Literal["fixed", "calibrated"] = "fixed"
     observer: Literal["minmax", "percentile", "mse"] = "minmax"
     percentile: float = 99.99
@@ -119,6 +151,8 @@ class QuantConfig:
             raise ValueError(f"softmax_scale must be 'fixed' or 'calibrated', got {self.softmax_scale!r}")
         if self.softmax_output not in SOFTMAX_OUTPUTS:
             raise ValueError(f"softmax_output must be one of {SOFTMAX_OUTPUTS}, got {self.softmax_output!r}")
+        if self.softmax_input not in SOFTMAX_INPUTS:
+            raise ValueError(f"softmax_input must be one of {SOFTMAX_INPUTS}, got {self.softmax_input!r}")
         if self.softmax_scale != "fixed" and self.softmax_output != "edge":
             raise ValueError(f"softmax_scale={self.softmax_scale!r} applies to softmax_output='edge' only; "
                              f"'{self.softmax_output}' codes are scaled by each row's max")
@@ -151,6 +185,13 @@ class QuantConfig:
             raise ValueError(f"input_smoothing must be an alpha in [0, 1], 'auto' or None, got {self.input_smoothing!r}")
         if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
             raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
+
+    @property
+    def row_relative_input(self) -> bool:
+        """Whether the softmax input is quantized relative to the row max (``softmax_input`` resolved)."""
+        if self.softmax_input == "auto":
+            return self.softmax_output != "edge"
+        return self.softmax_input == "row"
 
     def describe(self) -> str:
         """Short human-readable summary of the non-default settings."""

@@ -35,8 +35,8 @@ from softq.calib.data import Batch, as_batches, run_batches
 from softq.calib.observers import MinMaxObserver
 from softq.calib.smoothquant import InputRecorder, smooth, smooth_inputs, smoothable_linears, smoothing_scales, tied_linears
 from softq.models import conv1d_to_linear, model_family
-from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_RATIO, PREFIX_TOKENS, QuantConfig
-from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, SoftmaxOutputQuantizer
+from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_RATIO, PREFIX_TOKENS, QuantConfig, softmax_input_span
+from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, RowScoresQuantizer, SoftmaxOutputQuantizer
 
 
 class QLayerNorm(nn.LayerNorm):
@@ -89,7 +89,8 @@ def _attach_attention_quantizers(points: AttentionPoints, config: QuantConfig) -
     points.k = _act(config)
     points.v = _act(config)
     if config.softmax_bits is not None:
-        points.scores = _act(config)
+        points.scores = (RowScoresQuantizer(config.act_bits, softmax_input_span(config.softmax_output, config.softmax_bits))
+                         if config.row_relative_input else _act(config))
         points.probs = SoftmaxOutputQuantizer(config.softmax_bits, points.num_heads, config.softmax_scale,
                                               config.softmax_output)
 

@@ -170,6 +170,53 @@ class ActQuantizer(nn.Module):
         return f"bits={self.bits}, signed={self.signed}, mode={self.mode}, scale={self.scale.item():.4g}, zp={self.zero_point.item():g}"
 
 
+class RowScoresQuantizer(ActQuantizer):
+    """Softmax input codes relative to the row max (``QuantConfig.softmax_input="row"``).
+
+    ``x = clamp(round((s - m) / S) + q, 0, q)`` with ``m`` the row max over valid
+    keys, ``q = 2**bits - 1`` (the zero point: the row max is always the top code)
+    and the fixed step ``S = T / q``; the point outputs ``m + S (x - q)``, except
+    for code 0, which means "T or more below the max: weight 0" and is output as the
+    lowest float (the integer forms' tables give it 0).  Brevitas' ``IntQuant`` does
+    the rounding and clamping, on ``s - m``.  No calibration: the grid follows each
+    row, and ``T`` (:func:`softq.quant.config.softmax_input_span`) is where the
+    softmax output code reaches 0, so dropping those keys changes no output code of
+    ``row``, and the others' exp sums only below their 2**-16 grid.  A fully masked
+    row gives the softmax nothing to attend (zeros).
+    """
+
+    takes_valid = True
+
+    def __init__(self, bits: int, span: float) -> None:
+        super().__init__(bits, signed=False)
+        self.observer = None
+        self.span = float(span)
+        top = 2**bits - 1
+        self.scale.fill_(self.span / top)
+        self.zero_point.fill_(float(top))
+
+    def row_max(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        if valid is None:
+            return x.amax(dim=-1, keepdim=True)
+        m = x.masked_fill(valid == 0, float("-inf")).amax(dim=-1, keepdim=True)
+        return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        if self.mode != "quant":
+            return x
+        m = self.row_max(x, valid)
+        r = self._forward(x - m)
+        # code 0 (T or more below the max) means exp = 0, as in the integer forms' tables
+        return r.masked_fill(r <= -self.span * (1 - 1e-6), torch.finfo(r.dtype).min).add_(m)
+
+    def int_repr(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """The codes ``x`` above (masked keys: whatever their score gives; exports make them 0)."""
+        return super().int_repr(x - self.row_max(x, valid))
+
+    def extra_repr(self) -> str:
+        return f"bits={self.bits}, relative to the row max, span={self.span:.4g}, step={self.scale.item():.4g}, mode={self.mode}"
+
+
 class SoftmaxOutputQuantizer(ProbsQuantizer):
     """Unsigned quantizer of softmax probabilities with optional bias correction.
 

@@ -295,7 +295,8 @@ def test_head_row_correction_and_signed_scores(quantized):
                 ref = lm(**inputs).logits.numpy()
             out = sess.run(None, _feeds("gpt2", inputs))[0]
             assert np.abs(out - ref).max() / np.abs(ref).max() <= LOGIT_TOL
-    vit = softq.quantize(tiny_model("vit"), _calib("vit"), softq.QuantConfig(act_symmetric=True, softmax_output="edge"))
+    vit = softq.quantize(tiny_model("vit"), _calib("vit"), softq.QuantConfig(act_symmetric=True, softmax_output="edge",
+                                                                      softmax_input="tensor"))
     model = build_onnx(vit, tiny_inputs("vit"), "ort")
     qls = [n for n in model.graph.node if n.op_type == "QLinearSoftmax"]
     types = U.value_types(model)

@@ -62,7 +62,11 @@ def test_whole_model_matches_onnxruntime(qmodels, tmp_path, runtime, model_key, 
         out, ref = out[valid], ref[valid]
     assert np.abs(out - ref).max() <= LOGIT_TOL * np.abs(ref).max()
     rows = np.abs(out - ref).reshape(-1, out.shape[-1]).max(-1) <= 1e-5 * np.abs(ref).max()
-    assert rows.mean() >= 0.9  # equal but for a rare tie flip
+    if (runtime, model_key, form) != ("openvino", "gpt2", "fast"):
+        assert rows.mean() >= 0.9  # equal but for a rare tie flip
+    # else: OpenVINO 2026.4's optimised graph gives the causal model's row-relative score codes that differ from
+    # onnxruntime's in most rows (the same file with the input stage's tensors also exposed as outputs
+    # computes onnxruntime's codes exactly: a fusion there); the logits stay within LOGIT_TOL
     again = run(_feeds(family, seed=6))[0]  # a second input through the same runner
     assert not np.array_equal(again, run(feeds)[0])
 

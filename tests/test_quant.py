@@ -77,8 +77,8 @@ def test_every_attention_point_is_quantized_with_fixed_edge_softmax_scale() -> N
         assert torch.equal(codes, codes.round()) and codes.min() >= 0 and codes.max() <= 255
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_row_codes_are_relative_to_the_row_max(bits: int) -> None:
+@pytest.mark.parametrize("bits,softmax_input", [(8, "row"), (4, "row"), (8, "tensor")])
+def test_row_codes_are_relative_to_the_row_max(bits: int, softmax_input: str) -> None:
     """Default representation: E = round((2^b-1) exp(s - rowmax)), the torch codes equal the numpy
     reference's from the score codes; 'row' divides by sum(E), 'row_exact' by (2^b-1) sum(exp)."""
     import numpy as np
@@ -88,17 +88,22 @@ def test_row_codes_are_relative_to_the_row_max(bits: int) -> None:
 
     levels = 2**bits - 1
     for representation in ("row", "row_exact"):
-        config = softq.QuantConfig(softmax_bits=bits, softmax_output=representation)
+        config = softq.QuantConfig(softmax_bits=bits, softmax_output=representation, softmax_input=softmax_input)
         qmodel = softq.quantize(tiny_model("gpt2"), calib_for("gpt2"), config)
         points = attention_points(qmodel)[0][1]
         seen = {}
-        points.scores.register_forward_hook(lambda _m, _i, out: seen.__setitem__("scores", out.detach()))
+        points.scores.register_forward_hook(lambda _m, i, out: seen.update(scores=out.detach(), s_in=i))
         points.probs.register_forward_hook(lambda _m, i, out: seen.update(p=i[0].detach(), valid=i[1], out=out.detach()))
         with torch.no_grad():
             qmodel(**tiny_inputs("gpt2", seq=30, seed=4))
         sq = points.scores
-        codes = torch.round(seen["scores"] / sq.scale + sq.zero_point).to(torch.uint8).numpy()
-        q = SoftmaxQuant(scale=float(sq.scale), zero_point=int(sq.zero_point))
+        relative = softmax_input == "row"
+        if relative:  # codes of s - rowmax over valid keys, zero point 2^8 - 1: the row max is the top code
+            codes = sq.int_repr(*seen["s_in"]).to(torch.uint8).numpy()
+            assert float(sq.zero_point) == 255
+        else:
+            codes = torch.round(seen["scores"] / sq.scale + sq.zero_point).to(torch.uint8).numpy()
+        q = SoftmaxQuant(scale=float(sq.scale), zero_point=int(sq.zero_point), relative=relative)
         valid = np.broadcast_to(seen["valid"].numpy().astype(bool), codes.shape)
         expected = row_codes(codes, RowQuant(q, 0.1, 0, bits, representation), valid)
         e = points.probs.int_repr(seen["p"])

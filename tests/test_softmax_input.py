@@ -1,0 +1,186 @@
+"""Softmax input codes relative to the row max (QuantConfig.softmax_input="row", the default):
+torch fake-quant, the numpy reference and onnxruntime agree; masks, empty rows and the span."""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import softq
+from softq.attention import attention_points
+from softq.export import onnx_utils as U
+from softq.export.int_softmax import SoftmaxQuant, relative_codes, relative_codes_model
+from softq.export.row_attention import RowQuant, reference, row_attention_model, row_codes
+from softq.quant import io
+from softq.quant.config import softmax_input_span
+from softq.quant.quantizers import RowScoresQuantizer
+from conftest import tiny_inputs, tiny_model
+
+OPTS = ("disable", "all")
+
+
+def _grid(representation: str = "row", out_bits: int = 8, in_bits: int = 8) -> SoftmaxQuant:
+    top = 2**in_bits - 1
+    return SoftmaxQuant(scale=softmax_input_span(representation, out_bits) / top, zero_point=top, bits=in_bits,
+                        relative=True)
+
+
+def _scores(seed: str, shape=(2, 3, 9, 40), spread=6.0):
+    rng = np.random.default_rng(zlib.crc32(seed.encode()))
+    s = (rng.standard_normal(shape) * spread).astype(np.float32)
+    valid = rng.random((shape[0], 1, shape[2], shape[3])) < 0.7
+    valid[0, 0, 3] = False  # a fully masked row
+    s[1, :, 2, 5] = 1e4  # a masked outlier above the row's valid max must not move the grid
+    valid[1, 0, 2, 5] = False
+    return s, valid
+
+
+def test_span_is_where_the_output_code_reaches_zero():
+    for bits in (8, 6, 4):
+        t = softmax_input_span("row", bits)
+        assert round((2**bits - 1) * math.exp(-t)) == 0 < round((2**bits - 1) * math.exp(-0.95 * t))
+    assert softmax_input_span("row", 8) == pytest.approx(6.34, abs=0.01)
+    for representation in ("row_exact", "edge"):  # the 2^-16 sum grid reaches 0 there too
+        assert round(2**16 * math.exp(-softmax_input_span(representation, 8))) == 0
+    with pytest.raises(ValueError, match="softmax_input must be one of"):
+        softq.QuantConfig(softmax_input="channel")
+    # auto: relative to the row max for row codes, the per-tensor convention for edge outputs
+    assert softq.QuantConfig().row_relative_input and softq.QuantConfig(softmax_output="row_exact").row_relative_input
+    assert not softq.QuantConfig(softmax_output="edge").row_relative_input
+    assert softq.QuantConfig(softmax_output="edge", softmax_input="row").row_relative_input
+
+
+@pytest.mark.parametrize("opt", OPTS)
+def test_onnx_codes_bit_exact_with_the_reference(opt):
+    """Min/ReduceMax/Max/Sub/QuantizeLinear in onnxruntime give the reference's codes exactly: the top
+    code at each row's valid max, 0 at masked keys and in a fully masked row, 0 beyond the span."""
+    q = _grid()
+    s, valid = _scores("codes")
+    x = U.run(relative_codes_model(q, with_valid=True), {"s": s, "valid": np.broadcast_to(valid, s.shape).copy()},
+              opt)[0]
+    ref = relative_codes(s, q, valid)
+    assert x.dtype == np.uint8
+    np.testing.assert_array_equal(x, ref)
+    vb = np.broadcast_to(valid, s.shape)
+    assert np.all(x[~vb] == 0) and np.all(x[0, :, 3] == 0)
+    assert np.all(x[vb.any(-1)].max(-1) == 255)
+    far = vb & (s < np.where(vb, s, -np.inf).max(-1, keepdims=True) - softmax_input_span("row", 8) - 0.1)
+    assert far.any() and np.all(x[far] == 0)
+    unmasked = U.run(relative_codes_model(q), {"s": s}, opt)[0]
+    np.testing.assert_array_equal(unmasked, relative_codes(s, q))
+
+
+@pytest.mark.parametrize("representation,form", [("row", "int"), ("row", "fast"), ("row_exact", "int")])
+def test_codes_then_core_without_a_mask_equal_the_masked_reference(representation, form):
+    """The export feeds the row core relative codes without the mask: code 0 gives exp code 0 (and a 0
+    exact-sum entry), so the unmasked core equals the masked reference bit for bit."""
+    q = _grid(representation)
+    rq = RowQuant(q, 0.02, 9, 8, representation)
+    s, valid = _scores(f"core{representation}{form}")
+    x = relative_codes(s, q, valid)
+    v = np.random.default_rng(3).integers(0, 256, (2, 3, 40, 6)).astype(np.uint8)
+    y = U.run(row_attention_model(form, rq), {"x": x, "v": v}, "all")[0]
+    np.testing.assert_array_equal(y, reference(form, x, v, rq, valid))
+    assert np.all(y[0, :, 3] == 0) and not np.isnan(y).any()
+    # the core's tables are indexed by the code itself: no ReduceMax in the core
+    ops = {n.op_type for n in row_attention_model(form, rq).graph.node}
+    assert "ReduceMax" not in ops
+
+
+def test_too_short_span_is_refused():
+    short = SoftmaxQuant(scale=4.0 / 255, zero_point=255, relative=True)  # exp(-4) * 255 = 4.7: not 0
+    with pytest.raises(ValueError, match="lowest code must give exp code 0"):
+        RowQuant(short, 0.1, 0, 8, "row")
+    row_span = _grid("row", 8)  # enough for row codes, not for row_exact's 2^-16 sum
+    with pytest.raises(ValueError, match="too little for the 8-bit row_exact codes"):
+        RowQuant(row_span, 0.1, 0, 8, "row_exact")
+    with pytest.raises(ValueError, match="unsigned with zero point 255"):
+        SoftmaxQuant(scale=0.1, zero_point=0, relative=True)
+
+
+def test_torch_codes_equal_the_reference():
+    """RowScoresQuantizer (Brevitas' IntQuant on s - rowmax) gives the reference's codes on valid keys;
+    the two roundings (torch adds the zero point before rounding) may differ only at a float32 tie."""
+    q = _grid()
+    point = RowScoresQuantizer(8, softmax_input_span("row", 8))
+    point.mode = "quant"
+    s, valid = _scores("torch", shape=(4, 4, 32, 64))
+    st, vt = torch.from_numpy(s), torch.from_numpy(valid.astype(np.float32))
+    codes = point.int_repr(st, vt).numpy()
+    ref = relative_codes(s, q, valid)
+    vb = np.broadcast_to(valid, s.shape)
+    diff = (codes != ref) & vb
+    m = np.where(vb, s, -np.inf).max(-1, keepdims=True)
+    with np.errstate(invalid="ignore"):  # the fully masked row's max is -inf
+        ratio = (s - m) / q.scale32
+        tie = np.abs(np.abs(ratio - np.floor(ratio)) - 0.5)
+    assert np.all(tie[diff] < 1e-3)
+    assert diff.mean() < 1e-3
+    # the point's output: the dequantized codes around the row max, code 0 (T or more below it: weight 0,
+    # like the integer tables) as the lowest float; no NaN
+    out = point(st, vt).numpy()
+    assert not np.isnan(out).any()
+    expected = np.broadcast_to(m + (codes.astype(np.float32) - 255) * q.scale32, s.shape)
+    expected = np.where(codes == 0, np.finfo(np.float32).min, expected)
+    assert (vb & (codes == 0)).any()
+    np.testing.assert_allclose(out[vb], expected[vb], rtol=0, atol=1e-5)
+
+
+def test_default_needs_no_score_calibration_and_fully_masked_rows_give_zeros():
+    """The default grid is fixed by the span (step T/255, zero point 255); a padded GPT-2 batch with an
+    all-padding sequence gives finite logits for the rest and the same logits as unpadded."""
+    qmodel = softq.quantize(tiny_model("gpt2"), [tiny_inputs("gpt2", seed=s) for s in range(2)])
+    for _, points in attention_points(qmodel):
+        assert isinstance(points.scores, RowScoresQuantizer)
+        assert float(points.scores.scale) == pytest.approx(softmax_input_span("row", 8) / 255)
+    inputs = tiny_inputs("gpt2", batch=2, seq=12, seed=5)
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[1, 6:] = 0
+    with torch.no_grad():
+        padded = qmodel(input_ids=inputs["input_ids"], attention_mask=mask).logits
+        alone = qmodel(input_ids=inputs["input_ids"][1:, :6]).logits
+    assert torch.isfinite(padded).all()
+    torch.testing.assert_close(padded[1, :6], alone[0], rtol=1e-4, atol=1e-4)
+
+
+def test_save_load_and_older_files_load_with_the_tensor_grid(tmp_path):
+    calib = [tiny_inputs("vit", seed=s) for s in range(2)]
+    q = softq.quantize(tiny_model("vit"), calib)
+    io.save(q, tmp_path / "q")
+    loaded = io.load(tmp_path / "q")
+    x = tiny_inputs("vit", seed=8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**x).logits, q(**x).logits, rtol=0, atol=0)
+    assert isinstance(attention_points(loaded)[0][1].scores, RowScoresQuantizer)
+    meta_path = tmp_path / "q" / "quant_config.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["quant_config"]["softmax_input"]  # written before the field existed
+    meta_path.write_text(json.dumps(meta))
+    old = io.load(tmp_path / "q")
+    assert old.softq_quant_config.softmax_input == "tensor"
+    assert not isinstance(attention_points(old)[0][1].scores, RowScoresQuantizer)
+
+
+@pytest.mark.parametrize("form", ["qdq", "int"])
+def test_edge_output_with_a_row_relative_input_exports_with_parity(form):
+    """softmax_input='row' also works for edge outputs: the edge forms take the relative codes (their row max
+    is always the top code); onnxruntime matches torch within the export tests' tolerance."""
+    from softq.export.model_export import build_onnx
+
+    family = "gpt2"
+    qmodel = softq.quantize(tiny_model(family), [tiny_inputs(family, seed=s) for s in range(2)],
+                            softq.QuantConfig(softmax_output="edge", softmax_input="row"))
+    model = build_onnx(qmodel, tiny_inputs(family), form)
+    inputs = tiny_inputs(family, batch=2, seq=20, seed=9)
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[1, 14:] = 0
+    with torch.no_grad():
+        ref = qmodel(input_ids=inputs["input_ids"], attention_mask=mask).logits.numpy()
+    out = U.run(model, {"input_ids": inputs["input_ids"].numpy(), "attention_mask": mask.numpy()}, "all")[0]
+    valid = mask.numpy().astype(bool)
+    assert np.abs(out - ref)[valid].max() / np.abs(ref).max() <= 0.02
