@@ -51,6 +51,19 @@ def float_core() -> "onnx.ModelProto":  # noqa: F821
     return _model(nodes, _v_inits(), "float_core")
 
 
+def float_core_from_codes(q: SoftmaxQuant) -> "onnx.ModelProto":  # noqa: F821
+    """The per-tensor score codes' QuantizeLinear, then DequantizeLinear -> Softmax -> MatMul: the float core of
+    an export that keeps the scores quantized per tensor (issue 9's reference)."""
+    nodes, inits = _codes(q)
+    nodes += [
+        helper.make_node("DequantizeLinear", ["x", "s_scale", "s_zp"], ["xf"]),
+        helper.make_node("Softmax", ["xf"], ["p"], axis=-1),
+        helper.make_node("DequantizeLinear", ["v", "v_scale", "v_zp"], ["vf"]),
+        helper.make_node("MatMul", ["p", "vf"], ["y"]),
+    ]
+    return _model(nodes, inits + _v_inits(), "float_core_codes")
+
+
 def _v_inits() -> list:
     return [helper.make_tensor("v_scale", TensorProto.FLOAT, [], [V_SCALE]),
             helper.make_tensor("v_zp", TensorProto.UINT8, [], [V_ZP])]
@@ -114,7 +127,8 @@ def grids(s: np.ndarray) -> dict[str, SoftmaxQuant]:
 
 def forms(s: np.ndarray) -> list[tuple[str, object]]:
     g = grids(s)
-    out = [("float core: Softmax -> MatMul", float_core())]
+    out = [("float core: Softmax -> MatMul", float_core()),
+           ("float core on per-tensor codes: Q -> DQ -> Softmax -> MatMul", float_core_from_codes(g["tensor"]))]
     for rep in ("row", "row_exact"):
         for grid, label in ((g[rep], "row-relative input"), (g["tensor"], "per-tensor input")):
             rq = RowQuant(grid, V_SCALE, V_ZP, 8, rep)

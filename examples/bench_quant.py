@@ -37,8 +37,9 @@ def rows(bits_list: tuple[int, ...] = (8, 6, 4), correction: bool = True) -> lis
 
     Bias correction is measured on top of ``edge`` and of ``row_exact`` (on ``row`` it is zero by
     construction: rows of E/sum(E) sum to 1); its 'gap closed' is relative to the same
-    representation without it.  After the 8-bit rows, the default without input smoothing and
-    without the prefix tokens' own residual scales.
+    representation without it.  After the 8-bit rows, the default without input smoothing,
+    without the prefix tokens' own residual scales, with grouped residual scales everywhere (and input
+    smoothing at 0.5), and with a float residual stream.
     """
     Q = softq.QuantConfig
     out = [
@@ -56,10 +57,14 @@ def rows(bits_list: tuple[int, ...] = (8, 6, 4), correction: bool = True) -> lis
                 Row("  softmax input on one calibrated grid per tensor (softmax_input='tensor')",
                     Q(softmax_bits=bits, softmax_input="tensor")),
                 Row(exact, Q(softmax_bits=bits, softmax_output="row_exact")), *([exact_bc] if correction else [])]
-        if bits == 8:  # what two of the default's outlier passes contribute on these models
+        if bits == 8:  # what two of the default's outlier passes contribute on these models, and what is left
             out += [Row("  default without input smoothing (input_smoothing=None)", Q(input_smoothing=None)),
                     Row("  default, [CLS] shares the residual scales (residual_prefix=0; the LM's default)",
-                        Q(residual_prefix=0))]
+                        Q(residual_prefix=0)),
+                    Row("  default, 4 scale groups at every residual point (residual_groups=4)", Q(residual_groups=4)),
+                    Row("  residual_groups=4 and input smoothing 0.5 everywhere (input_smoothing=0.5)",
+                        Q(residual_groups=4, input_smoothing=0.5)),
+                    Row("  default, residual stream float (quantize_residual=False)", Q(quantize_residual=False))]
     return out
 
 

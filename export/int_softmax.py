@@ -257,7 +257,7 @@ def build_relative_codes(b: "_Builder", s: str, q: SoftmaxQuant, valid: str | No
                          valid_float: str | None = None) -> str:
     """Nodes of :func:`relative_codes` (``valid``: bool, broadcastable to ``s``); returns the codes' name.
 
-    ``valid_float``: the same mask as float 0/1, if the graph has it (then no Where is needed)."""
+    ``valid_float``: the same mask as float 0/1, if the graph has it (then no Cast is needed)."""
     if valid is not None or valid_float is not None:  # s + (valid - 1) 1e30 on the small mask: s at valid keys exactly
         vf = valid_float or b.op("Cast", [valid], to=TensorProto.FLOAT)
         low = b.op("Mul", [b.op("Sub", [vf, b.const("one", 1.0, np.float32)]), b.const("push", -MASKED_SCORE, np.float32)])
