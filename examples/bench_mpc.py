@@ -9,6 +9,7 @@ network time ``rounds x RTT + bytes / bandwidth`` (1 Gbit/s, 0.5 ms / 100 Mbit/s
     python examples/bench_mpc.py attention            # BERT-base attention layer, random data
     python examples/bench_mpc.py e2e --models bert-tiny,vit,lm [--distill-steps 300]
     python examples/bench_mpc.py minilm --runs 3      # private sentence embeddings, all-MiniLM-L6-v2
+    python examples/bench_mpc.py minilm-distill --steps 1000 --stage2-steps 1000   # student cached in ~/.cache/softq
     python examples/bench_mpc.py truncation --exact-elements 1000000000
 
 Results replace their marked blocks in docs/results/mpc.md (atomically).
@@ -435,6 +436,8 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
         r = res.report
         lines.append(f"| {label} | {cos:.4f} | {r.rounds} | {r.bytes / 1e6:.1f} | 1/{exact.bytes / r.bytes:.1f} | "
                      f"1/{exact.rounds / r.rounds:.2f} | {r.modeled_seconds('lan'):.2f} | {r.modeled_seconds('wan'):.1f} |")
+    for label, res, _ in rows:
+        lines += ["", f"Per op kind, {label}:", "", "```", res.report.table("kind"), "```"]
     text = "\n".join(lines) + "\n"
     print(text)
     _write("minilm-distill", text)

@@ -47,17 +47,22 @@ _TRUNCATION_PARTY = textwrap.dedent("""
 """)
 
 
-def test_exact_truncation_never_fails_where_crypten_local_truncation_does(tmp_path):
-    """Values up to 2e5: CrypTen's 2-party truncation fails ~|v| / 2^32 per element (~46 expected in 2e6)."""
+def _two_parties(tmp_path, source: str) -> str:
+    """Run ``source`` as ranks 0 and 1 (argv: rank, port) in two processes; rank 0's stdout."""
     script = tmp_path / "party.py"
-    script.write_text(_TRUNCATION_PARTY)
+    script.write_text(source)
     port = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(script), str(r), port], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    rows = {line.split()[0]: line.split()[1:] for line in outs[0][0].strip().splitlines()}
+    return outs[0][0].strip()
+
+
+def test_exact_truncation_never_fails_where_crypten_local_truncation_does(tmp_path):
+    """Values up to 2e5: CrypTen's 2-party truncation fails ~|v| / 2^32 per element (~46 expected in 2e6)."""
+    rows = {line.split()[0]: line.split()[1:] for line in _two_parties(tmp_path, _TRUNCATION_PARTY).splitlines()}
     n_prob, bad_prob, _ = int(rows["probabilistic"][0]), int(rows["probabilistic"][1]), float(rows["probabilistic"][2])
     n_exact, bad_exact, small_exact = int(rows["exact"][0]), int(rows["exact"][1]), float(rows["exact"][2])
     assert n_prob == n_exact == 2_000_000
@@ -363,15 +368,7 @@ def test_bracketed_approximations_cut_the_measured_rounds(tmp_path):
     """2 processes, exact truncation: rounds measured by CrypTen's communicator (before: 49, 67 and 4)."""
     import json
 
-    script = tmp_path / "party.py"
-    script.write_text(_ROUNDS_PARTY)
-    port = str(free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    rows = {r["op"]: r for r in map(json.loads, outs[0][0].strip().splitlines())}
+    rows = {r["op"]: r for r in map(json.loads, _two_parties(tmp_path, _ROUNDS_PARTY).splitlines())}
     assert rows["layernorm"]["rounds"] == 21 and rows["layernorm"]["err"] < 2e-3
     assert rows["2quad"]["rounds"] == 23 and rows["2quad"]["err"] < 1e-4
     assert rows["quad"]["rounds"] == 2 and rows["quad"]["err"] < 1e-4
