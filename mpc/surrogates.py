@@ -6,8 +6,8 @@ run unchanged on CrypTensors.  This module adds the other non-linearities:
 * GELU: ``erf`` (the exact form) and ``tanh`` (its tanh form), both evaluated under
   MPC by :func:`softq.mpc.approx.gelu` (accurate for any input), ``quad``
   (MPCFormer's ``0.125x^2 + 0.25x + 0.5``, one multiplication) and ``relu``.
-* LayerNorm: exact, via a Newton-Raphson inverse square root
-  (:func:`layer_norm`).
+* LayerNorm: exact (:func:`layer_norm`; under MPC :func:`softq.mpc.approx.layer_norm`,
+  a comparison-selected normaliser and a polynomial inverse square root).
 
 Every body uses only tensor methods, so the same function is the plaintext
 student (used by distillation and accuracy runs) and the encrypted operator.
@@ -178,7 +178,7 @@ def layer_norm(x: Any, normalized_shape: Sequence[int], weight: Any = None, bias
 
     Under MPC: :func:`softq.mpc.approx.layer_norm` (a normaliser ``s ~ 1/std`` picked by
     one batched comparison of the variance with public powers of 2, then ``z^-1/2`` of
-    the normalised variance ``z`` in [2^-1/2, 2^1/2] by a polynomial; 22 rounds).
+    the normalised variance ``z`` in [2^-1/2, 2^1/2] by a polynomial; 21 rounds).
     """
     n_dims = len(normalized_shape)
     flat = x.flatten(-n_dims) if n_dims > 1 else x
