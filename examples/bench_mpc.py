@@ -321,14 +321,21 @@ def bench_minilm(args: argparse.Namespace) -> None:
         _write("minilm", "\n".join(lines) + "\n" + detail)
 
 
-def _distill_texts(window: int) -> list[str]:
-    """Distillation text: every ``pydoc_data.topics`` paragraph of >= 100 characters that is not in the
-    ``eval`` split (the calibration paragraphs, short and long ones), cut into windows of ``window`` words."""
+def _distill_texts(window: int, source: str = "prose") -> list[str]:
+    """Distillation text, cut into windows of ``window`` words: every ``pydoc_data.topics`` paragraph not in the
+    ``eval`` split, either prose only (>= 100 characters: the calibration paragraphs, short and long ones) or
+    ``all`` blocks (also code listings and tables)."""
+    from pydoc_data.topics import topics
+
     from softq.hf import pydoc_paragraphs, text_split
 
     held_out = set(text_split("eval"))
+    if source == "prose":
+        paragraphs = pydoc_paragraphs(min_chars=100, max_chars=10**9)
+    else:
+        paragraphs = list(dict.fromkeys(" ".join(b.split()) for name in sorted(topics) for b in topics[name].split("\n\n")))
     texts = []
-    for paragraph in pydoc_paragraphs(min_chars=100, max_chars=10**9):
+    for paragraph in paragraphs:
         if paragraph in held_out:
             continue
         words = paragraph.split()
@@ -349,7 +356,7 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
     steps2 = args.steps if args.stage2_steps is None else args.stage2_steps
     lr2 = args.lr / 2 if args.stage2_lr is None else args.stage2_lr
     key = (f"minilm-2quad-quad-v2-s{args.steps}-lr{args.lr:g}-s{steps2}-lr{lr2:g}-b{args.batch_size}"
-           f"-len{args.train_len}-w{args.window}-dropout{int(args.dropout)}-seed0")
+           f"-len{args.train_len}-w{args.window}{'' if args.text == 'prose' else '-' + args.text}-dropout{int(args.dropout)}-seed0")
     path = cache_dir() / "minilm-distill" / f"{key}.pt"
     if path.exists() and not args.force:
         saved = torch.load(path, map_location="cpu", weights_only=True)
@@ -358,7 +365,7 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
         student.load_state_dict(saved["state_dict"])
         print(f"[minilm-distill] loaded the student from {path}", flush=True)
         return student.eval(), saved["meta"]
-    texts = _distill_texts(args.window)
+    texts = _distill_texts(args.window, args.text)
     train = hm.batches(texts, batch_size=args.batch_size, max_length=args.train_len)
     random.Random(0).shuffle(train)
     t0 = time.perf_counter()
@@ -416,7 +423,8 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
         f"Command: `{command_line()}`",
         "",
         f"Student: all-MiniLM-L6-v2 with 2Quad softmax and Quad GELU in every layer, distilled from the FP32 model "
-        f"on the `pydoc_data.topics` paragraphs outside the `eval` split ({meta['texts']} windows of <= {args.window} "
+        f"on the `pydoc_data.topics` {'prose paragraphs' if args.text == 'prose' else 'blocks (prose, code, tables)'} "
+        f"outside the `eval` split ({meta['texts']} windows of <= {args.window} "
         f"words, {meta['words']} words; no labels; {args.train_len} tokens, batch {args.batch_size}, "
         f"{'no dropout' if not args.dropout else 'dropout on'}): stage 1 MSE on hidden states and attention maps "
         f"({steps1} steps, lr {lr1:g}), stage 2 1 - cosine of the pooled embeddings ({steps2} steps, lr {lr2:g}), "
@@ -568,6 +576,8 @@ def main() -> int:
     md.add_argument("--stage2-steps", type=int, default=None, help="stage-2 steps (default: --steps)")
     md.add_argument("--stage2-lr", type=float, default=None, help="stage-2 learning rate (default: --lr / 2)")
     md.add_argument("--window", type=int, default=48, help="words per training text window")
+    md.add_argument("--text", choices=("prose", "all"), default="prose",
+                    help="distillation text outside the eval split: prose paragraphs, or all blocks incl. code")
     md.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=False,
                     help="keep dropout on while distilling (default off: fit the deterministic teacher)")
     md.add_argument("--force", action="store_true", help="distill again even if the student is cached")
