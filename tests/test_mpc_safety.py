@@ -372,3 +372,14 @@ def test_bracketed_approximations_cut_the_measured_rounds(tmp_path):
     assert rows["layernorm"]["rounds"] == 21 and rows["layernorm"]["err"] < 2e-3
     assert rows["2quad"]["rounds"] == 23 and rows["2quad"]["err"] < 1e-4
     assert rows["quad"]["rounds"] == 2 and rows["quad"]["err"] < 1e-4
+
+
+def test_2quad_row_division_is_fused_only_below_its_lazy_product_bound():
+    from softq.mpc.approx import ROW_SCALE_LIMIT
+    from softq.mpc.graph import fused_row_scale
+
+    assert fused_row_scale("2quad", {"c": 5.0}, 32) == 800.0  # MiniLM's 32 keys
+    assert fused_row_scale("2quad", {"c": 5.0}, 128) == 3200.0  # BERT-base attention block
+    assert 327 * 25 < ROW_SCALE_LIMIT <= 328 * 25
+    assert fused_row_scale("2quad", {"c": 5.0}, 328) is None  # num (S y) would pass 2^62 at scale 2^48
+    assert fused_row_scale("softmax", {}, 32) is None and fused_row_scale("2relu", {}, 32) is None
