@@ -448,7 +448,7 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
         lines += ["", f"Per op kind, {label}:", "", "```", res.report.table("kind"), "```"]
     text = "\n".join(lines) + "\n"
     print(text)
-    _write("minilm-distill", text)
+    _write("minilm-distill" if args.text == "prose" else f"minilm-distill-{args.text}", text)
 
 
 # ---------------------------------------------------------------------------
