@@ -58,6 +58,18 @@ def reciprocal(x: Any) -> Any:
     return x.reciprocal()
 
 
+def normalize(num: Any, dim: int = -1) -> Any:
+    """``num / num.sum(dim)`` for non-negative rows with a positive sum.
+
+    CrypTen: ``CrypTensor.softq_normalize_rows(dim)`` where softq.mpc installs one (its
+    fused row division for the 2Quad denominator), else ``num * reciprocal(row sum)``.
+    """
+    fused = None if _is_plain(num) else getattr(num, "softq_normalize_rows", None)
+    if fused is not None:
+        return fused(dim)
+    return num * reciprocal(num.sum(dim=dim, keepdim=True))
+
+
 def row_max(x: Any, dim: int = -1) -> Any:
     """Row maximum, keepdim.  CrypTen's ``max`` is the expensive part of exact softmax."""
     if _is_plain(x):
@@ -149,8 +161,7 @@ def softpick(scores: Any, valid: torch.Tensor | None = None, dim: int = -1, eps:
 
 def quad2(scores: Any, valid: torch.Tensor | None = None, c: float = 5.0, dim: int = -1) -> Any:
     """MPCFormer's 2Quad: ``(x + c)^2 / sum (x + c)^2``; one multiplication and one reciprocal."""
-    num = _mask((scores + c).square(), valid)
-    return num * reciprocal(num.sum(dim=dim, keepdim=True))
+    return normalize(_mask((scores + c).square(), valid), dim)
 
 
 def relu2(scores: Any, valid: torch.Tensor | None = None, dim: int = -1) -> Any:

@@ -9,6 +9,7 @@ network time ``rounds x RTT + bytes / bandwidth`` (1 Gbit/s, 0.5 ms / 100 Mbit/s
     python examples/bench_mpc.py attention            # BERT-base attention layer, random data
     python examples/bench_mpc.py e2e --models bert-tiny,vit,lm [--distill-steps 300]
     python examples/bench_mpc.py minilm --runs 3      # private sentence embeddings, all-MiniLM-L6-v2
+    python examples/bench_mpc.py minilm-distill --steps 1000 --stage2-steps 1000   # student cached in ~/.cache/softq
     python examples/bench_mpc.py truncation --exact-elements 1000000000
 
 Results replace their marked blocks in docs/results/mpc.md (atomically).
@@ -320,15 +321,79 @@ def bench_minilm(args: argparse.Namespace) -> None:
         _write("minilm", "\n".join(lines) + "\n" + detail)
 
 
-def bench_minilm_distill(args: argparse.Namespace) -> None:
-    """MPCFormer distillation of MiniLM to 2Quad + Quad on pydoc text (no labels), then cost vs the exact path."""
+def _distill_texts(window: int, source: str = "prose") -> list[str]:
+    """Distillation text, cut into windows of ``window`` words: every ``pydoc_data.topics`` paragraph not in the
+    ``eval`` split, either prose only (>= 100 characters: the calibration paragraphs, short and long ones) or
+    ``all`` blocks (also code listings and tables)."""
+    from pydoc_data.topics import topics
+
+    from softq.hf import pydoc_paragraphs, text_split
+
+    held_out = set(text_split("eval"))
+    if source == "prose":
+        paragraphs = pydoc_paragraphs(min_chars=100, max_chars=10**9)
+    else:
+        paragraphs = list(dict.fromkeys(" ".join(b.split()) for name in sorted(topics) for b in topics[name].split("\n\n")))
+    texts = []
+    for paragraph in paragraphs:
+        if paragraph in held_out:
+            continue
+        words = paragraph.split()
+        texts += [" ".join(words[i:i + window]) for i in range(0, len(words), window) if len(words[i:i + window]) >= 8]
+    return texts
+
+
+def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The distilled 2Quad + Quad MiniLM student: from ~/.cache/softq/minilm-distill (keyed by every setting)
+    or distilled now and cached there (atomically: state dict and metadata)."""
     import itertools
     import random
 
+    from softq.mpc.distill import distill
+    from softq.mpc.surrogates import configure_surrogates
+    from softq.workloads import cache_dir
+
+    steps2 = args.steps if args.stage2_steps is None else args.stage2_steps
+    lr2 = args.lr / 2 if args.stage2_lr is None else args.stage2_lr
+    key = (f"minilm-2quad-quad-v2-s{args.steps}-lr{args.lr:g}-s{steps2}-lr{lr2:g}-b{args.batch_size}"
+           f"-len{args.train_len}-w{args.window}{'' if args.text == 'prose' else '-' + args.text}-dropout{int(args.dropout)}-seed0")
+    path = cache_dir() / "minilm-distill" / f"{key}.pt"
+    if path.exists() and not args.force:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        student = copy.deepcopy(model)
+        configure_surrogates(student, softmax="2quad", gelu="quad")
+        student.load_state_dict(saved["state_dict"])
+        print(f"[minilm-distill] loaded the student from {path}", flush=True)
+        return student.eval(), saved["meta"]
+    texts = _distill_texts(args.window, args.text)
+    train = hm.batches(texts, batch_size=args.batch_size, max_length=args.train_len)
+    random.Random(0).shuffle(train)
+    t0 = time.perf_counter()
+    student, hist = distill(model, itertools.cycle(train), softmax="2quad", gelu="quad",
+                            steps=(args.steps, steps2), lr=(args.lr, lr2), dropout=args.dropout)
+    meta = {"minutes": (time.perf_counter() - t0) / 60, "stage1": hist.stage1, "stage2": hist.stage2,
+            "steps": (args.steps, steps2), "lr": (args.lr, lr2), "texts": len(texts), "words": sum(len(t.split()) for t in texts)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save({"state_dict": student.state_dict(), "meta": meta}, tmp)
+    os.replace(tmp, path)
+    print(f"[minilm-distill] saved the student to {path}", flush=True)
+    return student, meta
+
+
+def _loss_trace(losses: list[float], points: int = 5) -> str:
+    """Loss at a few evenly spaced steps (mean of the 10 steps up to each), e.g. ``2.9 -> 0.8 -> 0.5``."""
+    if not losses:
+        return "-"
+    ends = sorted({max(1, round(len(losses) * k / (points - 1))) for k in range(points)})
+    return " -> ".join(f"{sum(losses[max(0, e - 10):e]) / len(losses[max(0, e - 10):e]):.4g}" for e in ends)
+
+
+def bench_minilm_distill(args: argparse.Namespace) -> None:
+    """MPCFormer distillation of MiniLM to 2Quad + Quad on pydoc text (no labels), then cost vs the exact path."""
     from softq.hf import load_minilm, text_split
     from softq.mpc import run
     from softq.mpc.demo import embedding_errors, minilm_task
-    from softq.mpc.distill import distill
     from softq.mpc.surrogates import configure_surrogates
 
     from bench_quant import command_line  # noqa: PLC0415 - examples/ helper
@@ -336,8 +401,6 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, args.threads))
     model, inputs, _ = minilm_task(args.sentences, args.seq_len)
     hm = load_minilm()
-    train = hm.batches(text_split("calib"), batch_size=args.batch_size, max_length=args.train_len)
-    random.Random(0).shuffle(train)
     evals = hm.batches(text_split("eval", args.eval_texts), batch_size=32, max_length=args.train_len)
 
     def cosines(m: torch.nn.Module) -> torch.Tensor:
@@ -345,10 +408,8 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
 
     undistilled = copy.deepcopy(model)
     configure_surrogates(undistilled, softmax="2quad", gelu="quad")
-    t0 = time.perf_counter()
-    student, hist = distill(model, itertools.cycle(train), softmax="2quad", gelu="quad",
-                            steps=(args.steps, args.steps), lr=(args.lr, args.lr / 2))
-    minutes = (time.perf_counter() - t0) / 60
+    student, meta = _distilled_minilm(model, args, hm)
+    (steps1, steps2), (lr1, lr2), hist1, hist2 = meta["steps"], meta["lr"], meta["stage1"], meta["stage2"]
     cos_before, cos_after = cosines(undistilled), cosines(student)
     with torch.no_grad():
         ref = model(**inputs).last_hidden_state
@@ -362,13 +423,16 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
         f"Command: `{command_line()}`",
         "",
         f"Student: all-MiniLM-L6-v2 with 2Quad softmax and Quad GELU in every layer, distilled from the FP32 model "
-        f"on the `calib` paragraphs of `pydoc_data.topics` (no labels; {args.train_len} tokens, batch "
-        f"{args.batch_size}): stage 1 MSE on hidden states and attention maps ({args.steps} steps, lr {args.lr:g}), "
-        f"stage 2 1 - cosine of the pooled embeddings ({args.steps} steps, lr {args.lr / 2:g}); {minutes:.1f} min. "
+        f"on the `pydoc_data.topics` {'prose paragraphs' if args.text == 'prose' else 'blocks (prose, code, tables)'} "
+        f"outside the `eval` split ({meta['texts']} windows of <= {args.window} "
+        f"words, {meta['words']} words; no labels; {args.train_len} tokens, batch {args.batch_size}, "
+        f"{'no dropout' if not args.dropout else 'dropout on'}): stage 1 MSE on hidden states and attention maps "
+        f"({steps1} steps, lr {lr1:g}), stage 2 1 - cosine of the pooled embeddings ({steps2} steps, lr {lr2:g}), "
+        f"AdamW, cosine schedule; {meta['minutes']:.1f} min on {args.threads} thread(s) (cached afterwards). "
         f"Plaintext cosine to the FP32 embeddings on {args.eval_texts} `eval` paragraphs: not distilled mean "
         f"{float(cos_before.mean()):.4f} (min {float(cos_before.min()):.4f}); distilled mean "
         f"{float(cos_after.mean()):.4f} (min {float(cos_after.min()):.4f}). Stage losses first -> last: "
-        f"{hist.stage1[0]:.3f} -> {hist.stage1[-1]:.3f}, {hist.stage2[0]:.4f} -> {hist.stage2[-1]:.4f}.",
+        f"{_loss_trace(hist1)}; {_loss_trace(hist2)}.",
         "",
         "Encrypted (2 parties, TFP, exact truncation) on the benchmark's "
         f"{args.sentences} x {inputs['input_ids'].shape[1]} tokens; cosine to the FP32 model:",
@@ -380,9 +444,11 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
         r = res.report
         lines.append(f"| {label} | {cos:.4f} | {r.rounds} | {r.bytes / 1e6:.1f} | 1/{exact.bytes / r.bytes:.1f} | "
                      f"1/{exact.rounds / r.rounds:.2f} | {r.modeled_seconds('lan'):.2f} | {r.modeled_seconds('wan'):.1f} |")
+    for label, res, _ in rows:
+        lines += ["", f"Per op kind, {label}:", "", "```", res.report.table("kind"), "```"]
     text = "\n".join(lines) + "\n"
     print(text)
-    _write("minilm-distill", text)
+    _write("minilm-distill" if args.text == "prose" else f"minilm-distill-{args.text}", text)
 
 
 # ---------------------------------------------------------------------------
@@ -507,6 +573,14 @@ def main() -> int:
     md.add_argument("--sentences", type=int, default=2)
     md.add_argument("--seq-len", type=int, default=32)
     md.add_argument("--threads", type=int, default=2)
+    md.add_argument("--stage2-steps", type=int, default=None, help="stage-2 steps (default: --steps)")
+    md.add_argument("--stage2-lr", type=float, default=None, help="stage-2 learning rate (default: --lr / 2)")
+    md.add_argument("--window", type=int, default=48, help="words per training text window")
+    md.add_argument("--text", choices=("prose", "all"), default="prose",
+                    help="distillation text outside the eval split: prose paragraphs, or all blocks incl. code")
+    md.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=False,
+                    help="keep dropout on while distilling (default off: fit the deterministic teacher)")
+    md.add_argument("--force", action="store_true", help="distill again even if the student is cached")
     t = sub.add_parser("truncation")
     t.add_argument("--magnitude", type=float, default=1000.0)
     t.add_argument("--chunk", type=int, default=10_000_000)

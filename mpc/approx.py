@@ -1,4 +1,4 @@
-"""Accurate, range-safe approximations of GELU and exp on CrypTensors.
+"""Accurate, range-safe approximations of GELU, exp, LayerNorm and row division on CrypTensors.
 
 CrypTen's own functions are accurate on a narrow range only and wrap around the
 ring outside it with no warning (MiniLM's GELU inputs reach -17 / +25, the tanh
@@ -18,6 +18,11 @@ approximation needs them:
   bits; CrypTen's ``(1 + x/256)^256`` at 16 bits leaves relative errors up to
   ~0.4 % (rounding of ``x / 256``) and ~x^2/512.  Accurate for ``x`` in
   :data:`EXP_RANGE`.
+
+* **LayerNorm** (``layer_norm``) and **2Quad's row division** (``normalize_rows``):
+  one batched comparison with public powers selects a normaliser, then a polynomial
+  (see the section "Comparison-selected brackets" below): 21 and 20 rounds where
+  Newton-Raphson from a fixed start took 49 and ~60.
 
 All products go through CrypTen's Beaver protocol and softq's truncation
 (:mod:`softq.mpc.truncation`), so they are exact in the default mode.
@@ -239,3 +244,178 @@ def accurate_functions() -> Iterator[None]:
                 delattr(cls, name)
             else:
                 setattr(cls, name, previous)
+
+
+# ---------------------------------------------------------------------------
+# Comparison-selected brackets: LayerNorm's inverse square root, 2Quad's row division
+# ---------------------------------------------------------------------------
+#
+# A positive row quantity v (a variance, a row sum) is compared, in one batched
+# secret comparison (8 rounds, 432 bytes per threshold and row), with public
+# thresholds T_0 < ... < T_K spaced by a ratio r.  The comparison bits select a
+# public normaliser s_i per bracket (0 rounds: the bits are 0/1 integer shares,
+# multiplied by integer encodings and summed), so z = v s_i lies in
+# [1/sqrt(r), sqrt(r)]; a minimax polynomial in t = z - m then gives f(z) in 4
+# rounds.  Products are truncated lazily where the bound allows (two products, then
+# one truncation by 2^32): every lazy product is bounded in the comments below and
+# the bounds are checked by the range pass (softq.mpc.ranges).
+
+LN_RATIO = 2.0  # LayerNorm variance thresholds 2^k ...
+LN_EXPONENTS = (-14, 24)  # ... for k = -14 .. 24: variances (+ eps) in [2^-14, 2^24] = [6.1e-5, 1.7e7]
+LN_VAR_RANGE = (LN_RATIO ** LN_EXPONENTS[0], LN_RATIO ** LN_EXPONENTS[1])
+ROW_RATIO = 4.0  # 2Quad row-sum thresholds (after the public row scale K = L c^2) 4^k ...
+ROW_EXPONENTS = (-3, 4)  # ... for k = -3 .. 4: scaled row sums in [1/64, 256]
+ROW_RANGE = (ROW_RATIO ** ROW_EXPONENTS[0], ROW_RATIO ** ROW_EXPONENTS[1])
+POLY_DEGREE = 4
+# |LayerNorm output - bias| must stay below this: the last product u w y is truncated
+# lazily at scale 2^48 (< 2^62 for exact truncation): |out| < 2^14, with a factor 2 spare.
+LN_OUTPUT_LIMIT = 2.0**13
+# 2Quad's fused row division keeps num * (s y) at scale 2^48: needs L c^2 < 2^13 (p <= 1).
+ROW_SCALE_LIMIT = 2.0**13
+
+
+def _encode(value: Any, bits: int = BITS) -> torch.Tensor:
+    return torch.round(torch.as_tensor(value, dtype=torch.float64) * 2**bits).long()
+
+
+def _thresholds(ratio: float, exponents: tuple[int, int]) -> torch.Tensor:
+    return torch.tensor([ratio**k for k in range(exponents[0], exponents[1] + 1)], dtype=torch.float64)
+
+
+def bracket_select(value: Any, thresholds: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Shares of ``table[i]`` (int64 rows, any fixed-point scale) where ``i`` = number of thresholds below ``value``.
+
+    ``value``: MPCTensor ``[..., 1]``; ``thresholds``: ``[K]`` increasing; ``table``: ``[K + 1, m]``.
+    One batched secret comparison; the selection itself is local (telescoping sum of
+    the monotone 0/1 bits times public integer differences).
+    """
+    bits = value.gt(thresholds.float())._tensor.share  # [..., K], 0/1 at scale 1
+    out = bits @ (table[1:] - table[:-1])  # [..., m], exact in the ring
+    return _plus_public(out, table[0])
+
+
+def _bracket_table(ratio: float, exponents: tuple[int, int], power: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Thresholds and per-bracket normalisers ``G_i^-power`` (G_i = the geometric middle of bracket i)."""
+    t = _thresholds(ratio, exponents)
+    mids = torch.cat([t[:1] / math.sqrt(ratio), torch.sqrt(t[:-1] * t[1:]), t[-1:] * math.sqrt(ratio)])
+    return t, mids ** (-power)
+
+
+_POLY: dict[tuple[str, float], tuple[float, list[float]]] = {}
+
+
+def bracket_polynomial(kind: str, ratio: float) -> tuple[float, list[float]]:
+    """``(m, a)``: ``f(z) ~ sum_k a_k (z - m)^k`` on ``[1/sqrt(r), sqrt(r)]``, minimax in relative error.
+
+    ``kind``: ``"rsqrt"`` (z^-1/2) or ``"reciprocal"`` (1/z); degree :data:`POLY_DEGREE`.
+    """
+    key = (kind, ratio)
+    if key not in _POLY:
+        f = {"rsqrt": lambda z: z**-0.5, "reciprocal": lambda z: 1.0 / z}[kind]
+        lo, hi = 1.0 / math.sqrt(ratio), math.sqrt(ratio)
+        m = (lo + hi) / 2
+        z = np.linspace(lo, hi, 4001)
+        basis = np.vander(z - m, POLY_DEGREE + 1, increasing=True) / f(z)[:, None]
+        w = np.ones_like(z)
+        for _ in range(200):  # iteratively reweighted least squares -> near-minimax relative error
+            a, *_ = np.linalg.lstsq(basis * w[:, None], w, rcond=None)
+            r = np.abs(basis @ a - 1.0)
+            w = w * (1.0 + r / r.max()) ** 2
+            w /= w.mean()
+        _POLY[key] = (m, [float(c) for c in a])
+    return _POLY[key]
+
+
+def _polynomial(z: torch.Tensor, kind: str, ratio: float, out_bits: int) -> torch.Tensor:
+    """Shares of ``f(z)`` at scale ``2^out_bits`` (16 or 32) for 16-bit shares ``z``: 4 rounds, 2 truncations.
+
+    ``t = z - m`` (|t| <= 0.75), ``t^2`` truncated, then ``t^3 = t t^2`` and ``t^4 = t^2 t^2``
+    in one Beaver round left at scale 2^32; the sum ``sum a_k t^k`` at scale 2^48
+    (|f| < 2^14) is truncated once.
+    """
+    m, a = bracket_polynomial(kind, ratio)
+    t = _plus_public(z, -int(_encode(m)))
+    t2 = _trunc(_square(t), 2**BITS)
+    t34 = _mul(torch.stack([t, t2]), torch.stack([t2, t2]))  # scale 2^32
+    coeff = [int(_encode(c)) for c in a]
+    acc = (t * coeff[1] + t2 * coeff[2]) * 2**BITS + t34[0] * coeff[3] + t34[1] * coeff[4]
+    acc = _plus_public(acc, coeff[0] * 2 ** (2 * BITS))
+    return _trunc(acc, 2 ** (3 * BITS - out_bits))
+
+
+def layer_norm(x: Any, weight: Any = None, eps: float = 1e-5) -> Any:
+    """``(x - mean) / sqrt(var + eps) * weight`` over the last dim of the MPCTensor ``x`` (no bias): 21 rounds.
+
+    1. mean (1 truncation), ``c = x - mean``; variance = sum c^2 / n (Beaver + 1 truncation);
+    2. one batched comparison of var + eps with 2^k (k in :data:`LN_EXPONENTS`) selects
+       ``s ~ 1/std`` (within 2^1/4) and ``e = eps s^2``;
+    3. ``u = c s`` (truncated: the exact rounding of s cancels, z below is computed from u);
+       ``u^2`` and ``u w`` in one Beaver round; ``z = mean(u^2) + e`` in [2^-1/2, 2^1/2] and
+       ``u w`` truncated together (``n u w`` at 2^32: |u w| < 2^30 / n);
+    4. ``y = z^-1/2`` by a degree-4 polynomial (relative error 7e-5), kept at scale 2^32;
+    5. ``u w y`` at scale 2^48, truncated once (|out| < :data:`LN_OUTPUT_LIMIT`).
+    """
+    crypten = load_crypten()
+    n = int(x.shape[-1])
+    c = x - x.mean(dim=-1, keepdim=True)
+    cs = c._tensor.share
+    var = _trunc(_square(cs).sum(dim=-1, keepdim=True), 2**BITS * n)
+    thresholds, norms = _bracket_table(LN_RATIO, LN_EXPONENTS, 0.5)
+    table = torch.stack([_encode(norms), _encode(eps * norms**2)], dim=-1)
+    se = bracket_select(_wrap(_plus_public(var, int(_encode(eps)))), thresholds, table)
+    s, e = se[..., :1], se[..., 1:]
+    u = _trunc(_mul(cs, s), 2**BITS)
+    if weight is None:
+        sq, uw_raw = _square(u), u * 2**BITS
+    elif isinstance(weight, crypten.CrypTensor):
+        w = weight._tensor.share.expand_as(u)
+        prods = _mul(torch.stack([u, u]), torch.stack([u, w]))
+        sq, uw_raw = prods[0], prods[1]
+    else:
+        sq, uw_raw = _square(u), u * _encode(weight)
+    both = _trunc(torch.cat([sq.sum(dim=-1, keepdim=True), uw_raw * n], dim=-1), 2**BITS * n)
+    z, uw = both[..., :1] + e, both[..., 1:]
+    y = _polynomial(z, "rsqrt", LN_RATIO, 2 * BITS)
+    return _wrap(_trunc(_mul(uw, y), 2 ** (2 * BITS)))
+
+
+def normalize_rows(num: Any, scale: float, dim: int = -1) -> Any:
+    """``num / num.sum(dim)`` for a non-negative MPCTensor with row sums ``D`` in ``scale *`` :data:`ROW_RANGE`.
+
+    20 rounds (CrypTen's reciprocal with the exp start and 10 Newton steps: ~60):
+    one batched comparison of D with ``scale 4^k`` selects ``S = 1 / G_i`` (G_i the middle of
+    D's bracket, an exact integer at scale 2^32); ``z = D S / scale`` (in [1/2, 2]); ``y ~ 1/z`` by a degree-4
+    polynomial (relative error 8e-3) and one Newton step ``y (2 - z y)`` (7e-5) fused with
+    the ``S`` factor at scale 2^32; the output ``num (S y') / scale`` is truncated once
+    from scale 2^48 (needs ``scale <`` :data:`ROW_SCALE_LIMIT`, since p <= 1).
+    """
+    if dim not in (-1, num.dim() - 1):
+        num = num.transpose(dim, -1)
+        return normalize_rows(num, scale, -1).transpose(dim, -1)
+    if not 0 < scale < ROW_SCALE_LIMIT:
+        raise ValueError(f"normalize_rows needs a row scale in (0, {ROW_SCALE_LIMIT:g}), got {scale}")
+    ns = num._tensor.share
+    den = num.sum(dim=-1, keepdim=True)
+    thresholds, norms = _bracket_table(ROW_RATIO, ROW_EXPONENTS, 1.0)
+    big_s = bracket_select(den, thresholds * scale, _encode(norms, 2 * BITS)[:, None])  # 1 / G_i at scale 2^32
+    divisor = int(round(scale * 2 ** (2 * BITS)))
+    z = _trunc(_mul(den._tensor.share, big_s), divisor)  # D / (scale G_i) at 16 bits (scale 2^48 before: z scale < 2^14)
+    y = _polynomial(z, "reciprocal", ROW_RATIO, BITS)
+    zy_sy = _trunc(_mul(torch.stack([z, y]), torch.stack([y, big_s])), 2**BITS)  # z y at 2^16, S y at 2^32
+    sy = _trunc(_mul(zy_sy[1], _plus_public(-zy_sy[0], 2 * 2**BITS)), 2**BITS)  # S y (2 - z y) at 2^32
+    return _wrap(_trunc(_mul(ns, sy), divisor))
+
+
+def quadratic(x: Any, a2: float, a1: float, a0: float) -> Any:
+    """``a2 x^2 + a1 x + a0`` for dyadic ``a2 = 2^-p`` and ``a1 / a2`` an integer: one Beaver round, one truncation.
+
+    ``(x^2 + (a1 / a2) x) 2^32`` is formed exactly and truncated once by ``2^(16 + p)``
+    (CrypTen: square, truncate, then one more truncation per public float factor).
+    """
+    p = -math.log2(a2)
+    ratio = a1 / a2
+    if p != int(p) or p < 0 or ratio != int(ratio):
+        raise ValueError(f"quadratic needs a2 = 2^-p and an integer a1 / a2, got a2={a2}, a1={a1}")
+    xs = x._tensor.share
+    raw = _square(xs) + xs * (int(ratio) * 2**BITS)
+    return _wrap(_plus_public(_trunc(raw, 2 ** (BITS + int(p))), int(_encode(a0))))

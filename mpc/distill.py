@@ -81,14 +81,19 @@ def distill(
     temperature: float = 1.0,
     progress: bool = True,
     softmax_params: Mapping[str, float] | None = None,
+    dropout: bool = True,
 ) -> tuple[nn.Module, DistillHistory]:
-    """Return a surrogate student distilled from ``teacher`` (left unchanged) and the loss curves."""
+    """Return a surrogate student distilled from ``teacher`` (left unchanged) and the loss curves.
+
+    ``dropout=False`` trains the student in eval mode (no dropout): it then fits the
+    teacher's deterministic function directly, which is what the encrypted run computes.
+    """
     if min(steps) < 0:
         raise ValueError(f"distillation steps must be >= 0, got {steps}")
     teacher = teacher.eval()
     student = copy.deepcopy(teacher)
     configure_surrogates(student, softmax=softmax, gelu=gelu, softmax_params=softmax_params)
-    student.train()
+    student.train(dropout)
     for p in teacher.parameters():
         p.requires_grad_(False)
     history = DistillHistory()

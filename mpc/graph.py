@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from softq.models import model_family
 from softq.mpc._crypten_shim import load_crypten
 from softq.mpc.accounting import CommRecorder
-from softq.mpc.approx import accurate_functions
+from softq.mpc.approx import ROW_SCALE_LIMIT, accurate_functions, normalize_rows
 from softq.mpc.approx import exp as approx_exp
 from softq.mpc.surrogates import exporting, get_gelu, layer_index, layer_norm
 from softq.softmax import get_softmax
@@ -508,17 +508,36 @@ def _denominator_scale(name: str, params: Mapping[str, float], key_len: int) -> 
     return None
 
 
+def fused_row_scale(name: str, params: Mapping[str, float], key_len: int) -> float | None:
+    """The public row scale of the variants whose row division is :func:`softq.mpc.approx.normalize_rows`.
+
+    2Quad only (its denominator's reciprocal dominated its rounds), while ``L c^2`` stays
+    below :data:`~softq.mpc.approx.ROW_SCALE_LIMIT`; None: the variant divides by
+    ``num * reciprocal(row sum)``.
+    """
+    scale = _denominator_scale(name, params, key_len) if name == "2quad" else None
+    return scale if scale is not None and scale < ROW_SCALE_LIMIT else None
+
+
 class reciprocal_scale:  # noqa: N801 - used as a context manager
-    """Within the block, ``MPCTensor.reciprocal(x)`` computes ``reciprocal(x / s) / s``."""
+    """Within the block, ``MPCTensor.reciprocal(x)`` computes ``reciprocal(x / s) / s``.
+
+    For the variants of :func:`fused_row_scale` it also installs
+    ``MPCTensor.softq_normalize_rows`` (used by :func:`softq.softmax.normalize`).
+    """
 
     def __init__(self, name: str, params: Mapping[str, float], key_len: int) -> None:
         self.scale = _denominator_scale(name, params, key_len)
+        self.fused = fused_row_scale(name, params, key_len)
 
     def __enter__(self) -> None:
         if self.scale is None:
             return
         crypten = load_crypten()
         cls = crypten.mpc.MPCTensor
+        if self.fused is not None:
+            fused = self.fused
+            cls.softq_normalize_rows = lambda x, dim=-1: normalize_rows(x, fused, dim)
         self._orig = cls.__dict__.get("reciprocal")
         orig = cls.reciprocal
         inv = 1.0 / self.scale
@@ -532,6 +551,8 @@ class reciprocal_scale:  # noqa: N801 - used as a context manager
         if self.scale is None:
             return
         cls = load_crypten().mpc.MPCTensor
+        if self.fused is not None:
+            del cls.softq_normalize_rows
         if self._orig is None:
             del cls.reciprocal
         else:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from softq.mpc.approx import EXP_RANGE, RECIPROCAL_RANGE
+from softq.mpc.approx import EXP_RANGE, LN_OUTPUT_LIMIT, LN_VAR_RANGE, RECIPROCAL_RANGE, ROW_RANGE
 from softq.mpc.errors import MPCError
 from softq.mpc.truncation import EXACT_TRUNCATION_LIMIT
 
@@ -36,8 +36,8 @@ FIXED_POINT_LIMIT = EXACT_TRUNCATION_LIMIT
 # Measured with a 1-party CrypTen (max abs error <= 5e-3 inside, ~1e10 at +-300 for tanh).
 TANH_RANGE = (-100.0, 100.0)
 SIGMOID_RANGE = (-300.0, 300.0)
-# softq's LayerNorm normaliser guess covers these variances (softq.mpc.surrogates._range_guess).
-LAYER_NORM_VAR_RANGE = (4.0**-7, 4.0**12)
+# softq's LayerNorm brackets cover these variances (softq.mpc.approx.layer_norm).
+LAYER_NORM_VAR_RANGE = LN_VAR_RANGE
 
 SAFE_RANGES: dict[str, tuple[tuple[float, float], str]] = {
     "value": ((-FIXED_POINT_LIMIT, FIXED_POINT_LIMIT), "16-bit fixed point in a 64-bit ring, exact truncation"),
@@ -45,7 +45,9 @@ SAFE_RANGES: dict[str, tuple[tuple[float, float], str]] = {
     "reciprocal input": (RECIPROCAL_RANGE, "Newton-Raphson reciprocal after the public row scale"),
     "tanh input": (TANH_RANGE, "CrypTen tanh"),
     "sigmoid input": (SIGMOID_RANGE, "CrypTen sigmoid"),
-    "layernorm variance": (LAYER_NORM_VAR_RANGE, "LayerNorm normaliser guess"),
+    "layernorm variance": (LAYER_NORM_VAR_RANGE, "LayerNorm variance brackets"),
+    "layernorm output": ((-LN_OUTPUT_LIMIT, LN_OUTPUT_LIMIT), "LayerNorm's lazily truncated last product (before bias)"),
+    "row sum": (ROW_RANGE, "2Quad row division brackets, after the public row scale"),
 }
 
 
@@ -130,8 +132,10 @@ def _softmax_internals(name: str, params: Mapping[str, float], scores: torch.Ten
         den = (shifted.exp() * v).sum(-1)[rows]
         out.append(("reciprocal input", den / scale))
     elif name == "2quad":
+        from softq.mpc.graph import fused_row_scale
+
         den = ((scores + float(params.get("c", 5.0))).square() * v).sum(-1)
-        out.append(("reciprocal input", den / scale))
+        out.append(("row sum" if fused_row_scale(name, params, key_len) else "reciprocal input", den / scale))
     elif name == "2relu":
         den = (scores.relu() * v).sum(-1)
         den = den[den > 0]
@@ -223,7 +227,11 @@ class RangePass:
             x, shape = args[0], args[1]
             dims = tuple(range(-len(shape), 0))
             eps = args[4] if len(args) > 4 else 1e-5
-            self._record(layer, op, node, "layernorm variance", x.var(dim=dims, unbiased=False) + eps)
+            var = x.var(dim=dims, unbiased=False, keepdim=True) + eps
+            self._record(layer, op, node, "layernorm variance", var)
+            normalized = (x - x.mean(dim=dims, keepdim=True)) * var.rsqrt()
+            weight = args[2] if len(args) > 2 else None
+            self._record(layer, op, node, "layernorm output", normalized * weight if weight is not None else normalized)
 
 
 def range_pass(ep: torch.export.ExportedProgram, calibration: Iterable[Mapping[str, torch.Tensor]]) -> list[RangeRecord]:

@@ -6,8 +6,8 @@ run unchanged on CrypTensors.  This module adds the other non-linearities:
 * GELU: ``erf`` (the exact form) and ``tanh`` (its tanh form), both evaluated under
   MPC by :func:`softq.mpc.approx.gelu` (accurate for any input), ``quad``
   (MPCFormer's ``0.125x^2 + 0.25x + 0.5``, one multiplication) and ``relu``.
-* LayerNorm: exact, via a Newton-Raphson inverse square root
-  (:func:`layer_norm`).
+* LayerNorm: exact (:func:`layer_norm`; under MPC :func:`softq.mpc.approx.layer_norm`,
+  a comparison-selected normaliser and a polynomial inverse square root).
 
 Every body uses only tensor methods, so the same function is the plaintext
 student (used by distillation and accuracy runs) and the encrypted operator.
@@ -81,7 +81,14 @@ def gelu_tanh(x: Any) -> Any:
 
 
 def gelu_quad(x: Any) -> Any:
-    """MPCFormer's Quad ``0.125 x^2 + 0.25 x + 0.5``: one multiplication, needs distillation."""
+    """MPCFormer's Quad ``0.125 x^2 + 0.25 x + 0.5``: one multiplication, needs distillation.
+
+    Under MPC: :func:`softq.mpc.approx.quadratic` (one Beaver round and one truncation).
+    """
+    if not _plain(x):
+        from softq.mpc.approx import quadratic
+
+        return quadratic(x, 0.125, 0.25, 0.5)
     return x.square() * 0.125 + x * 0.25 + 0.5
 
 
@@ -119,13 +126,6 @@ GELU_CLASSES = frozenset(
 # Public thresholds that bracket the (scaled) variance for the normaliser guess:
 # var in [4^k, 4^(k+1)) gets 1/sqrt(2 * 4^k), within a factor sqrt 2 of 1/sqrt(var).
 _LN_THRESHOLDS = [4.0**k for k in range(-6, 12)]
-# The coarse variance that picks the normaliser is computed from the centred values
-# times this public integer.  Larger values would help tiny variances but raise the
-# chance of CrypTen's 2-party truncation failing (about |product| / 2^31 per product):
-# 16 gave several failures per reference-ViT batch, so it stays 1.
-_LN_INT_SCALE = 1
-LN_NR_ITERS = 4
-_NR_START = 0.84  # 1/sqrt(z) for z in [0.5, 2]: converges to ~1e-4 in 4 iterations
 
 
 def _bits_to_fixed(bits: Any) -> Any:
@@ -176,28 +176,23 @@ def inv_sqrt(var: Any, iters: int = 5) -> Any:
 def layer_norm(x: Any, normalized_shape: Sequence[int], weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
     """LayerNorm over the last ``len(normalized_shape)`` dims, exact up to fixed point.
 
-    Under MPC every intermediate is kept near 1 so 16-bit fixed point stays
-    accurate for rows of any scale: a normaliser ``s ~ 1/std`` is picked by one
-    batched comparison of a coarse variance with public powers of 4 (a factor 2 off
-    is fine); then ``u = (x - mean) s`` has
-    variance ``z`` in [1/2, 2] and the output is ``u / sqrt(z + eps s^2)``, with the
-    inverse square root by Newton-Raphson from a fixed start.
+    Under MPC: :func:`softq.mpc.approx.layer_norm` (a normaliser ``s ~ 1/std`` picked by
+    one batched comparison of the variance with public powers of 2, then ``z^-1/2`` of
+    the normalised variance ``z`` in [2^-1/2, 2^1/2] by a polynomial; 21 rounds).
     """
     n_dims = len(normalized_shape)
     flat = x.flatten(-n_dims) if n_dims > 1 else x
-    centred = flat - flat.mean(dim=-1, keepdim=True)
+    fold = not _plain(x) and weight is not None and n_dims == 1  # MPC: weight folded into the last product
     if _plain(x):
+        centred = flat - flat.mean(dim=-1, keepdim=True)
         out = centred * (centred.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
     else:
-        k = _LN_INT_SCALE
-        var_k = (centred * k if k != 1 else centred).square().mean(dim=-1, keepdim=True)  # k^2 var
-        s = _range_guess(var_k + eps * k * k) * k  # ~ 1/std within sqrt 2
-        u = centred * s
-        z = u.square().mean(dim=-1, keepdim=True) + s.square() * eps
-        out = u * _nr_inv_sqrt(z, _NR_START, LN_NR_ITERS)
+        from softq.mpc.approx import layer_norm as mpc_layer_norm
+
+        out = mpc_layer_norm(flat, weight if fold else None, eps)
     if n_dims > 1:
         out = out.reshape(*x.shape) if not _plain(out) else out.view(x.shape)
-    if weight is not None:
+    if weight is not None and not fold:
         out = out * weight
     if bias is not None:
         out = out + bias

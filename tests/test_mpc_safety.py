@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -46,17 +47,22 @@ _TRUNCATION_PARTY = textwrap.dedent("""
 """)
 
 
-def test_exact_truncation_never_fails_where_crypten_local_truncation_does(tmp_path):
-    """Values up to 2e5: CrypTen's 2-party truncation fails ~|v| / 2^32 per element (~46 expected in 2e6)."""
+def _two_parties(tmp_path, source: str) -> str:
+    """Run ``source`` as ranks 0 and 1 (argv: rank, port) in two processes; rank 0's stdout."""
     script = tmp_path / "party.py"
-    script.write_text(_TRUNCATION_PARTY)
+    script.write_text(source)
     port = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(script), str(r), port], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    rows = {line.split()[0]: line.split()[1:] for line in outs[0][0].strip().splitlines()}
+    return outs[0][0].strip()
+
+
+def test_exact_truncation_never_fails_where_crypten_local_truncation_does(tmp_path):
+    """Values up to 2e5: CrypTen's 2-party truncation fails ~|v| / 2^32 per element (~46 expected in 2e6)."""
+    rows = {line.split()[0]: line.split()[1:] for line in _two_parties(tmp_path, _TRUNCATION_PARTY).splitlines()}
     n_prob, bad_prob, _ = int(rows["probabilistic"][0]), int(rows["probabilistic"][1]), float(rows["probabilistic"][2])
     n_exact, bad_exact, small_exact = int(rows["exact"][0]), int(rows["exact"][1]), float(rows["exact"][2])
     assert n_prob == n_exact == 2_000_000
@@ -226,3 +232,154 @@ def test_headless_encoder_distils_on_pooled_embeddings():
     student, history = distill(teacher, batches(), softmax="2quad", gelu="quad", steps=(5, 20), lr=(1e-3, 1e-3),
                                progress=False)
     assert len(history.stage2) == 20 and sum(history.stage2[-5:]) < sum(history.stage2[:5])
+
+
+# ---------------------------------------------------------------------------
+# comparison-selected brackets: LayerNorm, 2Quad's row division, Quad GELU
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,ratio,bound", [("rsqrt", 2.0, 8e-5), ("reciprocal", 4.0, 9e-3)])
+def test_bracket_polynomials_reach_their_stated_relative_error(kind, ratio, bound):
+    import numpy as np
+
+    from softq.mpc.approx import bracket_polynomial
+
+    m, a = bracket_polynomial(kind, ratio)
+    z = np.linspace(ratio**-0.5, ratio**0.5, 10001)
+    f = z**-0.5 if kind == "rsqrt" else 1.0 / z
+    err = np.abs(np.polynomial.polynomial.polyval(z - m, a) / f - 1.0).max()
+    assert bound / 3 < err < bound  # near-minimax: not far below the bound either
+
+
+@pytest.mark.parametrize("weight", ["secret", "public", "none"])
+def test_layer_norm_brackets_are_accurate_over_the_declared_variances(crypten1, weight):
+    from softq.mpc.approx import LN_VAR_RANGE
+    from softq.mpc.surrogates import layer_norm
+
+    torch.manual_seed(3)
+    lo, hi = (math.log2(v) for v in LN_VAR_RANGE)
+    std = torch.exp2(torch.linspace(lo + 0.01, hi - 0.01, 200) / 2)[:, None]  # every bracket, both edges
+    x = torch.randn(200, 64)
+    x = (x - x.mean(-1, keepdim=True)) / x.std(-1, unbiased=False, keepdim=True) * std + 3.0
+    w, b = torch.randn(64), torch.randn(64)
+    wt = {"secret": crypten1.cryptensor(w), "public": w, "none": None}[weight]
+    got = layer_norm(crypten1.cryptensor(x), [64], wt, b, 1e-5).get_plain_text()
+    ref = torch.nn.functional.layer_norm(x.double(), [64], w.double() if weight != "none" else None, b.double(), 1e-5)
+    err = (got.double() - ref).abs().max(-1).values
+    # 16-bit inputs: x - mean is known to 2^-16 only, i.e. to 2^-16 / std after normalising
+    ok = err <= 1e-4 * ref.abs().max() + 4 * 2**-16 / std[:, 0].double() * (w.abs().max() if weight != "none" else 1)
+    assert ok.all(), (err[~ok], std[~ok.nonzero()[:, 0]])
+    assert err[(std[:, 0] > 0.1)].max() < 1e-3
+
+
+def test_row_division_is_accurate_over_the_declared_row_sums(crypten1):
+    from softq.mpc.approx import ROW_RANGE, normalize_rows
+
+    torch.manual_seed(4)
+    scale = 800.0  # 2Quad with 32 keys, c = 5
+    target = torch.exp2(torch.linspace(math.log2(ROW_RANGE[0]) + 0.01, math.log2(ROW_RANGE[1]) - 0.01, 300))
+    num = torch.rand(300, 32) * (torch.rand(300, 32) < 0.8)  # some exact zeros (masked keys)
+    num = num / num.sum(-1, keepdim=True) * (target * scale)[:, None]
+    got = normalize_rows(crypten1.cryptensor(num), scale).get_plain_text().double()
+    ref = num.double() / num.double().sum(-1, keepdim=True)
+    assert ((got - ref).abs() <= 2e-4 * ref + 2 * 2**-16).all()
+    assert (got[num == 0] == 0).all()
+    with pytest.raises(ValueError, match="row scale"):
+        normalize_rows(crypten1.cryptensor(num), 2.0**13)
+
+
+def test_quad_gelu_under_mpc_is_the_plaintext_polynomial(crypten1):
+    from softq.mpc.approx import quadratic
+    from softq.mpc.surrogates import get_gelu
+
+    x = torch.linspace(-40, 40, 4001)
+    got = get_gelu("quad")(crypten1.cryptensor(x)).get_plain_text().double()
+    exact_input = torch.trunc(x.double() * 2**16) / 2**16  # the 16-bit encoding of x (CrypTen truncates)
+    assert (got - get_gelu("quad")(exact_input)).abs().max() <= 2**-16 + 1e-5  # one rounding (+ float32 decode)
+    with pytest.raises(ValueError, match="dyadic|2\\^-p"):
+        quadratic(crypten1.cryptensor(x), 0.3, 0.25, 0.5)
+
+
+@pytest.mark.parametrize("what,message", [
+    ("ln_weight", "layer0 layernorm"),
+    ("scores", "layer0 softmax:2quad (softmax): row sum"),
+])
+def test_range_pass_refuses_outside_the_bracketed_intervals(what, message):
+    model = tiny_bert()
+    with torch.no_grad():
+        if what == "ln_weight":  # LayerNorm output beyond the lazy product's bound
+            model.bert.encoder.layer[0].attention.output.LayerNorm.weight *= 1e4
+        else:  # 2Quad row sums beyond the brackets
+            model.bert.encoder.layer[0].attention.self.query.weight *= 300.0
+    configure_surrogates(model, softmax="2quad", gelu="quad")
+    with pytest.raises(RangeError, match="refused before any secret was shared") as info:
+        check_model(model, bert_inputs())
+    assert message in str(info.value)
+    if what == "ln_weight":
+        assert "layernorm output" in str(info.value)
+    records = check_model(_surrogate_bert(), bert_inputs())
+    assert {"row sum", "layernorm output", "layernorm variance"} <= {r.quantity for r in records}
+
+
+def _surrogate_bert() -> torch.nn.Module:
+    model = tiny_bert()
+    configure_surrogates(model, softmax="2quad", gelu="quad")
+    return model
+
+
+_ROUNDS_PARTY = textwrap.dedent("""
+    import json, sys, torch
+    from softq.mpc.party import PartySettings, init_communicator
+    from softq.mpc.truncation import set_truncation
+    rank, port = int(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    crypten = init_communicator(PartySettings(rank=rank, world_size=2, rendezvous=f"tcp://127.0.0.1:{port}", timeout=60))
+    set_truncation("exact")
+    from softq.mpc.approx import accurate_functions
+    from softq.mpc.graph import reciprocal_scale
+    from softq.mpc.surrogates import get_gelu, layer_norm
+    from softq.softmax import get_softmax
+    comm = crypten.communicator.get()
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 8, 64, generator=g) * 3, torch.rand(64, generator=g) + 0.5, torch.rand(64, generator=g)
+    scores, valid = torch.randn(2, 4, 8, 8, generator=g) * 3, torch.ones(2, 1, 1, 8)
+    X, W, B, S = (crypten.cryptensor(t, src=0) for t in (x, w, b, scores))
+
+    def quad2():
+        with accurate_functions(), reciprocal_scale("2quad", {"c": 5.0}, 8):
+            return get_softmax("2quad")(S, valid, c=5.0)
+
+    cases = {
+        "layernorm": (lambda: layer_norm(X, [64], W, B, 1e-12), torch.nn.functional.layer_norm(x, [64], w, b, 1e-12)),
+        "2quad": (quad2, get_softmax("2quad")(scores, valid, c=5.0)),
+        "quad": (lambda: get_gelu("quad")(X), get_gelu("quad")(x)),
+    }
+    for name, (f, ref) in cases.items():
+        comm.reset_communication_stats()
+        got = f().get_plain_text()
+        rounds = comm.get_communication_stats()["rounds"] - 1  # the reveal
+        if rank == 0:
+            print(json.dumps({"op": name, "rounds": rounds, "err": float((got - ref).abs().max())}), flush=True)
+""")
+
+
+def test_bracketed_approximations_cut_the_measured_rounds(tmp_path):
+    """2 processes, exact truncation: rounds measured by CrypTen's communicator (before: 49, 67 and 4)."""
+    import json
+
+    rows = {r["op"]: r for r in map(json.loads, _two_parties(tmp_path, _ROUNDS_PARTY).splitlines())}
+    assert rows["layernorm"]["rounds"] == 21 and rows["layernorm"]["err"] < 2e-3
+    assert rows["2quad"]["rounds"] == 23 and rows["2quad"]["err"] < 1e-4
+    assert rows["quad"]["rounds"] == 2 and rows["quad"]["err"] < 1e-4
+
+
+def test_2quad_row_division_is_fused_only_below_its_lazy_product_bound():
+    from softq.mpc.approx import ROW_SCALE_LIMIT
+    from softq.mpc.graph import fused_row_scale
+
+    assert fused_row_scale("2quad", {"c": 5.0}, 32) == 800.0  # MiniLM's 32 keys
+    assert fused_row_scale("2quad", {"c": 5.0}, 128) == 3200.0  # BERT-base attention block
+    assert 327 * 25 < ROW_SCALE_LIMIT <= 328 * 25
+    assert fused_row_scale("2quad", {"c": 5.0}, 328) is None  # num (S y) would pass 2^62 at scale 2^48
+    assert fused_row_scale("softmax", {}, 32) is None and fused_row_scale("2relu", {}, 32) is None
