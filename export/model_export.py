@@ -348,6 +348,12 @@ def _is_act_quantizer(m: nn.Module) -> bool:
     return isinstance(m, ActQuantizer)
 
 
+def _is_row_scores(m: nn.Module) -> bool:
+    from softq.quant.quantizers import RowScoresQuantizer
+
+    return isinstance(m, RowScoresQuantizer)
+
+
 def _replace_children(model: nn.Module, match, make) -> None:  # noqa: ANN001
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -381,7 +387,7 @@ def _softmax_params(name: str, points: nn.Module, key: int) -> dict[str, Any]:
         raise ExportError(f"attention layer '{name}': {scores.bits}-bit softmax inputs are not exportable (max 8)")
     q = SoftmaxQuant(scale=float(scores.scale), zero_point=int(round(float(scores.zero_point))),
                      bits=int(scores.bits), signed=bool(scores.signed), out_signed=False,
-                     relative=bool(getattr(scores, "takes_valid", False)))
+                     relative=_is_row_scores(scores))
     if probs.representation != "edge":
         return {"name": name, "q": q, "representation": probs.representation, "rq": _row_quant(name, points, q)}
     if abs(float(probs.scale) - float(OUT_SCALE)) > 0 or int(probs.bits) != 8 or float(probs.zero_point) != 0:

@@ -205,16 +205,10 @@ class RowScoresQuantizer(ActQuantizer):
         if self.mode != "quant":
             return x
         m = self.row_max(x, valid)
-        lowest = torch.finfo(x.dtype).min
-        if torch.is_grad_enabled():
-            r = self._forward(x - m)
-            # code 0 (T or more below the max) means exp = 0, as in the integer forms' tables
-            return r.masked_fill(r <= -self.span * (1 - 1e-6), lowest) + m
-        # the same numbers in place (fake_quant_inference's arithmetic, code 0 found before the scale)
-        top = float(self.zero_point)
-        y = (x - m).div_(self.scale).add_(top).round_().clamp_(0.0, top).sub_(top)
-        dropped = y == -top
-        return y.mul_(self.scale).add_(m).masked_fill_(dropped, lowest)
+        r = self._forward(x - m)  # Brevitas' IntQuant (with gradients) or its in-place equal
+        # code 0 (T or more below the max) means exp = 0, as in the integer forms' tables
+        dropped = r <= -self.span * (1 - 1e-6)
+        return (r + m).masked_fill_(dropped, torch.finfo(x.dtype).min)
 
     def int_repr(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """The codes ``x`` above (masked keys: whatever their score gives; exports make them 0)."""
