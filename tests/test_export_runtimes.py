@@ -15,7 +15,7 @@ from conftest import tiny_inputs, tiny_model
 
 import softq
 from softq.export import runtimes
-from softq.export.int_softmax import SoftmaxQuant, reference_int, softmax_model
+from softq.export.int_softmax import SoftmaxQuant, reference_int, relative_codes, relative_codes_model, softmax_model
 from softq.export.model_export import build_onnx
 from softq.export.row_attention import RowQuant, reference, row_attention_model
 
@@ -62,11 +62,7 @@ def test_whole_model_matches_onnxruntime(qmodels, tmp_path, runtime, model_key, 
         out, ref = out[valid], ref[valid]
     assert np.abs(out - ref).max() <= LOGIT_TOL * np.abs(ref).max()
     rows = np.abs(out - ref).reshape(-1, out.shape[-1]).max(-1) <= 1e-5 * np.abs(ref).max()
-    if (runtime, model_key, form) != ("openvino", "gpt2", "fast"):
-        assert rows.mean() >= 0.9  # equal but for a rare tie flip
-    # else: OpenVINO 2026.4's optimised graph gives the causal model's row-relative score codes that differ from
-    # onnxruntime's in most rows (the same file with the input stage's tensors also exposed as outputs
-    # computes onnxruntime's codes exactly: a fusion there); the logits stay within LOGIT_TOL
+    assert rows.mean() >= 0.9  # equal but for a rare tie flip
     again = run(_feeds(family, seed=6))[0]  # a second input through the same runner
     assert not np.array_equal(again, run(feeds)[0])
 
@@ -88,6 +84,23 @@ def test_row_int_core_matches_reference(tmp_path, runtime, representation):
     # (a runtime may multiply by the reciprocal): 2**-22 relative is 2 ulp of float32
     np.testing.assert_allclose(y, reference("int", x, v, rq, valid), rtol=2.0**-22, atol=0)
     assert np.all(y[0, :, 2] == 0)
+
+
+@pytest.mark.parametrize("runtime", OTHERS)
+def test_row_relative_input_stage_bit_exact(tmp_path, runtime):
+    # causal rows, padding and a fully masked row
+    q = SoftmaxQuant(scale=6.34 / 255, zero_point=255, relative=True)
+    rng = np.random.default_rng(7)
+    s = (rng.standard_normal((2, 3, 16, 16)) * 3).astype(np.float32)
+    valid = np.broadcast_to(np.tril(np.ones((16, 16), bool)), (2, 1, 16, 16)).copy()
+    valid[1, :, :, 12:] = False
+    valid[0, :, 3] = False
+    s += np.where(valid, 0, 50).astype(np.float32)  # masked keys far above the valid ones
+    path = tmp_path / "codes.onnx"
+    onnx.save(relative_codes_model(q, with_valid=True), path)
+    ref = relative_codes(s, q, valid)
+    assert (ref > 0).mean() > 0.3  # the check sees real codes, not only masked zeros
+    np.testing.assert_array_equal(runtimes.runner(path, runtime)({"s": s, "valid": valid})[0], ref)
 
 
 @pytest.mark.parametrize("runtime", OTHERS)
