@@ -732,7 +732,7 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
                                               to=TensorProto.BOOL))
         if q.relative:  # codes of s - rowmax; masked keys get code 0, which every row core maps to E = 0
             b = _Builder(f"{p}input/", opset)
-            build_relative_codes(b, scores, q, valid_b, out=f"{p}codes")
+            build_relative_codes(b, scores, q, out=f"{p}codes", valid_float=node.input[2] if valid_b else None)
             new_nodes += b.nodes
             extra_inits += b.inits
         else:
