@@ -76,7 +76,7 @@ def main() -> int:
     parser.add_argument("--calib-size", type=int, default=64, help="calibration paragraphs (default 64)")
     parser.add_argument("--eval-limit", type=int, default=None, help="evaluation paragraphs (default: all)")
     parser.add_argument("--max-length", type=int, default=128, help="tokens per text (default 128)")
-    parser.add_argument("--groups", default="1,2,4,8,384",
+    parser.add_argument("--groups", default="1,8",
                         help="residual_groups values to compare besides the default (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default 7)")
     parser.add_argument("--smoothing", default="none,0.5",
@@ -99,18 +99,18 @@ def main() -> int:
 
     default = softq.QuantConfig()
     configs = [(f"softq default: {default.describe()}", default)]
+    resid = softq.QuantConfig(quantize_residual=True)
+    configs.append(("softq, residual stream quantized (quantize_residual=True; residual_groups='auto': 4 here)", resid))
     for k in [int(g) for g in args.groups.split(",") if g]:
-        if k != default.residual_groups:
-            configs.append((f"softq residual_groups={k}" + (" (per tensor)" if k == 1 else " (at every residual point)"),
-                            softq.QuantConfig(residual_groups=k)))
-    configs.append(("softq, residual stream float (quantize_residual=False)", softq.QuantConfig(quantize_residual=False)))
+        configs.append((f"  residual_groups={k}" + (" (per tensor)" if k == 1 else " (at every residual point)"),
+                        softq.QuantConfig(quantize_residual=True, residual_groups=k)))
     for alpha in [a for a in args.smoothing.split(",") if a]:
         value = None if alpha == "none" else float(alpha)
         configs.append((f"softq input_smoothing={value}" + (" (no smoothing)" if value is None else ""),
                         softq.QuantConfig(input_smoothing=value)))
     for k in [int(p) for p in args.prefix.split(",") if p]:
-        configs.append((f"softq residual_prefix={k}" + (" ([CLS] shares the residual scales)" if k == 0 else ""),
-                        softq.QuantConfig(residual_prefix=k)))
+        configs.append((f"  residual_prefix={k}" + (" ([CLS] shares the residual scales)" if k == 0 else ""),
+                        softq.QuantConfig(quantize_residual=True, residual_prefix=k)))
     qmodels = {}
     for label, cfg in configs:
         qmodel = softq.quantize(model, calib, cfg)

@@ -37,9 +37,10 @@ def rows(bits_list: tuple[int, ...] = (8, 6, 4), correction: bool = True) -> lis
 
     Bias correction is measured on top of ``edge`` and of ``row_exact`` (on ``row`` it is zero by
     construction: rows of E/sum(E) sum to 1); its 'gap closed' is relative to the same
-    representation without it.  After the 8-bit rows, the default without input smoothing,
-    without the prefix tokens' own residual scales, with grouped residual scales everywhere (and input
-    smoothing at 0.5), and with a float residual stream.
+    representation without it.  Every row keeps the residual stream float (the default of ``row``;
+    ``edge`` rows too, so rows differ only in the softmax).  After the 8-bit rows: the default without
+    input smoothing, and with the residual stream quantized (``edge``'s default), also without the prefix
+    tokens' own residual scales and with grouped residual scales everywhere (and input smoothing at 0.5).
     """
     Q = softq.QuantConfig
     out = [
@@ -48,23 +49,24 @@ def rows(bits_list: tuple[int, ...] = (8, 6, 4), correction: bool = True) -> lis
     ]
     for bits in bits_list:
         edge, exact = f"W8A8, {bits}-bit softmax, edge (uniform 2^-{bits})", f"W8A8, {bits}-bit softmax, row_exact"
-        edge_bc = Row("  + bias correction (head, row)", Q(softmax_bits=bits, softmax_output="edge",
-                                                            bias_correction="head_row"), edge)
+        edge_q = dict(softmax_bits=bits, softmax_output="edge", quantize_residual=False)  # float residual, as row
+        edge_bc = Row("  + bias correction (head, row)", Q(bias_correction="head_row", **edge_q), edge)
         exact_bc = Row("  + bias correction (head, row)", Q(softmax_bits=bits, softmax_output="row_exact",
                                                              bias_correction="head_row"), exact)
-        out += [Row(edge, Q(softmax_bits=bits, softmax_output="edge")), *([edge_bc] if correction else []),
+        out += [Row(edge, Q(**edge_q)), *([edge_bc] if correction else []),
                 Row(f"W8A8, {bits}-bit softmax, row (default)", Q(softmax_bits=bits)),
                 Row("  softmax input on one calibrated grid per tensor (softmax_input='tensor')",
                     Q(softmax_bits=bits, softmax_input="tensor")),
                 Row(exact, Q(softmax_bits=bits, softmax_output="row_exact")), *([exact_bc] if correction else [])]
-        if bits == 8:  # what two of the default's outlier passes contribute on these models, and what is left
+        if bits == 8:  # what the default's passes contribute on these models, and what a quantized residual costs
+            R = dict(quantize_residual=True)
             out += [Row("  default without input smoothing (input_smoothing=None)", Q(input_smoothing=None)),
-                    Row("  default, [CLS] shares the residual scales (residual_prefix=0; the LM's default)",
-                        Q(residual_prefix=0)),
-                    Row("  default, 4 scale groups at every residual point (residual_groups=4)", Q(residual_groups=4)),
-                    Row("  residual_groups=4 and input smoothing 0.5 everywhere (input_smoothing=0.5)",
-                        Q(residual_groups=4, input_smoothing=0.5)),
-                    Row("  default, residual stream float (quantize_residual=False)", Q(quantize_residual=False))]
+                    Row("  residual stream quantized too (quantize_residual=True, `edge`'s default)", Q(**R)),
+                    Row("    [CLS] shares the residual scales (residual_prefix=0; the LM's default)",
+                        Q(residual_prefix=0, **R)),
+                    Row("    4 scale groups at every residual point (residual_groups=4)", Q(residual_groups=4, **R)),
+                    Row("    residual_groups=4 and input smoothing 0.5 everywhere (input_smoothing=0.5)",
+                        Q(residual_groups=4, input_smoothing=0.5, **R))]
     return out
 
 
@@ -104,7 +106,8 @@ def markdown(sections: list[tuple[Task, list[tuple[str, float, float, str]]]], c
         f"took {seconds / 60:.1f} min.",
         "",
         "W8A8 everywhere (`QuantConfig` defaults otherwise): per-channel int8 weights, int8 embedding tables (one scale",
-        "per row), asymmetric int8 activations (Linear inputs, Q, K, V, residual stream) with min-max",
+        "per row), asymmetric int8 activations (Linear inputs, Q, K, V; the residual stream and LayerNorm float",
+        "unless a row says otherwise, `edge` rows included, so rows differ only in the softmax) with min-max",
         "ranges on 16 calibration windows/images from the training split; softmax input (`softmax_input='auto'`):",
         "8-bit codes of s - rowmax on [-T, 0] (T = 6.34 for 8-bit `row` output, 11.89 for `row_exact`) for `row` and",
         "`row_exact`, one calibrated asymmetric grid per tensor for `edge` (the 'softmax_input=tensor' rows: per tensor);",

@@ -12,6 +12,7 @@ residual layout (channel groups, and scales of their own for the prefix tokens:
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from pathlib import Path
@@ -48,22 +49,22 @@ def main() -> int:
     deit = transformers.DeiTForImageClassification(transformers.DeiTConfig(**shape)).eval()
     torch.manual_seed(0)
     vit = transformers.ViTForImageClassification(transformers.ViTConfig(**shape)).eval()
+    Q = functools.partial(softq.QuantConfig, quantize_residual=True)  # the rows that quantize the residual stream
     shared = [
-        ("per tensor, prefix tokens share it (residual_groups=1, residual_prefix=0)",
-         softq.QuantConfig(residual_groups=1, residual_prefix=0)),
-        ("4 groups, shared (residual_prefix=0)", softq.QuantConfig(residual_groups=4, residual_prefix=0)),
-        ("per channel (192 groups), shared (residual_prefix=0)", softq.QuantConfig(residual_groups=192, residual_prefix=0)),
+        ("per tensor, prefix tokens share it (residual_groups=1, residual_prefix=0)", Q(residual_groups=1, residual_prefix=0)),
+        ("4 groups, shared (residual_prefix=0)", Q(residual_groups=4, residual_prefix=0)),
+        ("per channel (192 groups), shared (residual_prefix=0)", Q(residual_groups=192, residual_prefix=0)),
     ]
-    float_row = [("residual stream float", softq.QuantConfig(quantize_residual=False))]
+    float_row = [("default: residual stream float (quantize_residual='auto' with the row softmax)", softq.QuantConfig())]
     sections = [
         ("DeiT", "CLS and distillation tokens start at exactly 0; the logits read those two rows",
          errors(deit, shared + [
-             ("groups auto, CLS row on its own scales (residual_prefix=1)", softq.QuantConfig(residual_prefix=1)),
-             ("default: groups auto, CLS and distillation rows on their own scales (residual_prefix='auto' = 2)",
-              softq.QuantConfig())] + float_row)),
+             ("groups auto, CLS row on its own scales (residual_prefix=1)", Q(residual_prefix=1)),
+             ("groups auto, CLS and distillation rows on their own scales (residual_prefix='auto' = 2)", Q())]
+            + float_row)),
         ("ViT", "the CLS token starts from a truncated normal; the logits read its row",
-         errors(vit, shared + [("default: groups auto, CLS row on its own scales (residual_prefix='auto' = 1)",
-                                softq.QuantConfig())] + float_row)),
+         errors(vit, shared + [("groups auto, CLS row on its own scales (residual_prefix='auto' = 1)", Q())]
+                + float_row)),
     ]
     lines = ["# DeiT and ViT from a config: W8A8 logit error by residual-stream layout", "",
              f"Command: `{command_line()}`", "",

@@ -57,7 +57,11 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--residual-prefix", type=_groups, default=None, metavar="K",
                    help="leading positions with residual-stream scales of their own (special tokens): K, or "
                         "'auto' (default: [CLS] for BERT/RoBERTa/ViT, [CLS] + distillation for DeiT, none for LMs)")
-    p.add_argument("--no-residual", action="store_true", help="leave the residual stream (LayerNorm inputs) float")
+    residual = p.add_mutually_exclusive_group()
+    residual.add_argument("--residual", dest="residual", action="store_const", const=True, default="auto",
+                          help="quantize the residual stream (LayerNorm inputs); default: only with --softmax-output edge")
+    residual.add_argument("--no-residual", dest="residual", action="store_const", const=False,
+                          help="leave the residual stream (LayerNorm inputs) float")
     p.add_argument("--input-smoothing", type=_smoothing, default="auto", metavar="ALPHA|auto|none",
                    help="per-channel input smoothing of Linear layers (SmoothQuant as an explicit Mul, post-LN "
                         "models included): an alpha in [0, 1], auto (default: 0.8 in models with outlier "
@@ -109,7 +113,7 @@ def _config(args: argparse.Namespace):
         weight_bits=args.weight_bits, act_bits=args.act_bits,
         softmax_bits=args.softmax_bits or None, bias_correction=args.bias_correction,
         softmax_output=args.softmax_output,
-        smoothquant_alpha=args.smoothquant, observer=args.observer, quantize_residual=not args.no_residual,
+        smoothquant_alpha=args.smoothquant, observer=args.observer, quantize_residual=args.residual,
         embedding_bits=args.embedding_bits or None, input_smoothing=args.input_smoothing, **extra,
     )
 

@@ -91,6 +91,15 @@ class QuantConfig:
             (a tiny random BERT in tests/test_quant.py) away from it: smoothing
             them at 0.8 made that test's logit error exceed its bound.
         quantize_residual: also quantize LayerNorm inputs (the residual stream).
+            ``"auto"`` (default): only with the ``edge`` softmax output (the integer-only
+            runtimes' convention, where every tensor between ops is 8-bit); with ``row`` and
+            ``row_exact`` the residual stream and LayerNorm stay float, as in onnxruntime's
+            quantizers and SmoothQuant's W8A8, and every Linear input, Q, K, V and the
+            softmax stay 8-bit.  Measured (docs/results/quant_lm_steps2400.md, quant.md,
+            minilm.md): the 2400-step reference LM +1.01% -> +0.38% perplexity,
+            all-MiniLM-L6-v2 cosine 0.9973 -> 0.9978, the 800-step LM and the ViT unchanged
+            within their noise; the exported ViT runs fewer nodes (export_speed.md).
+            ``True`` / ``False`` force it.
         residual_groups: scales of each residual-stream point over the hidden
             dimension: ``1`` per tensor; ``K`` per-embedding-group quantization with
             K groups chosen by channel range (outlier dimensions get their own
@@ -134,7 +143,7 @@ class QuantConfig:
     bias_correction: Literal["tensor", "head", "head_row"] | None = None
     smoothquant_alpha: float | None = None
     input_smoothing: float | Literal["auto"] | None = "auto"
-    quantize_residual: bool = True
+    quantize_residual: bool | Literal["auto"] = "auto"
     residual_groups: int | Literal["auto"] = "auto"
     residual_prefix: int | Literal["auto"] = "auto"
     embedding_bits: int | None = 8
@@ -168,6 +177,8 @@ class QuantConfig:
             raise ValueError(f"embedding_bits must be an integer from {MIN_BITS} to 8 or None, got {self.embedding_bits!r}")
         if self.bias_correction is not None and self.softmax_bits is None:
             raise ValueError("bias_correction corrects the quantized softmax output; it needs softmax_bits")
+        if self.quantize_residual != "auto" and not isinstance(self.quantize_residual, bool):
+            raise ValueError(f"quantize_residual must be True, False or 'auto', got {self.quantize_residual!r}")
         if self.residual_groups != "auto" and (not isinstance(self.residual_groups, int)
                                                or isinstance(self.residual_groups, bool) or self.residual_groups < 1):
             raise ValueError(f"residual_groups must be a positive integer or 'auto', got {self.residual_groups!r}")
@@ -192,6 +203,13 @@ class QuantConfig:
         if self.softmax_input == "auto":
             return self.softmax_output != "edge"
         return self.softmax_input == "row"
+
+    @property
+    def residual_quantized(self) -> bool:
+        """Whether LayerNorm inputs (the residual stream) are quantized (``quantize_residual`` resolved)."""
+        if self.quantize_residual == "auto":
+            return self.softmax_output == "edge"
+        return bool(self.quantize_residual)
 
     def describe(self) -> str:
         """Short human-readable summary of the non-default settings."""

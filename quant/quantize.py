@@ -6,7 +6,8 @@ What is quantized (each point is a Brevitas quantizer, see ``quantizers.py``):
 * the Q and K inputs of the score matmul and the softmax input (scores);
 * the softmax output (unsigned codes relative to the row max by default, see
   ``QuantConfig.softmax_output``) and the V input of P.V;
-* LayerNorm inputs, i.e. the residual stream (``quantize_residual``).
+* LayerNorm inputs, i.e. the residual stream (``quantize_residual``; by default only
+  with the ``edge`` softmax output).
 
 Embedding tables, the ViT patch-embedding convolution and LayerNorm arithmetic
 stay float, as in the usual W8A8 deployments.  Attention is hooked through
@@ -78,7 +79,7 @@ def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
                 continue
             if type(child) is nn.Linear:
                 setattr(parent, child_name, QLinear(child, config.weight_bits, config.weight_per_channel, _act(config)))
-            elif type(child) is nn.LayerNorm and config.quantize_residual:
+            elif type(child) is nn.LayerNorm and config.residual_quantized:
                 setattr(parent, child_name, QLayerNorm(child, _act(config, config.residual_groups, prefix)))
             elif type(child) is nn.Embedding and config.embedding_bits is not None:
                 setattr(parent, child_name, QEmbedding(child, config.embedding_bits))
@@ -188,7 +189,7 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
     conv1d_to_linear(model)
     layers = attention_points(model)
     _replace_modules(model, config)
-    prefix = residual_prefix(model, config) if config.quantize_residual else 0
+    prefix = residual_prefix(model, config) if config.residual_quantized else 0
     for _, points in layers:
         _attach_attention_quantizers(points, config)
         points.prefix_rows = prefix

@@ -105,7 +105,9 @@ def test_row_codes_round_trip_and_older_files_load_as_edge(tmp_path) -> None:
     import json
 
     calib = [tiny_inputs("gpt2", seed=s) for s in range(2)]
-    q = softq.quantize(tiny_model("gpt2"), calib, softq.QuantConfig(softmax_bits=4, softmax_output="row_exact"))
+    # quantize_residual=True: what every file saved before the field took "auto" holds
+    q = softq.quantize(tiny_model("gpt2"), calib, softq.QuantConfig(softmax_bits=4, softmax_output="row_exact",
+                                                                    quantize_residual=True))
     io.save(q, tmp_path / "q")
     loaded = io.load(tmp_path / "q")
     x = tiny_inputs("gpt2", seed=8)

@@ -152,7 +152,7 @@ def test_residual_groups_isolate_the_outlier_dimension(folder) -> None:
     ref = loaded.encode(evaluation)
     cos = {}
     for groups in (1, 4):
-        qmodel = softq.quantize(loaded.model, calib, softq.QuantConfig(residual_groups=groups, softmax_bits=None))
+        qmodel = softq.quantize(loaded.model, calib, softq.QuantConfig(residual_groups=groups, softmax_bits=None, quantize_residual=True))
         norm = qmodel.encoder.layer[0].output.LayerNorm.input_act  # after the FFN: the outlier is here
         if groups == 1:
             assert norm.scale.numel() == 1
@@ -192,7 +192,7 @@ def test_grouped_model_saves_loads_and_exports_bit_exact(folder, tmp_path) -> No
     from softq.quant.io import load, save
 
     loaded = hf.load_model_dir(folder)
-    qmodel = softq.quantize(loaded.model, _calib(loaded), softq.QuantConfig(residual_groups=4))
+    qmodel = softq.quantize(loaded.model, _calib(loaded), softq.QuantConfig(residual_groups=4, quantize_residual=True))
     out = save(qmodel, tmp_path / "q", sidecars_from=folder)
     assert (out / "vocab.txt").is_file() and (out / "1_Pooling" / "config.json").is_file()
     again = load(out)
@@ -218,7 +218,7 @@ def test_export_graph_runs_on_fast_kernels(folder) -> None:
     from softq.export.model_export import build_onnx
 
     loaded = hf.load_model_dir(folder)
-    qmodel = softq.quantize(loaded.model, _calib(loaded), softq.QuantConfig(residual_groups=4))
+    qmodel = softq.quantize(loaded.model, _calib(loaded), softq.QuantConfig(residual_groups=4, quantize_residual=True))
     batch = loaded.tokenize(["the python class is an object", "return a value"])
     model = build_onnx(qmodel, batch)
     nodes = list(model.graph.node)
@@ -350,7 +350,7 @@ def test_auto_groups_only_where_outliers_are(folder) -> None:
     from softq.quant.quantizers import ActQuantizer
 
     loaded = hf.load_model_dir(folder)
-    qmodel = softq.quantize(loaded.model, _calib(loaded), softq.QuantConfig())  # residual_groups="auto"
+    qmodel = softq.quantize(loaded.model, _calib(loaded), softq.QuantConfig(quantize_residual=True))  # residual_groups="auto"
     norms = {name: m.input_act for name, m in qmodel.named_modules() if hasattr(m, "input_act")
              and isinstance(m, torch.nn.LayerNorm)}
     grouped = {name for name, q in norms.items() if q.scale.numel() > 1}

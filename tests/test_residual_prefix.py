@@ -4,6 +4,7 @@ one-pass input smoothing of softq.quantize, and the inference caches of quantize
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import onnxruntime as ort
@@ -16,6 +17,9 @@ import softq
 from softq.calib.smoothquant import smooth_inputs
 from softq.quant.quantize import QLayerNorm, residual_prefix
 from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, dequantized_weight
+
+# the residual stream quantized (the default only with the edge softmax): what prefix scales are for
+RQ = functools.partial(softq.QuantConfig, quantize_residual=True)
 
 
 def fresh_deit(seed: int = 0) -> torch.nn.Module:
@@ -37,8 +41,8 @@ def test_fresh_deit_logits_within_10_percent_only_with_prefix_scales() -> None:
     g = torch.Generator().manual_seed(1)
     calib = [torch.randn(8, 3, 32, 32, generator=g) for _ in range(2)]
     x = torch.randn(16, 3, 32, 32, generator=g)
-    shared = rel_error(softq.quantize(model, calib, softq.QuantConfig(residual_prefix=0)), model, x)
-    default = rel_error(softq.quantize(model, calib), model, x)
+    shared = rel_error(softq.quantize(model, calib, RQ(residual_prefix=0)), model, x)
+    default = rel_error(softq.quantize(model, calib, RQ()), model, x)
     assert shared > 0.15, f"the failure this fixes did not show: {shared:.3f}"
     assert default < 0.10, f"W8A8 relative logit error {default:.3f} with [CLS]/distillation scales"
 
@@ -64,16 +68,16 @@ def test_prefix_rows_get_their_own_scales_and_the_rest_ignores_them() -> None:
 
 
 def test_auto_prefix_follows_the_family_and_causal_lms_are_refused() -> None:
-    cfg = softq.QuantConfig()
+    cfg = RQ()
     assert residual_prefix(tiny_model("bert"), cfg) == 1
     assert residual_prefix(tiny_model("deit"), cfg) == 2
     assert residual_prefix(tiny_model("gpt2"), cfg) == 0
     with pytest.raises(ValueError, match="KV cache"):
-        softq.quantize(tiny_model("gpt2"), [tiny_inputs("gpt2")], softq.QuantConfig(residual_prefix=1))
+        softq.quantize(tiny_model("gpt2"), [tiny_inputs("gpt2")], RQ(residual_prefix=1))
     for bad in (-1, 9, 1.5, True, "all"):
         with pytest.raises(ValueError, match="residual_prefix"):
-            softq.QuantConfig(residual_prefix=bad)
-    q = softq.quantize(tiny_model("bert"), [tiny_inputs("bert")])
+            RQ(residual_prefix=bad)
+    q = softq.quantize(tiny_model("bert"), [tiny_inputs("bert")], RQ())
     norms = [m for m in q.modules() if isinstance(m, QLayerNorm)]
     assert norms and all(len(m.input_act.prefix) == 1 for m in norms)
 
@@ -85,7 +89,7 @@ def test_prefix_scales_save_load_and_export_with_parity(tmp_path) -> None:
     model = fresh_deit()
     g = torch.Generator().manual_seed(2)
     calib = [torch.randn(4, 3, 32, 32, generator=g) for _ in range(2)]
-    q = softq.quantize(model, calib)
+    q = softq.quantize(model, calib, RQ())
     x = torch.randn(3, 3, 32, 32, generator=g)
     loaded = load(save(q, tmp_path / "q"))
     with torch.no_grad():
@@ -108,10 +112,10 @@ def test_one_pass_input_smoothing_matches_a_separate_stats_pass() -> None:
         for layer in model.bert.encoder.layer:
             layer.attention.output.LayerNorm.weight[3] = 40.0  # an outlier channel at the FFN input
     calib = [tiny_inputs("bert", seed=s) for s in range(3)]
-    one = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8, weight_bits=16, embedding_bits=None))
+    one = softq.quantize(model, calib, RQ(input_smoothing=0.8, weight_bits=16, embedding_bits=None))
     smoothed = copy.deepcopy(model)
     assert smooth_inputs(smoothed, calib, 0.8)
-    two = softq.quantize(smoothed, calib, softq.QuantConfig(input_smoothing=None, weight_bits=16, embedding_bits=None))
+    two = softq.quantize(smoothed, calib, RQ(input_smoothing=None, weight_bits=16, embedding_bits=None))
     pairs = [(a, b) for a, b in zip(one.modules(), two.modules()) if isinstance(a, QLinear)]
     assert sum(a.input_scale.numel() > 0 for a, _ in pairs) >= 4
     for a, b in pairs:
@@ -127,7 +131,7 @@ def test_input_smoothing_with_another_observer_still_smooths_first() -> None:
         for layer in model.bert.encoder.layer:
             layer.attention.output.LayerNorm.weight[3] = 40.0
     calib = [tiny_inputs("bert", seed=s) for s in range(3)]
-    q = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8, observer="percentile"))
+    q = softq.quantize(model, calib, RQ(input_smoothing=0.8, observer="percentile"))
     ffn_in = q.bert.encoder.layer[0].intermediate.dense.input_scale
     assert ffn_in.numel() == 32 and ffn_in[3] < ffn_in.median() / 4
 
@@ -168,10 +172,10 @@ def test_calibration_attention_shortcut_observes_what_the_eager_path_does(family
     calls = []
     original = attention._observing_attention
     monkeypatch.setattr(attention, "_observing_attention", lambda *a: calls.append(1) or original(*a))
-    fast = softq.quantize(model, calib)
+    fast = softq.quantize(model, calib, RQ())
     assert len(calls) == 2 * len(calib)  # two layers, every batch
     monkeypatch.setattr(attention, "_observing_only", lambda points: False)
-    eager = softq.quantize(model, calib)
+    eager = softq.quantize(model, calib, RQ())
     pairs = [(a, b) for a, b in zip(fast.modules(), eager.modules()) if isinstance(a, ActQuantizer)]
     assert len(pairs) > 10
     for a, b in pairs:
@@ -181,7 +185,7 @@ def test_calibration_attention_shortcut_observes_what_the_eager_path_does(family
 
 def test_left_padded_batch_is_refused_with_prefix_scales() -> None:
     model = tiny_model("bert")
-    q = softq.quantize(model, [tiny_inputs("bert", seed=s) for s in range(2)])
+    q = softq.quantize(model, [tiny_inputs("bert", seed=s) for s in range(2)], RQ())
     x = tiny_inputs("bert", seed=3)
     right = torch.ones_like(x["input_ids"])
     right[0, 20:] = 0
@@ -190,7 +194,7 @@ def test_left_padded_batch_is_refused_with_prefix_scales() -> None:
         left = right.flip(-1)
         with pytest.raises(ValueError, match="left-padded"):
             q(input_ids=x["input_ids"], attention_mask=left)
-        q0 = softq.quantize(model, [tiny_inputs("bert", seed=s) for s in range(2)], softq.QuantConfig(residual_prefix=0))
+        q0 = softq.quantize(model, [tiny_inputs("bert", seed=s) for s in range(2)], RQ(residual_prefix=0))
         q0(input_ids=x["input_ids"], attention_mask=left)  # no prefix scales: nothing to refuse
 
 
