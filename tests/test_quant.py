@@ -284,3 +284,26 @@ def test_softmax_output_is_validated() -> None:
     with pytest.raises(ValueError, match="zero by construction for softmax_output='row'"):
         softq.QuantConfig(bias_correction="head")
     assert softq.QuantConfig(bias_correction="head", softmax_output="row_exact").bias_correction == "head"
+
+
+def test_residual_stream_quantized_only_with_the_edge_softmax_by_default() -> None:
+    from softq.quant.quantize import QLayerNorm
+
+    calib = [tiny_inputs("bert", seed=s) for s in range(2)]
+    x = tiny_inputs("bert", seed=5)
+
+    def norms(config):
+        q = softq.quantize(tiny_model("bert"), calib, config)
+        with torch.no_grad():
+            assert torch.isfinite(q(**x).logits).all()
+        return [m for m in q.modules() if isinstance(m, QLayerNorm)]
+
+    assert not norms(softq.QuantConfig())  # row: LayerNorm inputs stay float
+    assert not norms(softq.QuantConfig(softmax_output="row_exact"))
+    edge = norms(softq.QuantConfig(softmax_output="edge"))
+    assert edge and all(m.input_act.mode == "quant" for m in edge)
+    assert norms(softq.QuantConfig(quantize_residual=True))
+    assert not norms(softq.QuantConfig(softmax_output="edge", quantize_residual=False))
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="quantize_residual must be True, False or 'auto'"):
+            softq.QuantConfig(quantize_residual=bad)
