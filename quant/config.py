@@ -39,7 +39,10 @@ MAX_PREFIX = 8
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """W8A8 post-training quantization settings (defaults: the edge deployment).
+    """W8A8 post-training quantization settings.
+
+    The defaults target CPU runtimes such as onnxruntime; ``softmax_output="edge"`` gives the
+    integer-only runtimes' convention (uniform softmax codes, a quantized residual stream).
 
     Attributes:
         weight_bits: bits of Linear weights (symmetric, narrow range).
