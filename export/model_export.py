@@ -56,7 +56,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from softq.export import onnx_utils
+from softq.export import fuse, onnx_utils
 from softq.export.int_softmax import FORMS as EDGE_FORMS
 from softq.export.int_softmax import OUT_SCALE, SoftmaxQuant, _Builder, build_relative_codes, build_softmax
 from softq.export.row_attention import ROW_FORMS, RowQuant, build_row_attention
@@ -842,6 +842,8 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
     onnx_model = _trace(wrapper, feeds, names, outputs)
     onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
     onnx_model, _ = onnx_utils.dedupe(prune(onnx_model))
+    fuse.fuse(onnx_model)  # fewer nodes for onnxruntime around the integer linears (export/fuse.py)
+    onnx_model = prune(onnx_model)
     check_exportable_ops(onnx_model, softmax)
     onnx_model.producer_name = "softq"
     onnx.checker.check_model(onnx_model, full_check=True)
