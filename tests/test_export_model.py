@@ -165,6 +165,12 @@ def _linear_weights(model: onnx.ModelProto) -> list[tuple[np.ndarray, np.ndarray
     return found
 
 
+def _assert_all_linears(weights: list[tuple[np.ndarray, np.ndarray, np.ndarray]], qmodel) -> None:
+    linears = [m for m in qmodel.modules() if type(m).__name__ == "QLinear"]
+    assert sum(codes.shape[1] for codes, _, _ in weights) == sum(m.out_features for m in linears)
+    assert len(weights) == len(linears) - 2 * qmodel.config.num_hidden_layers
+
+
 @pytest.mark.parametrize("form", ["qdq", "ort", "int"])
 def test_op_allow_lists_and_weights(quantized, form):
     qmodel = quantized[("vit", "head")]
@@ -183,9 +189,10 @@ def test_op_allow_lists_and_weights(quantized, form):
         assert ops[("", "Softmax")] == 0
         inside = [n for n in model.graph.node if "/sm/" in n.name]
         assert inside and U.float_valued_nodes(model, inside) == []
-    # per-channel 8-bit weights: one MatMulInteger with constant int8 codes per quantized Linear
+    # per-channel 8-bit weights: MatMulInteger with constant int8 codes, one per quantized Linear but Q, K and V
+    # (they read the same codes: one GEMM per layer)
     weights = _linear_weights(model)
-    assert len(weights) == sum(type(m).__name__ == "QLinear" for m in qmodel.modules())
+    _assert_all_linears(weights, qmodel)
     for codes, zp, scale in weights:
         assert codes.dtype == np.int8 and not zp.any() and scale.shape == (codes.shape[1],)
         assert np.abs(codes.astype(int)).max() <= 127
@@ -196,7 +203,7 @@ def test_uint8_weight_storage(quantized):
     qmodel = quantized[("vit", None)]
     model = build_onnx(qmodel, tiny_inputs("vit"), "int", weight_storage="uint8")
     weights = _linear_weights(model)
-    assert len(weights) == sum(type(m).__name__ == "QLinear" for m in qmodel.modules())
+    _assert_all_linears(weights, qmodel)
     for codes, zp, _ in weights:
         assert codes.dtype == np.uint8 and set(zp.tolist()) == {128}
         assert np.abs(codes.astype(int) - 128).max() <= 127
