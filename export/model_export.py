@@ -8,7 +8,8 @@ has an ONNX ``symbolic``:
 * activation quantizers -> ``QuantizeLinear -> DequantizeLinear`` with the
   calibrated scale and zero point;
 * quantized Linear layers -> ``MatMul(x, DequantizeLinear(W_int8^T, scale, axis=1))``
-  (+ float bias), per-channel int8 weights stored as int8 initializers;
+  (+ float bias), per-channel int8 weights stored as int8 initializers (rewritten after the
+  trace, see below);
 * each attention core (the scores tap, the softmax, the probs quantizer and the
   P.V matmul) -> one marker node ``softq::QAttention(scores, v[, valid])`` whose
   output is P.V.
@@ -25,7 +26,10 @@ for a per-tensor grid), by the form chosen for the layer's softmax-output repres
   softmax, ``DequantizeLinear`` of the probabilities (scale ``2**-8``), then
   ``MatMul`` with the dequantized V;
 
-and dead nodes are removed.  Language models get a 4-D boolean mask built in the graph from
+then :func:`softq.export.fuse.fuse` rewrites the linears into the form onnxruntime fuses with
+their bias (``MatMulInteger -> Cast -> Mul -> Add``; Q, K and V as one GEMM and a Split) and folds
+input smoothing's Mul into LayerNorms and the attention's ``1/sqrt(d)`` into the query's
+DequantizeLinear, and dead nodes are removed.  Language models get a 4-D boolean mask built in the graph from
 ``attention_mask`` (causal AND padding), which makes Hugging Face skip its own
 mask code (not traceable with dynamic shapes).
 
