@@ -19,6 +19,9 @@ onnxruntime's CPU fusions absorb:
 * :func:`fold_layernorm_scales`: ``Mul(LayerNorm(x), c)`` (input smoothing's per-channel
   ``QLinear.input_scale``) becomes ``LayerNorm`` with ``gamma * c`` and ``beta * c`` where every
   reader of the LayerNorm output multiplies it by the same ``c`` (``Shape`` readers aside).
+* :func:`fold_attention_output_scales`: input smoothing's Mul on the attention output (after the
+  heads' Transpose and Reshape) becomes a per-(head, channel) constant in the row core's final
+  division's denominator (``Div(N, Mul(rowsum, k / c))``).
 * :func:`fold_matmul_scales`: ``Mul(MatMul(DQ(q codes, s), k), c)`` (the attention's
   ``1/sqrt(d)``) becomes ``MatMul(DQ(q codes, s * c), k)``; the ``QuantizeLinear`` keeps ``s``.
 """
@@ -61,8 +64,9 @@ class _Graph:
         node = self.producer.get(name)
         return node if node is not None and node.op_type == op and node.domain in ("", "ai.onnx") else None
 
-    def only_reader(self, name: str) -> onnx.NodeProto | None:
-        readers = self.readers.get(name, [])
+    def only_reader(self, name: str, but_shape: bool = False) -> onnx.NodeProto | None:
+        """The one node reading ``name`` (``Shape`` readers aside with ``but_shape``), if it is not a graph output."""
+        readers = [r for r in self.readers.get(name, []) if not (but_shape and r.op_type == "Shape")]
         return readers[0] if len(readers) == 1 and name not in self.outputs else None
 
     def add_const(self, tag: str, value: np.ndarray) -> str:
@@ -233,6 +237,53 @@ def fold_layernorm_scales(model: onnx.ModelProto) -> int:
     return folded
 
 
+def fold_attention_output_scales(model: onnx.ModelProto) -> int:
+    """Fold the per-channel Mul on a merged attention output into the core's final division; returns how many.
+
+    ``Mul(Reshape(Transpose(Div(N, Mul(X, k)), perm=[0, 2, 1, 3])), c)``, ``c`` of ``heads * head_dim``
+    channels and ``k`` a scalar constant, becomes ``Div(N, Mul(X, k / c[heads, head_dim]))``: the same
+    number of nodes in the core, one Mul over the activations fewer (input smoothing of the output
+    projection).  Heads and head size come from ONNX shape inference of the division's output.
+    """
+    g = _Graph(model, "attn_out")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # noqa: BLE001 - shapes unknown: nothing to fold
+        return 0
+    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+              for v in inferred.graph.value_info}
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for mul in list(g.graph.node):
+        if mul.op_type != "Mul" or len(mul.input) != 2:
+            continue
+        k_side = 1 if g.const(mul.input[1]) is not None else 0
+        c, reshape = g.const(mul.input[k_side]), g.made_by(mul.input[1 - k_side], "Reshape")
+        if c is None or c.dtype != np.float32 or reshape is None or g.only_reader(reshape.output[0]) is not mul:
+            continue
+        transpose = g.made_by(reshape.input[0], "Transpose")
+        perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), None) if transpose else None
+        if perm != [0, 2, 1, 3] or g.only_reader(transpose.output[0], but_shape=True) is not reshape:
+            continue
+        div = g.made_by(transpose.input[0], "Div")
+        den = g.made_by(div.input[1], "Mul") if div is not None else None
+        # Shape readers see the same shape after the fold
+        if den is None or g.only_reader(div.output[0], but_shape=True) is not transpose or g.only_reader(den.output[0]) is not div:
+            continue
+        shape = shapes.get(div.output[0], [])
+        k = next((g.const(i) for i in den.input if g.const(i) is not None and g.const(i).size == 1), None)
+        if len(shape) != 4 or None in shape[1:2] + shape[3:] or k is None or c.size != shape[1] * shape[3]:
+            continue
+        if c.shape[-1] != c.size or k.dtype != np.float32:
+            continue
+        heads, size = shape[1], shape[3]
+        scale = (np.float32(k.reshape(())) / c.reshape(1, heads, 1, size)).astype(np.float32)
+        den.input[list(den.input).index(next(i for i in den.input if g.const(i) is not None))] = g.add_const("scale", scale)
+        reshape.output[0] = mul.output[0]
+        replaced[id(mul)] = []
+    g.replace(replaced)
+    return len(replaced)
+
+
 def fold_matmul_scales(model: onnx.ModelProto) -> int:
     """Fold ``Mul(MatMul(DQ(codes, s), B), c)`` (scalar ``c > 0``) into the DQ's scale; returns how many."""
     g = _Graph(model, "matmul")
@@ -263,4 +314,5 @@ def fold_matmul_scales(model: onnx.ModelProto) -> int:
 def fuse(model: onnx.ModelProto) -> dict[str, int]:
     """All passes, in order (the merge before the linears' rewrite); returns what each changed."""
     return {"layernorm_scales": fold_layernorm_scales(model), "matmul_scales": fold_matmul_scales(model),
+            "attention_output_scales": fold_attention_output_scales(model),
             "merged": merge_shared_input_linears(model), "linears": fuse_linears(model)}

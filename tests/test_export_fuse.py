@@ -135,6 +135,31 @@ def test_score_scale_folds_into_the_query_dequantization(smoothed, graphs, famil
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_output_projection_smoothing_folds_into_the_core_division(smoothed, graphs, family):
+    fused, plain = graphs[family]
+    layers = smoothed[family].config.num_hidden_layers
+
+    def smoothing_muls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+        """Muls reading the merged heads: Reshape(Transpose(the row core's Div))."""
+        made = {o: n for n in model.graph.node for o in n.output}
+        found = []
+        for n in (n for n in model.graph.node if n.op_type == "Mul"):
+            chain = [made.get(n.input[0])]
+            while chain[-1] is not None and chain[-1].op_type in ("Reshape", "Transpose"):
+                chain.append(made.get(chain[-1].input[0]))
+            if chain[-1] is not None and chain[-1].op_type == "Div" and len(chain) == 3:
+                found.append(n)
+        return found
+
+    assert len(smoothing_muls(plain)) == layers and smoothing_muls(fused) == []
+    consts = {i.name: numpy_helper.to_array(i) for i in fused.graph.initializer}
+    # the denominator's constant now has one value per head and channel
+    dens = [n for n in fused.graph.node if n.op_type == "Mul" and n.name.startswith("softq/L")
+            and any(i in consts and consts[i].ndim == 4 for i in n.input)]
+    assert len(dens) == layers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_fused_outputs_match_torch_and_the_unfused_graph(smoothed, graphs, family):
     fused, plain = graphs[family]
     qmodel = smoothed[family]
