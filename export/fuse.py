@@ -13,9 +13,6 @@ onnxruntime's CPU fusions absorb:
   which onnxruntime does not fold while QDQ optimisations are on: two scalar nodes per graph (other
   runtimes fold them).  Not the DQ alone: onnxruntime gives each reader of a DequantizeLinear its
   own copy (EnsureUniqueDQForNodeUnit), one more node per linear.
-* :func:`merge_shared_input_linears`: Linear layers reading the same dequantized codes (Q, K and V
-  after one shared input quantizer) become one GEMM over the concatenated weight codes, per-channel
-  scales and biases, and a ``Split`` of its output: one larger GEMM instead of three small ones.
 * :func:`fold_layernorm_scales`: ``Mul(LayerNorm(x), c)`` (input smoothing's per-channel
   ``QLinear.input_scale``) becomes ``LayerNorm`` with ``gamma * c`` and ``beta * c`` where every
   reader of the LayerNorm output multiplies it by the same ``c`` (``Shape`` readers aside).
@@ -146,55 +143,6 @@ def fuse_linears(model: onnx.ModelProto) -> int:
     return len(replaced)
 
 
-def merge_shared_input_linears(model: onnx.ModelProto) -> int:
-    """One GEMM for Linear layers that read the same dequantized codes (Q, K and V): their weight codes, scales,
-    zero points and biases concatenated, the output ``Split`` back; returns how many groups were merged."""
-    g = _Graph(model, "merge")
-    groups: dict[str, list[tuple[onnx.NodeProto, onnx.NodeProto, onnx.NodeProto]]] = defaultdict(list)
-    for mm in g.graph.node:
-        if mm.op_type != "MatMul" or mm.domain not in ("", "ai.onnx"):
-            continue
-        a_dq, b_dq = g.made_by(mm.input[0], "DequantizeLinear"), g.made_by(mm.input[1], "DequantizeLinear")
-        a, b = _dq_params(g, a_dq), _dq_params(g, b_dq)
-        add = g.only_reader(mm.output[0])
-        if a is None or b is None or a[0].size != 1 or add is None or add.op_type != "Add" or add.output[0] in g.outputs:
-            continue
-        codes = g.const(b_dq.input[0])
-        bias = g.const(add.input[1] if add.input[0] == mm.output[0] else add.input[0])
-        if codes is None or codes.ndim != 2 or bias is None or bias.shape != (codes.shape[1],) or b[2] not in (1, -1):
-            continue
-        groups[mm.input[0]].append((mm, b_dq, add))
-    replaced: dict[int, list[onnx.NodeProto]] = {}
-    merged = 0
-    for x, group in groups.items():
-        if len(group) < 2:
-            continue
-        parts = [(g.const(b_dq.input[0]), *_dq_params(g, b_dq)[:2], g.const(next(i for i in add.input if i != mm.output[0])))
-                 for mm, b_dq, add in group]
-        if len({p[0].dtype for p in parts}) != 1 or len({p[0].shape[0] for p in parts}) != 1:
-            continue
-        widths = [p[0].shape[1] for p in parts]
-        codes = g.add_const("codes", np.concatenate([p[0] for p in parts], axis=1))
-        scale = g.add_const("scale", np.concatenate([np.broadcast_to(p[1].reshape(-1), (w,)) for p, w in zip(parts, widths)]))
-        zp = g.add_const("zp", np.concatenate([np.broadcast_to(p[2].reshape(-1), (w,)) for p, w in zip(parts, widths)]))
-        bias = g.add_const("bias", np.concatenate([p[3] for p in parts]).astype(np.float32))
-        split = g.add_const("split", np.array(widths, np.int64))
-        first_mm = group[0][0]
-        q = f"{first_mm.name or first_mm.output[0]}/merged/"
-        replaced[id(first_mm)] = [
-            helper.make_node("DequantizeLinear", [codes, scale, zp], [f"{q}w"], name=f"{q}DequantizeLinear", axis=1),
-            helper.make_node("MatMul", [x, f"{q}w"], [f"{q}mm"], name=f"{q}MatMul"),
-            helper.make_node("Add", [f"{q}mm", bias], [f"{q}y"], name=f"{q}Add"),
-            helper.make_node("Split", [f"{q}y", split], [add.output[0] for _, _, add in group], name=f"{q}Split", axis=-1),
-        ]
-        for mm, _, add in group:
-            replaced.setdefault(id(mm), [])
-            replaced[id(add)] = []
-        merged += 1
-    g.replace(replaced)
-    return merged
-
-
 def fold_layernorm_scales(model: onnx.ModelProto) -> int:
     """Fold per-channel Muls of a LayerNorm output into its weight and bias; returns LayerNorms changed."""
     g = _Graph(model, "ln")
@@ -312,7 +260,7 @@ def fold_matmul_scales(model: onnx.ModelProto) -> int:
 
 
 def fuse(model: onnx.ModelProto) -> dict[str, int]:
-    """All passes, in order (the merge before the linears' rewrite); returns what each changed."""
+    """All passes, in order; returns what each changed."""
     return {"layernorm_scales": fold_layernorm_scales(model), "matmul_scales": fold_matmul_scales(model),
             "attention_output_scales": fold_attention_output_scales(model),
-            "merged": merge_shared_input_linears(model), "linears": fuse_linears(model)}
+            "linears": fuse_linears(model)}

@@ -27,7 +27,7 @@ for a per-tensor grid), by the form chosen for the layer's softmax-output repres
   ``MatMul`` with the dequantized V;
 
 then :func:`softq.export.fuse.fuse` rewrites the linears into the form onnxruntime fuses with
-their bias (``MatMulInteger -> Cast -> Mul -> Add``; Q, K and V as one GEMM and a Split) and folds
+their bias (``MatMulInteger -> Cast -> Mul -> Add``) and folds
 input smoothing's Mul into LayerNorms and the attention core's division, and the attention's
 ``1/sqrt(d)`` into the query's DequantizeLinear, and dead nodes are removed.  Language models get a 4-D boolean mask built in the graph from
 ``attention_mask`` (causal AND padding), which makes Hugging Face skip its own
