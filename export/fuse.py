@@ -215,17 +215,19 @@ def fold_attention_output_scales(model: onnx.ModelProto) -> int:
         div = g.made_by(transpose.input[0], "Div")
         den = g.made_by(div.input[1], "Mul") if div is not None else None
         # Shape readers see the same shape after the fold
-        if den is None or g.only_reader(div.output[0], but_shape=True) is not transpose or g.only_reader(den.output[0]) is not div:
+        if (den is None or g.only_reader(div.output[0], but_shape=True) is not transpose
+                or g.only_reader(den.output[0]) is not div):
             continue
         shape = shapes.get(div.output[0], [])
-        k = next((g.const(i) for i in den.input if g.const(i) is not None and g.const(i).size == 1), None)
+        k_index = next((j for j, i in enumerate(den.input) if g.const(i) is not None and g.const(i).size == 1), None)
+        k = None if k_index is None else g.const(den.input[k_index])
         if len(shape) != 4 or None in shape[1:2] + shape[3:] or k is None or c.size != shape[1] * shape[3]:
             continue
         if c.shape[-1] != c.size or k.dtype != np.float32:
             continue
         heads, size = shape[1], shape[3]
         scale = (np.float32(k.reshape(())) / c.reshape(1, heads, 1, size)).astype(np.float32)
-        den.input[list(den.input).index(next(i for i in den.input if g.const(i) is not None))] = g.add_const("scale", scale)
+        den.input[k_index] = g.add_const("scale", scale)
         reshape.output[0] = mul.output[0]
         replaced[id(mul)] = []
     g.replace(replaced)
