@@ -8,7 +8,8 @@ has an ONNX ``symbolic``:
 * activation quantizers -> ``QuantizeLinear -> DequantizeLinear`` with the
   calibrated scale and zero point;
 * quantized Linear layers -> ``MatMul(x, DequantizeLinear(W_int8^T, scale, axis=1))``
-  (+ float bias), per-channel int8 weights stored as int8 initializers;
+  (+ float bias), per-channel int8 weights stored as int8 initializers (rewritten after the
+  trace, see below);
 * each attention core (the scores tap, the softmax, the probs quantizer and the
   P.V matmul) -> one marker node ``softq::QAttention(scores, v[, valid])`` whose
   output is P.V.
@@ -25,7 +26,10 @@ for a per-tensor grid), by the form chosen for the layer's softmax-output repres
   softmax, ``DequantizeLinear`` of the probabilities (scale ``2**-8``), then
   ``MatMul`` with the dequantized V;
 
-and dead nodes are removed.  Language models get a 4-D boolean mask built in the graph from
+then :func:`softq.export.fuse.fuse` rewrites the linears into the form onnxruntime fuses with
+their bias (``MatMulInteger -> Cast -> Mul -> Add``) and folds
+input smoothing's Mul into LayerNorms and the attention core's division, and the attention's
+``1/sqrt(d)`` into the query's DequantizeLinear, and dead nodes are removed.  Language models get a 4-D boolean mask built in the graph from
 ``attention_mask`` (causal AND padding), which makes Hugging Face skip its own
 mask code (not traceable with dynamic shapes).
 
@@ -56,7 +60,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from softq.export import onnx_utils
+from softq.export import fuse, onnx_utils
 from softq.export.int_softmax import FORMS as EDGE_FORMS
 from softq.export.int_softmax import OUT_SCALE, SoftmaxQuant, _Builder, build_relative_codes, build_softmax
 from softq.export.row_attention import ROW_FORMS, RowQuant, build_row_attention
@@ -842,6 +846,8 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
     onnx_model = _trace(wrapper, feeds, names, outputs)
     onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
     onnx_model, _ = onnx_utils.dedupe(prune(onnx_model))
+    fuse.fuse(onnx_model)  # fewer nodes for onnxruntime around the integer linears (export/fuse.py)
+    onnx_model = prune(onnx_model)
     check_exportable_ops(onnx_model, softmax)
     onnx_model.producer_name = "softq"
     onnx.checker.check_model(onnx_model, full_check=True)

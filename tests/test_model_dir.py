@@ -232,8 +232,10 @@ def test_export_graph_runs_on_fast_kernels(folder) -> None:
     assert not [n.name for n in nodes if n.op_type == "Where" and n.name.startswith("softq/")
                 and "_open" not in "".join(n.input)]
     consts = {n.output[0]: n.attribute[0].t for n in nodes if n.op_type == "Constant"}
-    weights = [consts[n.input[0]] for n in nodes if n.op_type == "DequantizeLinear" and n.input[0] in consts
-               and len(consts[n.input[0]].dims) == 2]
+    consts.update({i.name: i for i in model.graph.initializer})
+    # weight codes: of a DequantizeLinear (a Linear reading per-group codes) or of a MatMulInteger (export/fuse.py)
+    weights = [consts[n.input[k]] for n, k in ((n, {"DequantizeLinear": 0, "MatMulInteger": 1}.get(n.op_type)) for n in nodes)
+               if k is not None and n.input[k] in consts and len(consts[n.input[k]].dims) == 2]
     assert weights and all(w.data_type == onnx.TensorProto.INT8 for w in weights)
 
 
