@@ -30,6 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="softmax / attention-core form (default: fast for row codes, qdq for edge codes)")
     p.add_argument("--output", "-o", type=Path, required=True, help="ONNX file to write")
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    p.add_argument("--linears", choices=["integer", "qdq"], default="integer",
+                   help="form of the Linear layers (default integer: MatMulInteger, fused with its bias by "
+                        "onnxruntime, int8 kernels in tract; qdq: DequantizeLinear -> MatMul, for OpenVINO)")
     p.add_argument("--weight-storage", choices=["int8", "uint8"], default="int8",
                    help="storage of the symmetric 8-bit weight codes (default int8: onnxruntime's fast u8s8 "
                         "kernels; on AVX2-only x86 CPUs run it with the session option "
@@ -109,7 +112,7 @@ def _export(args: argparse.Namespace) -> int:
     pooling, normalize = _pooling(args)
     written = to_onnx(qmodel, args.output, _example_inputs(qmodel), softmax=args.softmax,
                       overwrite=args.overwrite, weight_storage=args.weight_storage,
-                      embeddings=args.embeddings, pooling=pooling, normalize=normalize)
+                      embeddings=args.embeddings, pooling=pooling, normalize=normalize, linears=args.linears)
     size = Path(written).stat().st_size
     outputs = "last_hidden_state, sentence_embedding" if pooling else None
     print(f"wrote {written} ({size / 1e6:.2f} MB, softmax={args.softmax or 'default'}"

@@ -261,8 +261,9 @@ def fold_matmul_scales(model: onnx.ModelProto) -> int:
     return len(replaced)
 
 
-def fuse(model: onnx.ModelProto) -> dict[str, int]:
-    """All passes, in order; returns what each changed."""
+def fuse(model: onnx.ModelProto, linears: bool = True) -> dict[str, int]:
+    """All passes, in order (``linears=False``: the Linear layers keep their DequantizeLinear -> MatMul
+    form, which OpenVINO's int8 path needs); returns what each changed."""
     return {"layernorm_scales": fold_layernorm_scales(model), "matmul_scales": fold_matmul_scales(model),
             "attention_output_scales": fold_attention_output_scales(model),
-            "linears": fuse_linears(model)}
+            "linears": fuse_linears(model) if linears else 0}

@@ -35,7 +35,7 @@ def graphs(smoothed) -> dict[str, tuple[onnx.ModelProto, onnx.ModelProto]]:
         example = tiny_inputs(family)
         fused = build_onnx(qmodel, example, "fast")
         plain = pytest.MonkeyPatch()
-        plain.setattr(fuse, "fuse", lambda model: {})
+        plain.setattr(fuse, "fuse", lambda model, **_: {})
         try:
             out[family] = (fused, build_onnx(qmodel, example, "fast"))
         finally:
@@ -216,3 +216,33 @@ def test_passes_leave_what_they_cannot_fold():
     before = U.run(model, {"x": x}, "disable")[0]
     assert fuse.fold_matmul_scales(model) == 1 and "Mul" not in {n.op_type for n in model.graph.node}
     np.testing.assert_allclose(U.run(model, {"x": x}, "disable")[0], before, rtol=1e-6)
+
+
+def test_qdq_linears_keep_the_dequantize_matmul_form(smoothed, graphs, tmp_path):
+    """linears="qdq" (OpenVINO's int8 pattern): every Linear stays DequantizeLinear -> MatMul, the other folds
+    still apply, and the outputs are the integer form's."""
+    from softq.export import runtimes
+    from softq.export.model_export import ExportError
+
+    qmodel = smoothed["gpt2"]
+    example = tiny_inputs("gpt2")
+    qdq = build_onnx(qmodel, example, "fast", linears="qdq")
+    ops = [n.op_type for n in qdq.graph.node]
+    assert ops.count("MatMulInteger") == sum(1 for n in qdq.graph.node if n.op_type == "MatMulInteger"
+                                             and "/core/" in n.name)  # the attention cores' GEMMs only
+    assert sum(1 for n in qdq.graph.node if n.op_type == "MatMul") >= _n_linear(qmodel)
+    readers = _readers(qdq)
+    assert not [n for n in qdq.graph.node if n.op_type == "LayerNormalization"
+                and any(r.op_type == "Mul" for r in readers.get(n.output[0], []))]  # smoothing still folded
+    _, feeds = _feeds("gpt2", seed=9)
+    paths = {}
+    for name, model in (("qdq", qdq), ("integer", graphs["gpt2"][0])):
+        paths[name] = tmp_path / f"{name}.onnx"
+        onnx.save(model, paths[name])
+    ref = runtimes.runner(paths["integer"], "onnxruntime")(feeds)[0]
+    runs = ["onnxruntime"] + [r for r in ("openvino",) if runtimes.available(r)]
+    for rt in runs:
+        out = runtimes.runner(paths["qdq"], rt)(feeds)[0]
+        assert np.abs(out - ref).max() <= LOGIT_TOL * np.abs(ref).max(), rt
+    with pytest.raises(ExportError, match="linears must be one of"):
+        build_onnx(qmodel, example, "fast", linears="int4")
