@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -327,20 +328,29 @@ DISTILL_TEXTS = {
     "docstrings": "the prose paragraphs of the docstrings of the standard library, numpy, torch and transformers",
     "mixed": "the `pydoc_data.topics` prose paragraphs and the prose paragraphs of the docstrings of the standard "
              "library, numpy, torch and transformers",
+    "recombined": "windows of random sentences of the `pydoc_data.topics` prose paragraphs (seed 0; no sentence that "
+                  "occurs in an `eval` paragraph)",
 }
+RECOMBINED_WINDOWS = 20_000
 
 
+@functools.lru_cache(maxsize=2)
 def _distill_texts(window: int, source: str = "prose") -> list[str]:
     """Distillation text, cut into windows of ``window`` words, none from the ``eval`` split: the
     ``pydoc_data.topics`` paragraphs outside it, either prose only (>= 100 characters: the calibration paragraphs,
     short and long ones) or ``all`` blocks (also code listings and tables); or ``docstrings``: the prose paragraphs
-    of installed code's docstrings (:func:`softq.hf.docstring_paragraphs`), none sharing 12 words with ``eval``."""
+    of installed code's docstrings (:func:`softq.hf.docstring_paragraphs`), none sharing 12 words with ``eval``;
+    or ``mixed``: the pydoc prose and the docstrings; or ``recombined``: ``RECOMBINED_WINDOWS`` windows of random
+    sentences of the pydoc prose (new contexts for the same words), leaving out every sentence found in ``eval``."""
+    import random
+    import re
+
     from pydoc_data.topics import topics
 
     from softq.hf import docstring_paragraphs, pydoc_paragraphs, text_split
 
     held_out = set(text_split("eval"))
-    if source == "prose":
+    if source in ("prose", "recombined"):
         paragraphs = pydoc_paragraphs(min_chars=100, max_chars=10**9)
     elif source in ("docstrings", "mixed"):
         paragraphs = docstring_paragraphs(exclude=held_out)
@@ -348,6 +358,17 @@ def _distill_texts(window: int, source: str = "prose") -> list[str]:
             paragraphs = pydoc_paragraphs(min_chars=100, max_chars=10**9) + paragraphs
     else:
         paragraphs = list(dict.fromkeys(" ".join(b.split()) for name in sorted(topics) for b in topics[name].split("\n\n")))
+    if source == "recombined":
+        eval_text = "\n".join(held_out)
+        sentences = [x for p in paragraphs if p not in held_out for x in re.split(r"(?<=[.!?])\s+(?=[A-Z])", p)
+                     if len(x.split()) >= 4 and x not in eval_text]
+        rng, texts = random.Random(0), []
+        while len(texts) < RECOMBINED_WINDOWS:
+            words: list[str] = []
+            while len(words) < window:
+                words += rng.choice(sentences).split()
+            texts.append(" ".join(words[:window]))
+        return texts
     texts = []
     for paragraph in paragraphs:
         if paragraph in held_out:
@@ -438,9 +459,13 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
     student, meta = _distilled_minilm(model, args, hm)
     (steps1, steps2), (lr1, lr2), hist1, hist2 = meta["steps"], meta["lr"], meta["stage1"], meta["stage2"]
     cos_before, cos_after = cosines(undistilled), cosines(student)
+    texts = _distill_texts(args.window, args.text)
+    seen = hm.batches(texts[::max(1, len(texts) // args.eval_texts)][:args.eval_texts], batch_size=32,
+                      max_length=args.train_len)
+    cos_seen = torch.nn.functional.cosine_similarity(hm.encode(seen, student), hm.encode(seen, model))
     print(f"[minilm-distill] plaintext cosine on {args.eval_texts} eval paragraphs: not distilled mean "
-          f"{float(cos_before.mean()):.4f}; distilled mean {float(cos_after.mean()):.4f} (min {float(cos_after.min()):.4f})",
-          flush=True)
+          f"{float(cos_before.mean()):.4f}; distilled mean {float(cos_after.mean()):.4f} (min {float(cos_after.min()):.4f}); "
+          f"on {len(cos_seen)} of its training windows mean {float(cos_seen.mean()):.4f}", flush=True)
     if not args.encrypt:
         return
     with torch.no_grad():
@@ -465,7 +490,8 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
         f"{continued}. "
         f"Plaintext cosine to the FP32 embeddings on {args.eval_texts} `eval` paragraphs: not distilled mean "
         f"{float(cos_before.mean()):.4f} (min {float(cos_before.min()):.4f}); distilled mean "
-        f"{float(cos_after.mean()):.4f} (min {float(cos_after.min()):.4f}). Stage losses first -> last: "
+        f"{float(cos_after.mean()):.4f} (min {float(cos_after.min()):.4f}); on {len(cos_seen)} of the student's training "
+        f"windows (evenly spaced) mean {float(cos_seen.mean()):.4f}. Stage losses first -> last: "
         f"{_loss_trace(hist1)}; {_loss_trace(hist2)}.",
         "",
         "Encrypted (2 parties, TFP, exact truncation) on the benchmark's "
