@@ -340,6 +340,30 @@ def docstring_paragraphs(packages: Sequence[str] = DOCSTRING_PACKAGES, min_chars
     return out
 
 
+def recombined_windows(paragraphs: Sequence[str], window: int, count: int, exclude: Iterable[str] = (),
+                       seed: int = 0) -> list[str]:
+    """``count`` texts of ``window`` words, each made of random sentences of ``paragraphs`` (deterministic for
+    ``seed``): the same words in new contexts, for distillation on a small corpus. Sentences of fewer than 4 words
+    and every sentence that occurs in a text of ``exclude`` (e.g. ``text_split("eval")``) are left out."""
+    import random
+    import re
+
+    if window < 1 or count < 1:
+        raise ValueError(f"recombined_windows needs window >= 1 and count >= 1, got {window} and {count}")
+    held_out = "\n".join(exclude)
+    sentences = [x for p in paragraphs for x in re.split(r"(?<=[.!?])\s+(?=[A-Z])", p)
+                 if len(x.split()) >= 4 and x not in held_out]
+    if not sentences:
+        raise ValueError("recombined_windows: no sentence of 4 or more words outside the excluded texts")
+    rng, texts = random.Random(seed), []
+    while len(texts) < count:
+        words: list[str] = []
+        while len(words) < window:
+            words += rng.choice(sentences).split()
+        texts.append(" ".join(words[:window]))
+    return texts
+
+
 def text_split(split: str, n: int | None = None) -> list[str]:
     """Disjoint ``calib`` / ``eval`` paragraphs: every 4th paragraph is calibration, the rest evaluation."""
     paragraphs = pydoc_paragraphs()

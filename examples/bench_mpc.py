@@ -342,12 +342,9 @@ def _distill_texts(window: int, source: str = "prose") -> list[str]:
     of installed code's docstrings (:func:`softq.hf.docstring_paragraphs`), none sharing 12 words with ``eval``;
     or ``mixed``: the pydoc prose and the docstrings; or ``recombined``: ``RECOMBINED_WINDOWS`` windows of random
     sentences of the pydoc prose (new contexts for the same words), leaving out every sentence found in ``eval``."""
-    import random
-    import re
-
     from pydoc_data.topics import topics
 
-    from softq.hf import docstring_paragraphs, pydoc_paragraphs, text_split
+    from softq.hf import docstring_paragraphs, pydoc_paragraphs, recombined_windows, text_split
 
     held_out = set(text_split("eval"))
     if source in ("prose", "recombined"):
@@ -359,16 +356,8 @@ def _distill_texts(window: int, source: str = "prose") -> list[str]:
     else:
         paragraphs = list(dict.fromkeys(" ".join(b.split()) for name in sorted(topics) for b in topics[name].split("\n\n")))
     if source == "recombined":
-        eval_text = "\n".join(held_out)
-        sentences = [x for p in paragraphs if p not in held_out for x in re.split(r"(?<=[.!?])\s+(?=[A-Z])", p)
-                     if len(x.split()) >= 4 and x not in eval_text]
-        rng, texts = random.Random(0), []
-        while len(texts) < RECOMBINED_WINDOWS:
-            words: list[str] = []
-            while len(words) < window:
-                words += rng.choice(sentences).split()
-            texts.append(" ".join(words[:window]))
-        return texts
+        return recombined_windows([p for p in paragraphs if p not in held_out], window, RECOMBINED_WINDOWS,
+                                  exclude=held_out)
     texts = []
     for paragraph in paragraphs:
         if paragraph in held_out:

@@ -410,3 +410,22 @@ def test_docstring_corpus_refuses_empty_results_and_unknown_packages(tmp_path, m
         hf.docstring_paragraphs(["softq_no_such_package_xyz"])
     with pytest.raises(ValueError, match="at least one package"):
         hf.docstring_paragraphs([])
+
+
+def test_recombined_windows_are_deterministic_new_contexts_without_excluded_sentences() -> None:
+    paragraphs = ["Alpha beta gamma delta. Epsilon zeta eta theta iota. Short one.",
+                  "Kappa lambda mu nu xi. Omicron pi rho sigma tau upsilon."]
+    excluded = ["An eval paragraph holds Omicron pi rho sigma tau upsilon. and more."]
+    texts = hf.recombined_windows(paragraphs, window=7, count=50, exclude=excluded, seed=3)
+    assert texts == hf.recombined_windows(paragraphs, window=7, count=50, exclude=excluded, seed=3)
+    assert texts != hf.recombined_windows(paragraphs, window=7, count=50, exclude=excluded, seed=4)
+    assert len(texts) == 50 and all(len(t.split()) == 7 for t in texts)
+    words = " ".join(texts).split()
+    assert "Omicron" not in words and "Short" not in words  # the excluded sentence, the 2-word sentence
+    assert {"Alpha", "Epsilon", "Kappa"} <= set(words)
+    # new contexts: sentences of different paragraphs meet in one window
+    assert any("Kappa" in t and ("Alpha" in t or "Epsilon" in t) for t in texts)
+    with pytest.raises(ValueError, match="no sentence of 4 or more words"):
+        hf.recombined_windows(["Too short. Also."], window=7, count=3)
+    with pytest.raises(ValueError, match="window >= 1 and count >= 1"):
+        hf.recombined_windows(paragraphs, window=0, count=3)
