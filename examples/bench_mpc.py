@@ -10,6 +10,8 @@ network time ``rounds x RTT + bytes / bandwidth`` (1 Gbit/s, 0.5 ms / 100 Mbit/s
     python examples/bench_mpc.py e2e --models bert-tiny,vit,lm [--distill-steps 300]
     python examples/bench_mpc.py minilm --runs 3      # private sentence embeddings, all-MiniLM-L6-v2
     python examples/bench_mpc.py minilm-distill --steps 1000 --stage2-steps 1000   # student cached in ~/.cache/softq
+    python examples/bench_mpc.py minilm-distill --steps 0 --stage2-steps 800 --text recombined --hidden-weight 0.5 \
+        --init KEY   # continue the cached student KEY (see the minilm-distill-recombined block)
     python examples/bench_mpc.py truncation --exact-elements 1000000000
 
 Results replace their marked blocks in docs/results/mpc.md (atomically).
@@ -642,6 +644,8 @@ def main() -> int:
     t.add_argument("--exact-elements", type=int, default=1_000_000_000)
     t.add_argument("--probabilistic-elements", type=int, default=200_000_000)
     args = parser.parse_args()
+    if args.what == "minilm-distill" and not args.hidden_weight >= 0:
+        parser.error(f"--hidden-weight must be >= 0, got {args.hidden_weight}")
     {"attention": bench_attention, "e2e": bench_e2e, "minilm": bench_minilm, "minilm-distill": bench_minilm_distill,
      "truncation": bench_truncation}[args.what](args)
     return 0
