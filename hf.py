@@ -37,6 +37,10 @@ POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_tok
 POOLING_MODES = tuple(POOLING_KEYS)
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model")
 # Files that describe how to use a model directory (copied next to a quantized model).
+# Installed code whose docstrings make the MiniLM distillation corpus (docstring_paragraphs).
+DOCSTRING_PACKAGES = ("stdlib", "numpy", "torch", "transformers")
+_FIELD_PREFIXES = ("Args", "Arguments", "Parameters", "Returns", "Return", "Raises", "Yields", "Example", "Examples",
+                   "Note:", "See Also", "Attributes", "Usage", "Input", "Output", "Shape")
 SIDECAR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
                  "merges.txt", "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 SIDECAR_DIRS = ("1_Pooling", "2_Normalize")
@@ -251,6 +255,113 @@ def pydoc_paragraphs(min_chars: int = 200, max_chars: int = 1200) -> list[str]:
             seen.add(text)
             out.append(text)
     return out
+
+
+def _docstring_blocks(source: str) -> Iterable[str]:
+    """Docstrings of a module's source and of its classes and functions (parsed, never imported), in source order."""
+    import ast
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=True)
+            if doc:
+                yield doc
+
+
+def _source_root(package: str) -> Path:
+    import importlib.util
+    import sysconfig
+
+    if package == "stdlib":
+        return Path(sysconfig.get_paths()["stdlib"])
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"docstring source {package!r} is not an installed package (nor 'stdlib')")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "testing", "idlelib", "__pycache__", "lib2to3", "_vendor"}
+
+
+def docstring_paragraphs(packages: Sequence[str] = DOCSTRING_PACKAGES, min_chars: int = 100, max_chars: int = 1200,
+                         exclude: Iterable[str] = ()) -> list[str]:
+    """Prose paragraphs of the docstrings of installed Python code, deterministic for a given environment.
+
+    ``packages``: installed package names, or ``"stdlib"`` for Python's own library. Every ``.py`` file under each
+    (sorted; tests and vendored code skipped) is parsed with :mod:`ast`, never imported; the docstrings of modules,
+    classes and functions are split into paragraphs at blank lines, whitespace-normalised and kept when they read
+    as prose: ``min_chars``..``max_chars`` long, at least 70% letters, starting with a capital letter, no doctest
+    (``>>>``) nor reST/Google field lists. Duplicates are dropped, and so is every paragraph that shares a run of
+    12 words with a text in ``exclude`` (e.g. ``text_split("eval")``, so that a held-out set stays held out).
+    """
+    if not packages:
+        raise ValueError("docstring_paragraphs needs at least one package (or 'stdlib')")
+    shingle = 12
+    banned = set()
+    for text in exclude:
+        words = text.split()
+        banned.update(" ".join(words[i:i + shingle]) for i in range(max(1, len(words) - shingle + 1)))
+    seen: set[str] = set()
+    out: list[str] = []
+    for package in packages:
+        root = _source_root(package)
+        files = sorted(p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1]))
+        for file in files:
+            try:
+                source = file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            for doc in _docstring_blocks(source):
+                for block in doc.split("\n\n"):
+                    text = " ".join(block.split())
+                    if not min_chars <= len(text) <= max_chars or text in seen or not text[0].isupper():
+                        continue
+                    if ">>>" in text or "::" in text or text.startswith(_FIELD_PREFIXES):
+                        continue
+                    if sum(c.isalpha() for c in text) < 0.7 * len(text):
+                        continue
+                    words = text.split()
+                    if any(" ".join(words[i:i + shingle]) in banned for i in range(max(1, len(words) - shingle + 1))):
+                        continue
+                    seen.add(text)
+                    out.append(text)
+    if not out:
+        raise ValueError(f"no prose docstring paragraphs of {min_chars}..{max_chars} characters in {', '.join(packages)}")
+    return out
+
+
+def recombined_windows(paragraphs: Sequence[str], window: int, count: int, exclude: Iterable[str] = (),
+                       seed: int = 0) -> list[str]:
+    """``count`` texts of ``window`` words, each made of random sentences of ``paragraphs`` (deterministic for
+    ``seed``): the same words in new contexts, for distillation on a small corpus. Sentences of fewer than 4 words
+    and every sentence that occurs in a text of ``exclude`` (e.g. ``text_split("eval")``) are left out."""
+    import random
+    import re
+
+    if window < 1 or count < 1:
+        raise ValueError(f"recombined_windows needs window >= 1 and count >= 1, got {window} and {count}")
+    held_out = "\n".join(exclude)
+    sentences = [x for p in paragraphs for x in re.split(r"(?<=[.!?])\s+(?=[A-Z])", p)
+                 if len(x.split()) >= 4 and x not in held_out]
+    if not sentences:
+        raise ValueError("recombined_windows: no sentence of 4 or more words outside the excluded texts")
+    rng, texts = random.Random(seed), []
+    while len(texts) < count:
+        words: list[str] = []
+        while len(words) < window:
+            words += rng.choice(sentences).split()
+        texts.append(" ".join(words[:window]))
+    return texts
 
 
 def text_split(split: str, n: int | None = None) -> list[str]:

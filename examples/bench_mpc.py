@@ -10,6 +10,8 @@ network time ``rounds x RTT + bytes / bandwidth`` (1 Gbit/s, 0.5 ms / 100 Mbit/s
     python examples/bench_mpc.py e2e --models bert-tiny,vit,lm [--distill-steps 300]
     python examples/bench_mpc.py minilm --runs 3      # private sentence embeddings, all-MiniLM-L6-v2
     python examples/bench_mpc.py minilm-distill --steps 1000 --stage2-steps 1000   # student cached in ~/.cache/softq
+    python examples/bench_mpc.py minilm-distill --steps 0 --stage2-steps 800 --text recombined --hidden-weight 0.5 \
+        --init KEY   # continue the cached student KEY (see the minilm-distill-recombined block)
     python examples/bench_mpc.py truncation --exact-elements 1000000000
 
 Results replace their marked blocks in docs/results/mpc.md (atomically).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -321,19 +324,42 @@ def bench_minilm(args: argparse.Namespace) -> None:
         _write("minilm", "\n".join(lines) + "\n" + detail)
 
 
+DISTILL_TEXTS = {
+    "prose": "the `pydoc_data.topics` prose paragraphs",
+    "all": "the `pydoc_data.topics` blocks (prose, code, tables)",
+    "docstrings": "the prose paragraphs of the docstrings of the standard library, numpy, torch and transformers",
+    "mixed": "the `pydoc_data.topics` prose paragraphs and the prose paragraphs of the docstrings of the standard "
+             "library, numpy, torch and transformers",
+    "recombined": "windows of random sentences of the `pydoc_data.topics` prose paragraphs (seed 0; no sentence that "
+                  "occurs in an `eval` paragraph)",
+}
+RECOMBINED_WINDOWS = 20_000
+
+
+@functools.lru_cache(maxsize=2)
 def _distill_texts(window: int, source: str = "prose") -> list[str]:
-    """Distillation text, cut into windows of ``window`` words: every ``pydoc_data.topics`` paragraph not in the
-    ``eval`` split, either prose only (>= 100 characters: the calibration paragraphs, short and long ones) or
-    ``all`` blocks (also code listings and tables)."""
+    """Distillation text, cut into windows of ``window`` words, none from the ``eval`` split: the
+    ``pydoc_data.topics`` paragraphs outside it, either prose only (>= 100 characters: the calibration paragraphs,
+    short and long ones) or ``all`` blocks (also code listings and tables); or ``docstrings``: the prose paragraphs
+    of installed code's docstrings (:func:`softq.hf.docstring_paragraphs`), none sharing 12 words with ``eval``;
+    or ``mixed``: the pydoc prose and the docstrings; or ``recombined``: ``RECOMBINED_WINDOWS`` windows of random
+    sentences of the pydoc prose (new contexts for the same words), leaving out every sentence found in ``eval``."""
     from pydoc_data.topics import topics
 
-    from softq.hf import pydoc_paragraphs, text_split
+    from softq.hf import docstring_paragraphs, pydoc_paragraphs, recombined_windows, text_split
 
     held_out = set(text_split("eval"))
-    if source == "prose":
+    if source in ("prose", "recombined"):
         paragraphs = pydoc_paragraphs(min_chars=100, max_chars=10**9)
+    elif source in ("docstrings", "mixed"):
+        paragraphs = docstring_paragraphs(exclude=held_out)
+        if source == "mixed":
+            paragraphs = pydoc_paragraphs(min_chars=100, max_chars=10**9) + paragraphs
     else:
         paragraphs = list(dict.fromkeys(" ".join(b.split()) for name in sorted(topics) for b in topics[name].split("\n\n")))
+    if source == "recombined":
+        return recombined_windows([p for p in paragraphs if p not in held_out], window, RECOMBINED_WINDOWS,
+                                  exclude=held_out)
     texts = []
     for paragraph in paragraphs:
         if paragraph in held_out:
@@ -356,22 +382,35 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
     steps2 = args.steps if args.stage2_steps is None else args.stage2_steps
     lr2 = args.lr / 2 if args.stage2_lr is None else args.stage2_lr
     key = (f"minilm-2quad-quad-v2-s{args.steps}-lr{args.lr:g}-s{steps2}-lr{lr2:g}-b{args.batch_size}"
-           f"-len{args.train_len}-w{args.window}{'' if args.text == 'prose' else '-' + args.text}-dropout{int(args.dropout)}-seed0")
-    path = cache_dir() / "minilm-distill" / f"{key}.pt"
-    if path.exists() and not args.force:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+           f"-len{args.train_len}-w{args.window}{'' if args.text == 'prose' else '-' + args.text}-dropout{int(args.dropout)}"
+           f"{f'-hw{args.hidden_weight:g}' if args.hidden_weight else ''}{f'-from-{args.init}' if args.init else ''}-seed0")
+    folder = cache_dir() / "minilm-distill"
+    path = folder / f"{key}.pt"
+
+    def load(file: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
+        saved = torch.load(file, map_location="cpu", weights_only=True)
         student = copy.deepcopy(model)
         configure_surrogates(student, softmax="2quad", gelu="quad")
         student.load_state_dict(saved["state_dict"])
-        print(f"[minilm-distill] loaded the student from {path}", flush=True)
+        print(f"[minilm-distill] loaded the student from {file}", flush=True)
         return student.eval(), saved["meta"]
+
+    if path.exists() and not args.force:
+        return load(path)
+    init, init_meta = None, None
+    if args.init:
+        if not (folder / f"{args.init}.pt").exists():
+            raise SystemExit(f"--init: no cached student {args.init!r} in {folder} (run its minilm-distill command first)")
+        init, init_meta = load(folder / f"{args.init}.pt")
     texts = _distill_texts(args.window, args.text)
     train = hm.batches(texts, batch_size=args.batch_size, max_length=args.train_len)
     random.Random(0).shuffle(train)
     t0 = time.perf_counter()
     student, hist = distill(model, itertools.cycle(train), softmax="2quad", gelu="quad",
-                            steps=(args.steps, steps2), lr=(args.lr, lr2), dropout=args.dropout)
+                            steps=(args.steps, steps2), lr=(args.lr, lr2), dropout=args.dropout,
+                            stage2_hidden_weight=args.hidden_weight, student=init)
     meta = {"minutes": (time.perf_counter() - t0) / 60, "stage1": hist.stage1, "stage2": hist.stage2,
+            "init_minutes": init_meta["minutes"] + init_meta.get("init_minutes", 0.0) if init_meta else 0.0,
             "steps": (args.steps, steps2), "lr": (args.lr, lr2), "texts": len(texts), "words": sum(len(t.split()) for t in texts)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -411,6 +450,15 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
     student, meta = _distilled_minilm(model, args, hm)
     (steps1, steps2), (lr1, lr2), hist1, hist2 = meta["steps"], meta["lr"], meta["stage1"], meta["stage2"]
     cos_before, cos_after = cosines(undistilled), cosines(student)
+    texts = _distill_texts(args.window, args.text)
+    seen = hm.batches(texts[::max(1, len(texts) // args.eval_texts)][:args.eval_texts], batch_size=32,
+                      max_length=args.train_len)
+    cos_seen = torch.nn.functional.cosine_similarity(hm.encode(seen, student), hm.encode(seen, model))
+    print(f"[minilm-distill] plaintext cosine on {args.eval_texts} eval paragraphs: not distilled mean "
+          f"{float(cos_before.mean()):.4f}; distilled mean {float(cos_after.mean()):.4f} (min {float(cos_after.min()):.4f}); "
+          f"on {len(cos_seen)} of its training windows mean {float(cos_seen.mean()):.4f}", flush=True)
+    if not args.encrypt:
+        return
     with torch.no_grad():
         ref = model(**inputs).last_hidden_state
     rows = []
@@ -419,19 +467,22 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
         res = run(m, inputs, softmax=softmax, gelu=gelu, timeout=900)
         rows.append((label, res, embedding_errors(res.outputs[0], ref, inputs["attention_mask"])))
     exact = rows[0][1].report
+    continued = f", continuing the student `{args.init}` (earlier {meta['init_minutes']:.1f} min)" if args.init else ""
     lines = [
         f"Command: `{command_line()}`",
         "",
         f"Student: all-MiniLM-L6-v2 with 2Quad softmax and Quad GELU in every layer, distilled from the FP32 model "
-        f"on the `pydoc_data.topics` {'prose paragraphs' if args.text == 'prose' else 'blocks (prose, code, tables)'} "
-        f"outside the `eval` split ({meta['texts']} windows of <= {args.window} "
+        f"on {DISTILL_TEXTS[args.text]} outside the `eval` split ({meta['texts']} windows of <= {args.window} "
         f"words, {meta['words']} words; no labels; {args.train_len} tokens, batch {args.batch_size}, "
         f"{'no dropout' if not args.dropout else 'dropout on'}): stage 1 MSE on hidden states and attention maps "
-        f"({steps1} steps, lr {lr1:g}), stage 2 1 - cosine of the pooled embeddings ({steps2} steps, lr {lr2:g}), "
-        f"AdamW, cosine schedule; {meta['minutes']:.1f} min on {args.threads} thread(s) (cached afterwards). "
+        f"({steps1} steps, lr {lr1:g}), stage 2 1 - cosine of the pooled embeddings"
+        f"{f' + {args.hidden_weight:g} x hidden-state MSE' if args.hidden_weight else ''} ({steps2} steps, lr {lr2:g}), "
+        f"AdamW, cosine schedule; {meta['minutes']:.1f} min on {args.threads} thread(s) (cached afterwards)"
+        f"{continued}. "
         f"Plaintext cosine to the FP32 embeddings on {args.eval_texts} `eval` paragraphs: not distilled mean "
         f"{float(cos_before.mean()):.4f} (min {float(cos_before.min()):.4f}); distilled mean "
-        f"{float(cos_after.mean()):.4f} (min {float(cos_after.min()):.4f}). Stage losses first -> last: "
+        f"{float(cos_after.mean()):.4f} (min {float(cos_after.min()):.4f}); on {len(cos_seen)} of the student's training "
+        f"windows (evenly spaced) mean {float(cos_seen.mean()):.4f}. Stage losses first -> last: "
         f"{_loss_trace(hist1)}; {_loss_trace(hist2)}.",
         "",
         "Encrypted (2 parties, TFP, exact truncation) on the benchmark's "
@@ -576,8 +627,14 @@ def main() -> int:
     md.add_argument("--stage2-steps", type=int, default=None, help="stage-2 steps (default: --steps)")
     md.add_argument("--stage2-lr", type=float, default=None, help="stage-2 learning rate (default: --lr / 2)")
     md.add_argument("--window", type=int, default=48, help="words per training text window")
-    md.add_argument("--text", choices=("prose", "all"), default="prose",
-                    help="distillation text outside the eval split: prose paragraphs, or all blocks incl. code")
+    md.add_argument("--text", choices=tuple(DISTILL_TEXTS), default="prose",
+                    help="distillation text outside the eval split: " + "; ".join(f"{k}: {v}" for k, v in DISTILL_TEXTS.items()))
+    md.add_argument("--hidden-weight", type=float, default=0.0,
+                    help="stage 2 also minimises this multiple of the hidden-state MSE")
+    md.add_argument("--init", default=None, metavar="KEY",
+                    help="continue from the cached student KEY (a file stem in ~/.cache/softq/minilm-distill)")
+    md.add_argument("--encrypt", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the encrypted comparison and write the results block (--no-encrypt: plaintext cosines only)")
     md.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=False,
                     help="keep dropout on while distilling (default off: fit the deterministic teacher)")
     md.add_argument("--force", action="store_true", help="distill again even if the student is cached")
@@ -587,6 +644,8 @@ def main() -> int:
     t.add_argument("--exact-elements", type=int, default=1_000_000_000)
     t.add_argument("--probabilistic-elements", type=int, default=200_000_000)
     args = parser.parse_args()
+    if args.what == "minilm-distill" and not args.hidden_weight >= 0:
+        parser.error(f"--hidden-weight must be >= 0, got {args.hidden_weight}")
     {"attention": bench_attention, "e2e": bench_e2e, "minilm": bench_minilm, "minilm-distill": bench_minilm_distill,
      "truncation": bench_truncation}[args.what](args)
     return 0

@@ -46,7 +46,7 @@ def _layer_loss(student_out: Any, teacher_out: Any) -> torch.Tensor:
     loss = torch.zeros(())
     for s, t in zip(student_out.hidden_states, teacher_out.hidden_states):
         loss = loss + nn.functional.mse_loss(s, t)
-    if student_out.attentions is not None and teacher_out.attentions is not None:
+    if getattr(student_out, "attentions", None) is not None and getattr(teacher_out, "attentions", None) is not None:
         for s, t in zip(student_out.attentions, teacher_out.attentions):
             loss = loss + nn.functional.mse_loss(s, t)
     return loss
@@ -82,17 +82,28 @@ def distill(
     progress: bool = True,
     softmax_params: Mapping[str, float] | None = None,
     dropout: bool = True,
+    stage2_hidden_weight: float = 0.0,
+    student: nn.Module | None = None,
 ) -> tuple[nn.Module, DistillHistory]:
     """Return a surrogate student distilled from ``teacher`` (left unchanged) and the loss curves.
 
     ``dropout=False`` trains the student in eval mode (no dropout): it then fits the
     teacher's deterministic function directly, which is what the encrypted run computes.
+    ``stage2_hidden_weight`` adds that multiple of the hidden-state MSE (stage 1's loss
+    without the attention maps) to the stage-2 loss. ``student``: continue distilling this
+    surrogate model (trained in place; e.g. an earlier student) instead of a fresh copy of
+    the teacher switched to ``softmax`` / ``gelu``.
     """
     if min(steps) < 0:
         raise ValueError(f"distillation steps must be >= 0, got {steps}")
+    if not stage2_hidden_weight >= 0.0:
+        raise ValueError(f"stage2_hidden_weight must be >= 0, got {stage2_hidden_weight}")
     teacher = teacher.eval()
-    student = copy.deepcopy(teacher)
-    configure_surrogates(student, softmax=softmax, gelu=gelu, softmax_params=softmax_params)
+    if student is None:
+        student = copy.deepcopy(teacher)
+        configure_surrogates(student, softmax=softmax, gelu=gelu, softmax_params=softmax_params)
+    elif student is teacher:
+        raise ValueError("the student to continue must be a separate model from the teacher")
     student.train(dropout)
     for p in teacher.parameters():
         p.requires_grad_(False)
@@ -105,13 +116,16 @@ def distill(
         bar = tqdm(range(n_steps), desc=f"distill stage {stage}", disable=not progress, dynamic_ncols=True)
         for _ in bar:
             batch = _model_inputs(next(batches))
+            hidden = stage == 1 or stage2_hidden_weight > 0
             with torch.no_grad():
-                t_out = teacher(**batch, output_hidden_states=stage == 1, output_attentions=stage == 1)
-            s_out = student(**batch, output_hidden_states=stage == 1, output_attentions=stage == 1)
+                t_out = teacher(**batch, output_hidden_states=hidden, output_attentions=stage == 1)
+            s_out = student(**batch, output_hidden_states=hidden, output_attentions=stage == 1)
             if stage == 1:
                 loss = _layer_loss(s_out, t_out)
             else:
                 loss = prediction_loss(s_out, t_out, batch, temperature)
+                if stage2_hidden_weight > 0:
+                    loss = loss + stage2_hidden_weight * _layer_loss(s_out, t_out)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)

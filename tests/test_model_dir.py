@@ -360,3 +360,74 @@ def test_auto_groups_only_where_outliers_are(folder) -> None:
     assert {"encoder.layer.0.output.LayerNorm", "encoder.layer.1.output.LayerNorm"} <= grouped
     assert "embeddings.LayerNorm" not in grouped and "encoder.layer.0.attention.output.LayerNorm" not in grouped
     assert all(isinstance(q, ActQuantizer) for q in norms.values())
+
+
+def _docstring_package(root: Path, name: str, eval_text: str) -> None:
+    package = root / name
+    (package / "sub").mkdir(parents=True)
+    (package / "tests").mkdir()
+    prose = "This function computes the running mean of a sequence of numbers and returns it as a floating point value."
+    (package / "__init__.py").write_text(f'"""{prose}\n\nShort line."""\n')
+    (package / "sub" / "mod.py").write_text(
+        'class Thing:\n'
+        '    """Things are stored in a dictionary keyed by their names, so that looking one up by name never scans a list.\n\n'
+        '    >>> Thing().value  # a doctest is not prose, even when it is long enough to pass the length filter here\n\n'
+        f'    {eval_text}\n    """\n\n'
+        'def f():\n'
+        f'    """{prose}"""\n'  # a duplicate: kept once
+        'def g(:\n    pass\n'  # a syntax error: skipped, the file's other docstrings too
+    )
+    (package / "sub" / "ok.py").write_text(
+        '"""Args: x (int): the value, which is described in a field list rather than in sentences of prose here."""\n')
+    (package / "tests" / "test_it.py").write_text(
+        '"""Test modules are skipped even though this docstring reads like a perfectly ordinary prose paragraph."""\n')
+    (package / "sub" / "good.py").write_text(
+        '"""Caching the parsed configuration avoids reading the same file again and again on every call to the loader."""\n')
+
+
+def test_docstring_corpus_is_deterministic_prose_without_eval_overlap(tmp_path, monkeypatch) -> None:
+    eval_text = hf.text_split("eval", 1)[0]
+    _docstring_package(tmp_path, "softq_docs_fixture", eval_text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    texts = hf.docstring_paragraphs(["softq_docs_fixture"])
+    assert texts == hf.docstring_paragraphs(["softq_docs_fixture"])
+    # files in sorted order (softq_docs_fixture/__init__.py first, then sub/good.py); mod.py has a syntax error
+    assert [t.split()[0] for t in texts] == ["This", "Caching"]
+    # with the syntax error fixed, the eval paragraph appears, unless it is excluded (also from within a longer text)
+    mod = tmp_path / "softq_docs_fixture" / "sub" / "mod.py"
+    mod.write_text(mod.read_text().replace("def g(:", "def g():"))
+    assert eval_text in hf.docstring_paragraphs(["softq_docs_fixture"])
+    clean = hf.docstring_paragraphs(["softq_docs_fixture"], exclude=["Intro words. " + eval_text + " More."])
+    assert [t.split()[0] for t in clean] == ["This", "Caching", "Things"]
+    assert not any(">>>" in t for t in clean)
+
+
+def test_docstring_corpus_refuses_empty_results_and_unknown_packages(tmp_path, monkeypatch) -> None:
+    (tmp_path / "softq_no_docs").mkdir()
+    (tmp_path / "softq_no_docs" / "__init__.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="no prose docstring paragraphs"):
+        hf.docstring_paragraphs(["softq_no_docs"])
+    with pytest.raises(ValueError, match="not an installed package"):
+        hf.docstring_paragraphs(["softq_no_such_package_xyz"])
+    with pytest.raises(ValueError, match="at least one package"):
+        hf.docstring_paragraphs([])
+
+
+def test_recombined_windows_are_deterministic_new_contexts_without_excluded_sentences() -> None:
+    paragraphs = ["Alpha beta gamma delta. Epsilon zeta eta theta iota. Short one.",
+                  "Kappa lambda mu nu xi. Omicron pi rho sigma tau upsilon."]
+    excluded = ["An eval paragraph holds Omicron pi rho sigma tau upsilon. and more."]
+    texts = hf.recombined_windows(paragraphs, window=7, count=50, exclude=excluded, seed=3)
+    assert texts == hf.recombined_windows(paragraphs, window=7, count=50, exclude=excluded, seed=3)
+    assert texts != hf.recombined_windows(paragraphs, window=7, count=50, exclude=excluded, seed=4)
+    assert len(texts) == 50 and all(len(t.split()) == 7 for t in texts)
+    words = " ".join(texts).split()
+    assert "Omicron" not in words and "Short" not in words  # the excluded sentence, the 2-word sentence
+    assert {"Alpha", "Epsilon", "Kappa"} <= set(words)
+    # new contexts: sentences of different paragraphs meet in one window
+    assert any("Kappa" in t and ("Alpha" in t or "Epsilon" in t) for t in texts)
+    with pytest.raises(ValueError, match="no sentence of 4 or more words"):
+        hf.recombined_windows(["Too short. Also."], window=7, count=3)
+    with pytest.raises(ValueError, match="window >= 1 and count >= 1"):
+        hf.recombined_windows(paragraphs, window=0, count=3)

@@ -234,6 +234,47 @@ def test_headless_encoder_distils_on_pooled_embeddings():
     assert len(history.stage2) == 20 and sum(history.stage2[-5:]) < sum(history.stage2[:5])
 
 
+def test_stage2_hidden_weight_and_continuing_a_student():
+    from transformers import BertConfig, BertModel
+
+    from softq.mpc.distill import _layer_loss, distill, prediction_loss
+
+    torch.manual_seed(15)
+    teacher = BertModel(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=64, max_position_embeddings=32, initializer_range=0.2),
+                        add_pooling_layer=False).eval()
+    batch = {"input_ids": torch.randint(0, 40, (8, 8), generator=torch.Generator().manual_seed(16)),
+             "attention_mask": torch.ones(8, 8, dtype=torch.long)}
+
+    def batches():
+        while True:
+            yield batch
+
+    fresh, history = distill(teacher, batches(), steps=(0, 0), progress=False, dropout=False)
+    assert history.stage1 == [] and history.stage2 == []
+    with torch.no_grad():
+        t_out = teacher(**batch, output_hidden_states=True)
+        s_out = fresh(**batch, output_hidden_states=True)
+        cosine_part = float(prediction_loss(s_out, t_out, batch))
+        hidden_part = float(_layer_loss(s_out, t_out))
+    assert hidden_part > 0.1 * cosine_part > 0
+    weights = {name: p.detach().clone() for name, p in fresh.named_parameters()}
+    teacher_weights = {name: p.detach().clone() for name, p in teacher.named_parameters()}
+    student, history = distill(teacher, batches(), steps=(0, 3), lr=(1e-3, 1e-3), progress=False, dropout=False,
+                               stage2_hidden_weight=10.0, student=fresh)
+    assert student is fresh  # continued in place, not a fresh copy of the teacher
+    # the first step's loss is the cosine term plus 10 x the hidden-state MSE of the continued student
+    assert history.stage2[0] == pytest.approx(cosine_part + 10.0 * hidden_part, rel=1e-4)
+    assert history.stage2[-1] < history.stage2[0]
+    assert any(not torch.equal(p, weights[name]) for name, p in student.named_parameters())
+    assert all(torch.equal(p, teacher_weights[name]) for name, p in teacher.named_parameters())
+    assert all(p.requires_grad for p in teacher.parameters())
+    with pytest.raises(ValueError, match="stage2_hidden_weight must be >= 0"):
+        distill(teacher, batches(), steps=(0, 1), stage2_hidden_weight=-1.0, progress=False)
+    with pytest.raises(ValueError, match="separate model from the teacher"):
+        distill(teacher, batches(), steps=(0, 1), student=teacher, progress=False)
+
+
 # ---------------------------------------------------------------------------
 # comparison-selected brackets: LayerNorm, 2Quad's row division, Quad GELU
 # ---------------------------------------------------------------------------
