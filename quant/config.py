@@ -190,6 +190,10 @@ class QuantConfig:
                                                or not 0 <= self.residual_prefix <= MAX_PREFIX):
             raise ValueError(f"residual_prefix must be an integer from 0 to {MAX_PREFIX} or 'auto', "
                              f"got {self.residual_prefix!r}")
+        if not self.residual_quantized and (self.residual_groups != "auto" or self.residual_prefix != "auto"):
+            raise ValueError("residual_groups and residual_prefix lay out a quantized residual stream, which this "
+                             f"config leaves float (quantize_residual={self.quantize_residual!r} with softmax_output="
+                             f"{self.softmax_output!r}); set quantize_residual=True (CLI: --residual) to quantize it")
         if self.bias_correction is not None and self.softmax_output == "row":
             raise ValueError("bias_correction is zero by construction for softmax_output='row' (its rows sum to "
                              "exactly 1, so the mean rounding error over a row is 0); use it with 'edge' or 'row_exact'")

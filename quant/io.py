@@ -87,6 +87,8 @@ def load(path: str | os.PathLike) -> nn.Module:
     raw.setdefault("embedding_bits", None)  # saved before the field existed: float embedding tables
     raw.setdefault("input_smoothing", None)  # saved before the field existed: no input smoothing
     raw.setdefault("residual_prefix", 0)  # saved before the field existed: no prefix-token scales
+    if raw.get("quantize_residual") is False:  # the layout of a residual stream a file left float means nothing
+        raw["residual_groups"] = raw["residual_prefix"] = "auto"
     raw.setdefault("softmax_input", "tensor")  # saved before the field existed: one calibrated grid per tensor
     config = QuantConfig(**{**raw, "exclude": tuple(raw.get("exclude", ()))})
     hf_config = transformers.AutoConfig.from_pretrained(source)

@@ -274,8 +274,11 @@ def test_cli_quantize_report_export_on_a_model_dir(folder, tmp_path, capsys) -> 
     evaluation = tmp_path / "eval.jsonl"
     evaluation.write_text("\n".join(json.dumps({"text": t}) for t in texts(8, 4)))
     out = tmp_path / "q"
-    assert main(["quantize", str(folder), "--calib", str(calib), "--eval", str(evaluation), "--residual-groups", "4",
-                 "--output", str(out)]) == 0
+    # the layout of a residual stream the default leaves float: refused in one line, then quantized with --residual
+    assert main(["quantize", str(folder), "--calib", str(calib), "--residual-groups", "4", "--output", str(out)]) != 0
+    assert "set quantize_residual=True" in capsys.readouterr().err and not out.exists()
+    assert main(["quantize", str(folder), "--calib", str(calib), "--eval", str(evaluation), "--residual",
+                 "--residual-groups", "4", "--output", str(out)]) == 0
     text = capsys.readouterr().out
     assert "float     cosine to FP32: 1.00000" in text
     quantized = float(re.search(r"quantized cosine to FP32: ([0-9.]+)", text).group(1))

@@ -307,3 +307,7 @@ def test_residual_stream_quantized_only_with_the_edge_softmax_by_default() -> No
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="quantize_residual must be True, False or 'auto'"):
             softq.QuantConfig(quantize_residual=bad)
+    for layout in ({"residual_groups": 4}, {"residual_prefix": 0}):  # would silently do nothing
+        with pytest.raises(ValueError, match="lay out a quantized residual stream.*set quantize_residual=True"):
+            softq.QuantConfig(**layout)
+        assert softq.QuantConfig(softmax_output="edge", **layout).residual_quantized
