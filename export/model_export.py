@@ -758,7 +758,8 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
             # relative codes need no mask in the core, except row_exact's float sum of exp (fast form)
             core_valid = None if q.relative and (rq.representation == "row" or form == "int") else valid_b
             core, core_inits = build_row_attention(form, f"{p}codes", f"{p}vcodes", out, rq, core_valid,
-                                                   probs if probs_outputs else None, prefix=f"{p}core/", opset=opset)
+                                                   probs if probs_outputs else None, prefix=f"{p}core/", opset=opset,
+                                                   empty_rows=valid_b is not None)
             nodes += core
             inits += core_inits
             domains = {}

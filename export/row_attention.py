@@ -268,12 +268,14 @@ def _cap(b: _Builder, valid: str, dtype: type, masked: int, base: str, low: bool
 
 def build_row_attention(
     form: str, x: str, v: str, y: str, rq: RowQuant, valid: str | None = None, probs: str | None = None,
-    prefix: str = "softq_attn/", opset: int = 21,
+    prefix: str = "softq_attn/", opset: int = 21, empty_rows: bool = True,
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """Nodes computing ``y = P.V`` (float) from score codes ``x`` and uint8 V codes ``v``.
 
     ``valid`` names a bool tensor broadcastable to ``x``; ``probs`` (optional)
     names an extra float output with the effective probabilities (parity checks).
+    ``empty_rows=False`` promises that every row has a key of code E > 0 (a model without
+    masks: each row's max gets the top code), so the row sum needs no guard against 0.
     """
     check_row_form(form)
     if opset < 13:
@@ -324,16 +326,20 @@ def build_row_attention(
         pads = b.const("pad_last", [0, 0, 0, 0, 0, 0, 0, 1], np.int64)
         v_col = b.op("Pad", [v, pads, b.const("sum_code", code, np.uint8)], mode="constant")
         acc = b.op("MatMulInteger", [e, v_col, b.const("e_zp0", 0, np.uint8), v_zp])
+        # one Cast of the [..., d + 1] accumulators (the same float32 values as casting each part)
+        acc_f = b.op("Cast", [acc], to=TensorProto.FLOAT)
         axes = b.const("last", [-1], np.int64)
-        num = b.op("Slice", [acc, b.const("zero64", [0], np.int64), b.const("m1", [-1], np.int64), axes])
-        den_i = b.op("Slice", [acc, b.const("m1b", [-1], np.int64), b.const("big", [INT32_MAX], np.int64), axes])
+        num_f = b.op("Slice", [acc_f, b.const("zero64", [0], np.int64), b.const("m1", [-1], np.int64), axes])
+        den_f = b.op("Slice", [acc_f, b.const("m1b", [-1], np.int64), b.const("big", [INT32_MAX], np.int64), axes])
         if sign < 0:
-            den_i = b.op("Neg", [den_i])
-        den_f = b.op("Cast", [b.op("Max", [den_i, b.const("one", 1, np.int32)])], to=TensorProto.FLOAT)
+            den_f = b.op("Neg", [den_f])
+        if empty_rows:  # a fully masked row: all E = 0, so 0 / 1 = 0
+            den_f = b.op("Max", [den_f, b.const("one_f", 1.0, np.float32)])
     else:
-        num = b.op("MatMulInteger", [e, v, b.const("e_zp0", 0, np.uint8), v_zp])
+        num_f = b.op("Cast", [b.op("MatMulInteger", [e, v, b.const("e_zp0", 0, np.uint8), v_zp])],
+                     to=TensorProto.FLOAT)
     scaled = b.op("Mul", [den_f, b.const("c", rq.den_factor(form), np.float32)])
-    b.op("Div", [b.op("Cast", [num], to=TensorProto.FLOAT), scaled], out=y)
+    b.op("Div", [num_f, scaled], out=y)
     if probs is not None:  # effective probabilities E / den (the scale 1/S_v of c removed again)
         p_den = b.op("Mul", [scaled, b.const("v_scale", np.float32(rq.v_scale), np.float32)])
         b.op("Div", [b.op("Cast", [e], to=TensorProto.FLOAT), p_den], out=probs)
