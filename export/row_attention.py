@@ -347,10 +347,10 @@ def build_row_attention(
 
 
 def row_attention_model(form: str, rq: RowQuant, with_valid: bool = False, probs: bool = False,
-                        opset: int = 21) -> onnx.ModelProto:
+                        opset: int = 21, empty_rows: bool = True) -> onnx.ModelProto:
     """A standalone core ``x [b,h,q,k], v [b,h,k,d][, valid] -> y [b,h,q,d]`` (dynamic dims; tests, benchmarks)."""
     nodes, inits = build_row_attention(form, "x", "v", "y", rq, "valid" if with_valid else None,
-                                       "probs" if probs else None, opset=opset)
+                                       "probs" if probs else None, opset=opset, empty_rows=empty_rows)
     inputs = [helper.make_tensor_value_info("x", rq.scores.in_onnx_type, ["b", "h", "q", "k"]),
               helper.make_tensor_value_info("v", TensorProto.UINT8, ["b", "h", "k", "d"])]
     if with_valid:
