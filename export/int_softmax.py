@@ -260,7 +260,8 @@ def build_relative_codes(b: "_Builder", s: str, q: SoftmaxQuant, valid: str | No
     ``valid_float``: the same mask as float 0/1, if the graph has it (then no Cast is needed).  The mask is
     applied as ``Min(s, valid * 2e30 - 1e30)``: ``s`` itself at valid keys, -1e30 at masked ones, computed
     on the small mask and broadcast once.  Two other forms give the same float32 values but not the same
-    runtimes: ``Where`` on the broadcast mask is 1.4-1.6x slower in onnxruntime, and adding
+    runtimes: ``Where`` on the broadcast mask is slower in onnxruntime (a select over the whole score
+    tensor instead of a Min; the row core avoids it for the same reason), and adding
     ``(valid - 1) 1e30`` made OpenVINO (2026.4) fuse the input stage into different codes on most causal
     rows (tests/test_export_runtimes.py checks all three runtimes)."""
     if valid_float is not None:

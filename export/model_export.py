@@ -918,9 +918,9 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     ``MatMulInteger -> Cast -> Mul -> Add(bias)``, which onnxruntime fuses into one
     ``MatMulIntegerToFloat`` with the bias and tract runs on its int8 kernels;
     ``"qdq"``: ``DequantizeLinear -> MatMul``, the pattern OpenVINO's int8 path
-    recognises (on all-MiniLM-L6-v2 at batch 1, one thread: OpenVINO 0.53x FP32 with
-    ``"qdq"``, 1.31x with ``"integer"``; onnxruntime 0.44x / 0.46x; tract 0.87x /
-    1.38x).  Same codes and function either way (float rounding aside).
+    recognises (all-MiniLM-L6-v2 at batch 1, one thread, docs/results/export_speed.md:
+    OpenVINO 0.50x FP32 with ``"qdq"``, 1.29x with ``"integer"``; onnxruntime 0.45x /
+    0.43x; tract 1.38x / 0.97x).  Same codes and function either way (float rounding aside).
     ``embeddings``: ``None`` (default) stores the tables as the model has them:
     int8 codes with one scale per row for ``QuantConfig.embedding_bits`` (the
     default), float otherwise; ``"int8"`` also makes int8 tables of float ones

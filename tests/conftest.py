@@ -63,6 +63,24 @@ def tiny_inputs(family: str, batch: int = 2, seq: int = 24, seed: int = 1) -> di
     return {"input_ids": torch.randint(2, 64, (batch, seq), generator=g)}
 
 
+def padded_logit_error(qmodel, onnx_model, family: str, seq: int, pad_from: int, seed: int) -> float:
+    """max |ONNX - torch| / max |torch| logits over the valid tokens of a batch of 2 whose second
+    sequence is padded from position ``pad_from`` (onnxruntime, all optimisations)."""
+    import numpy as np
+
+    from softq.export import onnx_utils
+
+    inputs = tiny_inputs(family, batch=2, seq=seq, seed=seed)
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[1, pad_from:] = 0
+    with torch.no_grad():
+        ref = qmodel(input_ids=inputs["input_ids"], attention_mask=mask).logits.numpy()
+    out = onnx_utils.run(onnx_model, {"input_ids": inputs["input_ids"].numpy(), "attention_mask": mask.numpy()},
+                         "all")[0]
+    valid = mask.numpy().astype(bool)
+    return float(np.abs(out - ref)[valid].max() / np.abs(ref).max())
+
+
 @pytest.fixture
 def make_tiny():
     return tiny_model

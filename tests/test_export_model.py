@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import tiny_inputs, tiny_model
+from conftest import padded_logit_error, tiny_inputs, tiny_model
 from onnx import numpy_helper
 
 import softq
@@ -394,14 +394,7 @@ def test_opt_padded_batch(quantized):
     """OPT derives positions from the 2-D mask; the exported graph does the same."""
     opt = quantized[("opt", "head")]
     model = build_onnx(opt, tiny_inputs("opt"), "int")
-    inputs = tiny_inputs("opt", batch=2, seq=18, seed=5)
-    mask = torch.ones_like(inputs["input_ids"])
-    mask[1, 12:] = 0
-    with torch.no_grad():
-        ref = opt(input_ids=inputs["input_ids"], attention_mask=mask).logits.numpy()
-    out = U.run(model, {"input_ids": inputs["input_ids"].numpy(), "attention_mask": mask.numpy()}, "all")[0]
-    valid = mask.numpy().astype(bool)
-    assert np.abs(out - ref)[valid].max() / np.abs(ref).max() <= LOGIT_TOL
+    assert padded_logit_error(opt, model, "opt", seq=18, pad_from=12, seed=5) <= LOGIT_TOL
 
 
 # --- softmax codes relative to the row max (the default) ----------------------------------
