@@ -264,18 +264,20 @@ def save_figure(fig, path: str | os.PathLike) -> Path:
 # --- sensitivity ---------------------------------------------------------------
 
 def _enable_only(qmodel: nn.Module, chosen: set[int]) -> None:
-    from softq.quant.quantizers import ActQuantizer, QLinear, SoftmaxOutputQuantizer
+    from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, SoftmaxOutputQuantizer, WeightOnly
 
     for m in qmodel.modules():
         if isinstance(m, (ActQuantizer, SoftmaxOutputQuantizer)):
             m.mode = "quant" if id(m) in chosen else "float"
-        if isinstance(m, QLinear):
+        if isinstance(m, (QLinear, QEmbedding)):
             m.weight_quant.disable_quant = id(m) not in chosen
+        if isinstance(m, WeightOnly):
+            m.enabled = id(m) in chosen
 
 
 def quant_parts(qmodel: nn.Module) -> dict[str, set[int]]:
     """Quantization points grouped by tensor kind and by transformer layer."""
-    from softq.quant.quantizers import ActQuantizer, QLinear, SoftmaxOutputQuantizer
+    from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, SoftmaxOutputQuantizer, WeightOnly
     from softq.quant.quantize import QLayerNorm
 
     parts: dict[str, set[int]] = {}
@@ -290,6 +292,10 @@ def quant_parts(qmodel: nn.Module) -> dict[str, set[int]]:
         kinds: list[tuple[str, nn.Module]] = []
         if isinstance(m, QLinear):
             kinds = [("linear weights", m), ("linear inputs", m.input_act)]
+        elif isinstance(m, QEmbedding):
+            kinds = [("embeddings, conv and position weights", m)]
+        elif isinstance(m, WeightOnly):  # a parametrization of a Conv2d or a position table
+            kinds = [("embeddings, conv and position weights", m)]
         elif isinstance(m, QLayerNorm):
             kinds = [("residual stream", m.input_act)]
         elif hasattr(m, "probs") and hasattr(m, "scores") and hasattr(m, "softmax_name"):

@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--linears", choices=["integer", "qdq"], default="integer",
                    help="form of the Linear layers (default integer: MatMulInteger, fused with its bias by "
                         "onnxruntime, int8 kernels in tract; qdq: DequantizeLinear -> MatMul, for OpenVINO)")
+    p.add_argument("--keep-names", action="store_true",
+                   help="keep the exporter's tensor and node names (default: short tensor names, no node "
+                        "names; 6-9%% smaller files)")
     p.add_argument("--weight-storage", choices=["int8", "uint8"], default="int8",
                    help="storage of the symmetric 8-bit weight codes (default int8: onnxruntime's fast u8s8 "
                         "kernels; on AVX2-only x86 CPUs run it with the session option "
@@ -112,7 +115,8 @@ def _export(args: argparse.Namespace) -> int:
     pooling, normalize = _pooling(args)
     written = to_onnx(qmodel, args.output, _example_inputs(qmodel), softmax=args.softmax,
                       overwrite=args.overwrite, weight_storage=args.weight_storage,
-                      embeddings=args.embeddings, pooling=pooling, normalize=normalize, linears=args.linears)
+                      embeddings=args.embeddings, pooling=pooling, normalize=normalize, linears=args.linears,
+                      names="full" if args.keep_names else "short")
     size = Path(written).stat().st_size
     outputs = "last_hidden_state, sentence_embedding" if pooling else None
     print(f"wrote {written} ({size / 1e6:.2f} MB, softmax={args.softmax or 'default'}"

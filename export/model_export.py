@@ -68,6 +68,7 @@ from softq.export.row_attention import ROW_FORMS, RowQuant, build_row_attention
 TORCH_OPSET = 18
 MARKER_DOMAIN = "softq"
 MARKER_OP = "QAttention"
+WEIGHT_MARKER_OP = "WeightOnly"
 EXPORTABLE_SOFTMAX = ("softmax",)
 # Softmax forms by softmax-output representation; the first is the default.
 FORMS_FOR = {"row": ROW_FORMS, "row_exact": ROW_FORMS, "edge": EDGE_FORMS}
@@ -166,6 +167,41 @@ class _WeightDQFn(torch.autograd.Function):
         if scale.ndim == 0:
             return g.op("DequantizeLinear", *args)
         return g.op("DequantizeLinear", *args, axis_i=axis)
+
+
+class _WeightOnlyFn(torch.autograd.Function):
+    """A weight-only parameter (:class:`softq.quant.quantizers.WeightOnly`): ``Mul(Cast(int8 codes), scales)``.
+
+    All of it constant, so runtimes fold it to a float tensor when they load the file (no cost per
+    run); not a DequantizeLinear, which onnxruntime keeps in the graph and runs every time."""
+
+    @staticmethod
+    def forward(ctx, w, key: int):  # noqa: ANN001
+        return w
+
+    @staticmethod
+    def symbolic(g, w, key: int):  # noqa: ANN001
+        # a marker (replace_markers writes the Cast -> Mul): the exporter would fold Cast -> Mul of constants
+        marker = g.op(f"{MARKER_DOMAIN}::{WEIGHT_MARKER_OP}", key_i=key)
+        marker.setType(w.type())
+        return marker
+
+
+class _ExportWeightOnly(nn.Module):
+    """Stands in for a :class:`WeightOnly` parametrization in the export copy (its input, the float
+    original, is then unused and leaves the graph)."""
+
+    def __init__(self, quant: nn.Module, original: torch.Tensor, key: int) -> None:
+        super().__init__()
+        codes, scale = quant.codes_and_scale(original)
+        if codes.abs().max() > 127:
+            raise ExportError(f"weight-only codes of {quant.bits} bits do not fit int8")
+        _STATE.weights[key] = (codes.to(torch.int8).numpy(), scale.to(torch.float32).numpy(), None, None)
+        self.register_buffer("w_deq", codes * scale)
+        self.key = key
+
+    def forward(self, _original: torch.Tensor) -> torch.Tensor:
+        return _WeightOnlyFn.apply(self.w_deq, self.key)
 
 
 class _AttentionMarkerFn(torch.autograd.Function):
@@ -466,6 +502,12 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
         _replace_children(model, lambda m: isinstance(m, QEmbedding), _FloatEmbedding)
     else:
         _replace_children(model, lambda m: isinstance(m, QEmbedding), lambda m: _ExportEmbedding(m, next(counter)))
+    from softq.quant.quantizers import WeightOnly
+
+    for module in list(model.modules()):  # Conv2d weights, a vision encoder's position table
+        for plist in getattr(module, "parametrizations", {}).values():
+            if len(plist) == 1 and isinstance(plist[0], WeightOnly):
+                plist[0] = _ExportWeightOnly(plist[0], plist.original, next(counter))
     if embeddings == "int8":
         # exact nn.Embedding only: subclasses (OPT's learned positions) have their own forward
         _replace_children(model, lambda m: type(m) is nn.Embedding, lambda m: _ExportEmbedding(m, next(counter)))
@@ -727,6 +769,13 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
             new_nodes.append(node)
             continue
         key = next(a.i for a in node.attribute if a.name == "key")
+        if node.op_type == WEIGHT_MARKER_OP:  # int8 codes -> Cast -> Mul(scales): a constant runtimes fold
+            codes, scale, _, _ = _STATE.weights[key]
+            p = f"softq/W{key}/"
+            extra_inits += [_init(f"{p}codes", codes), _init(f"{p}scale", scale)]
+            new_nodes += [helper.make_node("Cast", [f"{p}codes"], [f"{p}float"], name=f"{p}Cast", to=TensorProto.FLOAT),
+                          helper.make_node("Mul", [f"{p}float", f"{p}scale"], [node.output[0]], name=f"{p}Mul")]
+            continue
         info = layers[key]
         q: SoftmaxQuant = info["q"]
         p = f"softq/L{key}/"
@@ -889,7 +938,8 @@ def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> 
 
 def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | None = None, overwrite: bool = False,
             probs_outputs: bool = False, weight_storage: str = "int8", embeddings: str | None = None,
-            pooling: str | None = None, normalize: bool = False, linears: str = "integer") -> str:
+            pooling: str | None = None, normalize: bool = False, linears: str = "integer",
+            names: str = "short") -> str:
     """Export a softq-quantized model to ONNX with an integer softmax; returns the path written.
 
     ``softmax``: the form of the attention core, by the model's
@@ -931,10 +981,20 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     output ``last_hidden_state``; with ``pooling`` ("mean", "cls", "max") they also
     output ``sentence_embedding`` (L2-normalised with ``normalize``), what a
     sentence-transformers folder computes (``softq.hf.load_model_dir`` reads both).
+
+    ``names``: ``"short"`` (default) gives every internal tensor a short name and
+    drops node names (:func:`softq.export.onnx_utils.compact_names`; inputs and
+    outputs keep theirs): the exporter's long names are 6-9% of an INT8 file
+    (docs/results/export_speed.md).  ``"full"`` keeps them (for reading the graph
+    or a profile).
     """
+    if names not in ("short", "full"):
+        raise ValueError(f"names must be 'short' or 'full', got {names!r}")
     onnx_utils.check_writable(path, overwrite)  # fail before the (slow) export
     model = build_onnx(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling, normalize,
                        linears)
+    if names == "short":
+        model, _ = onnx_utils.compact_names(model)
     return str(onnx_utils.save_atomic(model, path, overwrite))
 
 

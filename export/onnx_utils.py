@@ -254,3 +254,51 @@ def dedupe(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     del graph.value_info[:]
     graph.value_info.extend(infos)
     return model, removed
+
+
+def compact_names(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """Give every internal tensor a short name and drop node names; returns (model, bytes saved).
+
+    The graph's inputs and outputs keep their names; nothing else changes (ops, order,
+    attributes, values).  The exporter's names (``/model/vit/layers.0/attention/q_proj/
+    input_act/Constant_output_0``...) appear once per producer and once per consumer:
+    on the reference ViT they are 76 kB of a 0.98 MB INT8 file, 8% of it.  Node names
+    are optional in ONNX; runtimes name unnamed nodes themselves.
+    """
+    before = model.ByteSize()
+    graph = model.graph
+    keep = {v.name for v in graph.input} | {v.name for v in graph.output}
+    rename: dict[str, str] = {}
+    taken: set[str] = set()
+
+    def short(name: str) -> str:
+        if not name or name in keep:
+            return name
+        while name not in rename:
+            n, s = len(rename) + len(taken), ""
+            while True:  # base 36
+                n, r = divmod(n, 36)
+                s = "0123456789abcdefghijklmnopqrstuvwxyz"[r] + s
+                if n == 0:
+                    break
+            if f"_{s}" in keep:  # an input or output already has this name
+                taken.add(f"_{s}")
+            else:
+                rename[name] = f"_{s}"
+        return rename[name]
+
+    for node in graph.node:
+        if node.op_type in ("If", "Loop", "Scan"):  # subgraphs see outer names: leave such graphs alone
+            return model, 0
+    for init in graph.initializer:
+        init.name = short(init.name)
+    for node in graph.node:
+        node.name = ""
+        node.doc_string = ""
+        for i, name in enumerate(node.input):
+            node.input[i] = short(name)
+        for i, name in enumerate(node.output):
+            node.output[i] = short(name)
+    for vi in graph.value_info:
+        vi.name = short(vi.name)
+    return model, before - model.ByteSize()

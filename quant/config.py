@@ -45,7 +45,8 @@ class QuantConfig:
     integer-only runtimes' convention (uniform softmax codes, a quantized residual stream).
 
     Attributes:
-        weight_bits: bits of Linear weights (symmetric, narrow range).
+        weight_bits: bits of Linear weights (symmetric, narrow range), and of ``Conv2d``
+            weights (a ViT's patch projection: weight-only, per output channel, float input).
         weight_per_channel: one scale per output channel (else one per tensor).
         act_bits: bits of every quantized activation (Linear inputs, Q, K, V,
             softmax input, residual stream).
@@ -125,7 +126,8 @@ class QuantConfig:
             and 0.12 -> 0.038 (docs/results/deit_residual.md); all-MiniLM-L6-v2,
             cosine 0.9964 -> 0.9973 (minilm.md).
         embedding_bits: bits of the embedding tables (``nn.Embedding``: token,
-            position and token-type tables), symmetric with one scale per row,
+            position and token-type tables, and a ViT's / DeiT's learned position
+            table, one scale per position), symmetric with one scale per row,
             weight only; ``None`` keeps them float.  8 (default) makes the ONNX
             file about a quarter of FP32 (MiniLM's token table is half its
             weights) at no measurable cost (docs/results/export_speed.md).

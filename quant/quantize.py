@@ -37,7 +37,8 @@ from softq.calib.observers import MinMaxObserver
 from softq.calib.smoothquant import InputRecorder, smooth, smooth_inputs, smoothable_linears, smoothing_scales, tied_linears
 from softq.models import conv1d_to_linear, model_family
 from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_RATIO, PREFIX_TOKENS, QuantConfig, softmax_input_span
-from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, RowScoresQuantizer, SoftmaxOutputQuantizer
+from softq.quant.quantizers import (ActQuantizer, QEmbedding, QLinear, RowScoresQuantizer, SoftmaxOutputQuantizer,
+                                    quantize_weight_only)
 
 
 class QLayerNorm(nn.LayerNorm):
@@ -70,7 +71,8 @@ def residual_prefix(model: nn.Module, config: QuantConfig) -> int:
 
 
 def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
-    """Swap Linear -> QLinear, LayerNorm -> QLayerNorm and Embedding -> QEmbedding in place."""
+    """Swap Linear -> QLinear, LayerNorm -> QLayerNorm and Embedding -> QEmbedding in place; Conv2d weights
+    and a vision encoder's position table get weight-only codes (:func:`quantize_weight_only`)."""
     prefix = residual_prefix(model, config)
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
@@ -83,6 +85,7 @@ def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
                 setattr(parent, child_name, QLayerNorm(child, _act(config, config.residual_groups, prefix)))
             elif type(child) is nn.Embedding and config.embedding_bits is not None:
                 setattr(parent, child_name, QEmbedding(child, config.embedding_bits))
+    quantize_weight_only(model, config.weight_bits, config.embedding_bits, config.exclude)
 
 
 def _attach_attention_quantizers(points: AttentionPoints, config: QuantConfig) -> None:

@@ -402,6 +402,60 @@ def dequantized_weight(weight: torch.Tensor, bits: int, per_channel: bool) -> to
     return torch.clamp(torch.round(w / scale), -qmax, qmax) * scale
 
 
+class WeightOnly(nn.Module):
+    """Parametrization storing a float parameter as symmetric int codes, one scale per slice along ``axis``.
+
+    For weights that are not a Linear's or an embedding table's: a ViT's patch projection
+    (``Conv2d``, one scale per output channel) and its learned position table (one per
+    position).  The same formula as :func:`dequantized_weight` (Brevitas' per-channel
+    weight quantizer): scale ``max(max|w|, 1e-10) / (2^(b-1) - 1)``, codes
+    ``round(w / scale)`` clamped to the narrow range.  Weight-only: the module computes
+    in float on the dequantized values, which is what the ONNX export stores as int8
+    codes and scales (``Cast -> Mul``, folded to a constant by runtimes at load time).
+    Gradients pass straight through the rounding.
+    """
+
+    def __init__(self, bits: int, axis: int) -> None:
+        super().__init__()
+        self.bits, self.axis = bits, axis
+        self.enabled = True  # False: the float parameter itself (softq.calib.diagnostics.sensitivity)
+
+    def codes_and_scale(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Integer codes (as float) and the scale, shaped to broadcast against ``w``."""
+        w = w.detach()
+        dims = tuple(d for d in range(w.dim()) if d != self.axis % w.dim())
+        qmax = 2 ** (self.bits - 1) - 1
+        scale = w.abs().amax(dim=dims, keepdim=True).clamp_min(WEIGHT_SCALE_MIN) / qmax
+        return torch.clamp(torch.round(w / scale), -qmax, qmax), scale
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return w
+        codes, scale = self.codes_and_scale(w)
+        q = codes * scale
+        return w + (q - w).detach() if w.requires_grad else q
+
+    def extra_repr(self) -> str:
+        return f"bits={self.bits}, axis={self.axis}"
+
+
+def quantize_weight_only(model: nn.Module, weight_bits: int, table_bits: int | None,
+                         exclude: tuple[str, ...] = ()) -> None:
+    """Weight-only codes for the parameters no quantized module holds, in place: every ``Conv2d``
+    weight (``weight_bits``, per output channel) and a vision encoder's learned position table
+    (a 3-D ``position_embeddings`` parameter, ``table_bits`` per position; ``None`` leaves it float)."""
+    from torch.nn.utils import parametrize
+
+    for name, module in list(model.named_modules()):
+        if any(pattern in name for pattern in exclude):
+            continue
+        if type(module) is nn.Conv2d:
+            parametrize.register_parametrization(module, "weight", WeightOnly(weight_bits, axis=0))
+        table = getattr(module, "position_embeddings", None)
+        if table_bits is not None and isinstance(table, nn.Parameter) and table.dim() == 3:
+            parametrize.register_parametrization(module, "position_embeddings", WeightOnly(table_bits, axis=1))
+
+
 class QLinear(_CopiedWeights, QuantLinear):
     """Brevitas ``QuantLinear`` (int weights, float bias) behind a softq activation quantizer."""
 

@@ -226,6 +226,29 @@ def test_float_export_matches_float_model(tmp_path):
     np.testing.assert_allclose(out, ref, atol=1e-4)
 
 
+def test_short_names_same_graph_smaller_file(quantized, tmp_path):
+    """names='short' (default) renames internal tensors and drops node names only: same ops in the same
+    order, bit-identical outputs at both optimisation levels, the inputs and outputs keep their names."""
+    qmodel = quantized[("gpt2", "row")]
+    inputs = tiny_inputs("gpt2", batch=2, seq=9, seed=5)
+    short, full = tmp_path / "s.onnx", tmp_path / "f.onnx"
+    to_onnx(qmodel, short, inputs)
+    to_onnx(qmodel, full, inputs, names="full")
+    gs, gf = onnx.load(str(short)).graph, onnx.load(str(full)).graph
+    assert [n.op_type for n in gs.node] == [n.op_type for n in gf.node]
+    assert [i.name for i in gs.input] == [i.name for i in gf.input] == ["input_ids", "attention_mask"]
+    assert [o.name for o in gs.output] == [o.name for o in gf.output] == ["logits"]
+    assert not any(n.name for n in gs.node) and all(n.name for n in gf.node)
+    internal = {t for n in gs.node for t in [*n.input, *n.output]} - {"input_ids", "attention_mask", "logits", ""}
+    assert max(map(len, internal)) <= 4
+    assert short.stat().st_size < 0.95 * full.stat().st_size
+    for opt in ("disable", "all"):
+        a, b = U.run(short, _feeds("gpt2", inputs), opt)[0], U.run(full, _feeds("gpt2", inputs), opt)[0]
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="names must be"):
+        to_onnx(qmodel, tmp_path / "x.onnx", inputs, names="tiny")
+
+
 def test_bad_inputs(quantized, tmp_path):
     qmodel = quantized[("vit", None)]
     good = tiny_inputs("vit")
@@ -350,6 +373,43 @@ def test_int8_embeddings_by_default(quantized):
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-6)
     # torch parity as for every export (a value on a rounding boundary may flip one step)
     assert np.abs(outs[0] - ref).max() / np.abs(ref).max() <= LOGIT_TOL
+
+
+def test_vit_patch_conv_and_position_table_are_int8(quantized, tmp_path):
+    """A ViT's patch Conv2d (per output channel, weight_bits) and its learned position table (per position,
+    embedding_bits) are weight-only int8 in torch and in the file: the file holds their int8 codes and
+    no float copy, onnxruntime folds Cast -> Mul at load (no node left), and save/load keeps them."""
+    from softq.quant.io import load, save
+    from torch.nn.utils import parametrize
+
+    qmodel = quantized[("vit", "row")]
+    emb = qmodel.vit.embeddings
+    conv = emb.patch_embeddings.projection
+    assert parametrize.is_parametrized(conv, "weight") and parametrize.is_parametrized(emb, "position_embeddings")
+    table = emb.position_embeddings.detach()  # [1, positions, hidden]: one scale per position
+    scale = table.abs().amax(dim=-1, keepdim=True) / 127
+    np.testing.assert_allclose((table / scale).numpy(), np.round((table / scale).numpy()), atol=1e-3)
+    original = emb.parametrizations.position_embeddings.original.detach()
+    assert 0 < (table - original).abs().max() <= scale.max() / 2 + 1e-7
+    model = build_onnx(qmodel, tiny_inputs("vit"), "fast")
+    consts = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    consts.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node if n.op_type == "Constant"})
+    shapes = {a.shape: a.dtype for a in consts.values()}
+    assert shapes[tuple(table.shape)] == np.int8 and shapes[tuple(conv.weight.shape)] == np.int8
+    assert not [a for a in consts.values() if a.dtype == np.float32 and a.shape in (tuple(table.shape), tuple(conv.weight.shape))]
+    U.session(model, "all", optimized_path=str(tmp_path / "opt.onnx"))
+    opt = onnx.load(str(tmp_path / "opt.onnx")).graph
+    constants = {i.name for i in opt.initializer}
+    assert not [n for n in opt.node if n.op_type in ("Cast", "Mul") and all(i in constants for i in n.input)]
+    inputs = tiny_inputs("vit", batch=3, seed=4)
+    with torch.no_grad():
+        ref = qmodel(**inputs).logits.numpy()
+        again = load(save(qmodel, tmp_path / "q"))(**inputs).logits.numpy()
+    np.testing.assert_array_equal(again, ref)
+    out = U.run(model, _feeds("vit", inputs), "all")[0]
+    assert np.abs(out - ref).max() / np.abs(ref).max() <= LOGIT_TOL
+    float_model = softq.quantize(tiny_model("vit"), _calib("vit"), softq.QuantConfig(embedding_bits=None))
+    assert not parametrize.is_parametrized(float_model.vit.embeddings, "position_embeddings")
 
 
 def test_embedding_tables_are_quantized_per_row():

@@ -289,11 +289,15 @@ def test_cli_quantize_report_export_on_a_model_dir(folder, tmp_path, capsys) -> 
     assert [o.name for o in session(str(onnx_path)).get_outputs()] == ["last_hidden_state", "sentence_embedding"]
     # a plain Hugging Face directory is quantized on the fly by export; --linears qdq (OpenVINO's int8 pattern)
     # keeps every Linear as DequantizeLinear -> MatMul: the only MatMulIntegers left are the attention cores'
-    assert main(["export", str(folder), "--calib", str(calib), "--linears", "qdq",
+    # (--keep-names: the exporter's node names, by which the cores are found)
+    assert main(["export", str(folder), "--calib", str(calib), "--linears", "qdq", "--keep-names",
                  "-o", str(tmp_path / "direct.onnx")]) == 0
     nodes = onnx.load(str(tmp_path / "direct.onnx")).graph.node
     assert all("/core/" in n.name for n in nodes if n.op_type == "MatMulInteger")
-    assert not all("/core/" in n.name for n in onnx.load(str(onnx_path)).graph.node if n.op_type == "MatMulInteger")
+    default = onnx.load(str(onnx_path)).graph.node  # default: short names, integer linears
+    assert not any(n.name for n in default)
+    cores = sum(n.op_type == "MatMulInteger" for n in nodes)
+    assert sum(n.op_type == "MatMulInteger" for n in default) >= 7 * cores  # 6 Linears + the core per layer
     png = tmp_path / "r.png"
     assert main(["report", str(folder), "--calib", str(calib), "--eval", str(evaluation), "--plot", str(png),
                  "--no-sensitivity"]) == 0
