@@ -48,7 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("bert-base", "minilm", "lm", "vit")
 SEQ = 128
 QDQ = "softq INT8, fast, linears='qdq'"  # the export for OpenVINO (to_onnx(linears="qdq"))
-VARIANTS = ("FP32", "softq INT8, fast", "softq INT8, int", QDQ, "ORT quantize_dynamic", "ORT quantize_static (QDQ)")
+DYNAMIC = "softq INT8, fast, linears='dynamic'"  # Linear inputs quantized per call (to_onnx(linears="dynamic"))
+VARIANTS = ("FP32", "softq INT8, fast", "softq INT8, int", QDQ, DYNAMIC, "ORT quantize_dynamic",
+            "ORT quantize_static (QDQ)")
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "avx512_bf16")
 
 
@@ -143,6 +145,8 @@ class Bench:
                                                         softmax=form, overwrite=True, **pool))
         paths[QDQ] = Path(to_onnx(qmodel, workdir / f"{self.name}_fast_qdq.onnx", self.example(), softmax="fast",
                                   overwrite=True, linears="qdq", **pool))
+        paths[DYNAMIC] = Path(to_onnx(qmodel, workdir / f"{self.name}_fast_dynamic.onnx", self.example(),
+                                      softmax="fast", overwrite=True, linears="dynamic", **pool))
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         dyn = workdir / f"{self.name}_dynamic.onnx"
@@ -282,7 +286,10 @@ def write(results: list[dict[str, object]], args: argparse.Namespace, command: s
         "embedding tables, softmax codes relative to the row max), exported with `to_onnx` (int8 weight storage, "
         "`linears='integer'`: MatMulInteger, which onnxruntime fuses with the bias); `fast` and `int` are its two "
         "attention cores; `linears='qdq'` is the `fast` file with DequantizeLinear -> MatMul linears (OpenVINO's "
-        "int8 pattern). "
+        "int8 pattern); `linears='dynamic'` quantizes each Linear input per call on its own range "
+        "(DynamicQuantizeLinear, as quantize_dynamic does) instead of the calibrated grid. softq's files carry "
+        "short tensor names and no node names (`to_onnx(names='short')`, the default); the FP32 file and "
+        "onnxruntime's quantized files keep the exporter's names. "
         "ORT quantize_dynamic: per-channel int8 weights, dynamic uint8 activations. ORT quantize_static: QDQ, "
         "per-channel, the same calibration batches as softq.",
         "",

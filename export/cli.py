@@ -30,9 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="softmax / attention-core form (default: fast for row codes, qdq for edge codes)")
     p.add_argument("--output", "-o", type=Path, required=True, help="ONNX file to write")
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
-    p.add_argument("--linears", choices=["integer", "qdq"], default="integer",
+    p.add_argument("--linears", choices=["integer", "qdq", "dynamic"], default="integer",
                    help="form of the Linear layers (default integer: MatMulInteger, fused with its bias by "
-                        "onnxruntime, int8 kernels in tract; qdq: DequantizeLinear -> MatMul, for OpenVINO)")
+                        "onnxruntime, int8 kernels in tract; qdq: DequantizeLinear -> MatMul, for OpenVINO; "
+                        "dynamic: integer with inputs quantized per call on their own range, onnxruntime only)")
     p.add_argument("--keep-names", action="store_true",
                    help="keep the exporter's tensor and node names (default: short tensor names, no node "
                         "names; 6-9%% smaller files)")

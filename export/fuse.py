@@ -97,10 +97,17 @@ def _dq_params(g: _Graph, dq: onnx.NodeProto | None) -> tuple[np.ndarray, np.nda
     return scale, zp, axis
 
 
-def fuse_linears(model: onnx.ModelProto) -> int:
-    """Rewrite every integer Linear into onnxruntime's bias-fusing form; returns how many."""
+def fuse_linears(model: onnx.ModelProto, dynamic: bool = False) -> int:
+    """Rewrite every integer Linear into onnxruntime's bias-fusing form; returns how many.
+
+    ``dynamic``: each Linear input is quantized by ``DynamicQuantizeLinear`` (uint8, the scale and
+    zero point of the tensor's own range, per call) instead of its static grid, and the scale product
+    is ``Mul(x_scale, w_scale)``: the pattern onnxruntime fuses into ``DynamicQuantizeMatMul``, as
+    ``quantize_dynamic`` writes it.  Other inputs (Q, K, V, the softmax) keep their static grids.
+    """
     g = _Graph(model, "linear")
     replaced: dict[int, list[onnx.NodeProto]] = {}
+    dynamic_of: dict[str, tuple[str, str, str]] = {}  # float input -> (codes, scale, zero point)
     for mm in list(g.graph.node):
         if mm.op_type != "MatMul" or mm.domain not in ("", "ai.onnx"):
             continue
@@ -116,12 +123,22 @@ def fuse_linears(model: onnx.ModelProto) -> int:
         if w_scale.size != 1 and (w_scale.shape != (n_out,) or axis not in (1, -1)):
             continue
         p = f"{mm.name or mm.output[0]}/"
-        scale = g.add_const("scale", (np.float32(a[0].reshape(())) * w_scale.astype(np.float32)).astype(np.float32))
-        nodes = [
-            helper.make_node("MatMulInteger", [a_dq.input[0], b_dq.input[0], a_dq.input[2], b_dq.input[2]],
+        a_codes, a_scale, a_zp, nodes = a_dq.input[0], ONE, a_dq.input[2], []
+        quant = g.made_by(a_dq.input[0], "QuantizeLinear")
+        if dynamic and quant is not None:
+            x = quant.input[0]
+            if x not in dynamic_of:
+                dynamic_of[x] = (f"{x}/dyn_codes", f"{x}/dyn_scale", f"{x}/dyn_zp")
+                nodes.append(helper.make_node("DynamicQuantizeLinear", [x], list(dynamic_of[x]), name=f"{x}/DynamicQuantize"))
+            a_codes, a_scale, a_zp = dynamic_of[x]
+            scale = g.add_const("w_scale", w_scale.astype(np.float32))
+        else:
+            scale = g.add_const("scale", (np.float32(a[0].reshape(())) * w_scale.astype(np.float32)).astype(np.float32))
+        nodes += [
+            helper.make_node("MatMulInteger", [a_codes, b_dq.input[0], a_zp, b_dq.input[2]],
                              [f"{p}acc"], name=f"{p}MatMulInteger"),
             helper.make_node("Cast", [f"{p}acc"], [f"{p}acc_f"], name=f"{p}Cast", to=TensorProto.FLOAT),
-            helper.make_node("Mul", [ONE, scale], [f"{p}scale"], name=f"{p}Scale"),
+            helper.make_node("Mul", [a_scale, scale], [f"{p}scale"], name=f"{p}Scale"),
             helper.make_node("Mul", [f"{p}acc_f", f"{p}scale"], [mm.output[0]], name=f"{p}Mul"),
         ]
         replaced[id(mm)] = nodes
@@ -261,9 +278,9 @@ def fold_matmul_scales(model: onnx.ModelProto) -> int:
     return len(replaced)
 
 
-def fuse(model: onnx.ModelProto, linears: bool = True) -> dict[str, int]:
+def fuse(model: onnx.ModelProto, linears: bool = True, dynamic: bool = False) -> dict[str, int]:
     """All passes, in order (``linears=False``: the Linear layers keep their DequantizeLinear -> MatMul
-    form, which OpenVINO's int8 path needs); returns what each changed."""
+    form, which OpenVINO's int8 path needs; ``dynamic``: see :func:`fuse_linears`); returns what each changed."""
     return {"layernorm_scales": fold_layernorm_scales(model), "matmul_scales": fold_matmul_scales(model),
             "attention_output_scales": fold_attention_output_scales(model),
-            "linears": fuse_linears(model) if linears else 0}
+            "linears": fuse_linears(model, dynamic) if linears else 0}

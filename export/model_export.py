@@ -95,7 +95,7 @@ _STATE = _ExportState()
 WEIGHT_STORAGE = ("uint8", "int8")
 # Linear layers in the graph: "integer" (MatMulInteger, Cast, Mul, Add: onnxruntime fuses it bias included,
 # tract runs int8 kernels on it) or "qdq" (DequantizeLinear -> MatMul: OpenVINO's int8 path); export/fuse.py
-LINEAR_FORMS = ("integer", "qdq")
+LINEAR_FORMS = ("integer", "qdq", "dynamic")
 
 
 def _zp_tensor(zp: int, signed: bool) -> torch.Tensor:
@@ -901,7 +901,7 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
     onnx_model = _trace(wrapper, feeds, names, outputs)
     onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
     onnx_model, _ = onnx_utils.dedupe(prune(onnx_model))
-    fuse.fuse(onnx_model, linears=linears == "integer")  # fewer nodes around the integer linears (export/fuse.py)
+    fuse.fuse(onnx_model, linears=linears != "qdq", dynamic=linears == "dynamic")  # fewer nodes around the integer linears (export/fuse.py)
     onnx_model = prune(onnx_model)
     check_exportable_ops(onnx_model, softmax)
     onnx_model.producer_name = "softq"
@@ -971,6 +971,11 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     recognises (all-MiniLM-L6-v2 at batch 1, one thread, docs/results/export_speed.md:
     OpenVINO 0.50x FP32 with ``"qdq"``, 1.29x with ``"integer"``; onnxruntime 0.45x /
     0.43x; tract 1.38x / 0.97x).  Same codes and function either way (float rounding aside).
+    ``"dynamic"``: the integer form with each Linear input quantized per call on its own
+    range (``DynamicQuantizeLinear``, what ``quantize_dynamic`` does; onnxruntime fuses it
+    into ``DynamicQuantizeMatMul``) instead of the calibrated grid; Q, K, V and the
+    softmax keep theirs.  An onnxruntime-only speed option whose outputs are not the torch
+    model's: docs/results/export_speed.md measures its speed and accuracy.
     ``embeddings``: ``None`` (default) stores the tables as the model has them:
     int8 codes with one scale per row for ``QuantConfig.embedding_bits`` (the
     default), float otherwise; ``"int8"`` also makes int8 tables of float ones

@@ -245,3 +245,29 @@ def test_qdq_linears_keep_the_dequantize_matmul_form(smoothed, graphs, tmp_path)
         assert np.abs(out - ref).max() <= LOGIT_TOL * np.abs(ref).max(), rt
     with pytest.raises(ExportError, match="linears must be one of"):
         build_onnx(qmodel, example, "fast", linears="int4")
+
+
+@pytest.mark.parametrize("family", ("vit", "gpt2"))
+def test_dynamic_linears_fuse_into_dynamic_quantize_matmul(smoothed, graphs, tmp_path, family):
+    """linears="dynamic": one DynamicQuantizeLinear per distinct Linear input (Q, K and V share one), which
+    onnxruntime fuses as it fuses quantize_dynamic's graphs; Q, K, V and the softmax keep their static
+    grids; the outputs stay within the static file's tolerance of it (another grid per call, not the same
+    function)."""
+    qmodel = smoothed[family]
+    dynamic = build_onnx(qmodel, tiny_inputs(family), "fast", linears="dynamic")
+    layers = qmodel.config.num_hidden_layers
+    dql = [n for n in dynamic.graph.node if n.op_type == "DynamicQuantizeLinear"]
+    static = graphs[family][0]
+    made = {o: n for n in static.graph.node for o in n.output}
+    inputs = {made[n.input[0]].input[0] for n in static.graph.node if n.op_type == "MatMulInteger" and "/core/" not in n.name}
+    assert len(dql) == len(inputs) and {d.input[0] for d in dql} == inputs  # (Q, K and V share one)
+    cores = [n for n in dynamic.graph.node if n.op_type == "MatMulInteger" and "/core/" in n.name]
+    assert len(cores) == layers and not any(c.input[0] in {o for d in dql for o in d.output} for c in cores)
+    U.session(dynamic, "all", optimized_path=str(tmp_path / "opt.onnx"))
+    opt = [n.op_type for n in onnx.load(str(tmp_path / "opt.onnx")).graph.node]
+    assert opt.count("DynamicQuantizeMatMul") >= 3 * layers and "MatMulInteger" in opt  # the cores stay
+    _, feeds = _feeds(family, seed=11)
+    ref = U.run(graphs[family][0], feeds, "all")[0]
+    out = U.run(dynamic, feeds, "all")[0]
+    assert np.abs(out - ref).max() <= LOGIT_TOL * np.abs(ref).max()
+    assert not np.array_equal(out, ref)  # the grids really are the per-call ones
