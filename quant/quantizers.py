@@ -526,7 +526,9 @@ class QEmbedding(_CopiedWeights, QuantEmbedding):
         self._cache: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def dequantized(self) -> torch.Tensor:
-        if self.training or torch.is_grad_enabled() and self.weight.requires_grad or self.weight_quant.disable_quant:
+        if self.weight_quant.disable_quant:  # the float table (softq.calib.diagnostics.sensitivity)
+            return self.weight
+        if self.training or torch.is_grad_enabled() and self.weight.requires_grad:
             return self.quant_weight().value
         key = (self.weight._version, self.weight.data_ptr())
         if self._cache is None or self._cache[0] != key:
