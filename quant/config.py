@@ -122,8 +122,8 @@ class QuantConfig:
             not position 0.  The special tokens must be the first rows: right padding,
             as BERT/RoBERTa tokenizers pad (left-padded batches would give a pad
             token [CLS]'s scales).  Exported as slices with Q/DQ pairs of their own.
-            Measured: DeiT / ViT from a config, relative logit error 0.35 -> 0.041
-            and 0.12 -> 0.038 (docs/results/deit_residual.md); all-MiniLM-L6-v2,
+            Measured: DeiT / ViT from a config, relative logit error 0.35 -> 0.039
+            and 0.12 -> 0.040 (docs/results/deit_residual.md); all-MiniLM-L6-v2,
             cosine 0.9964 -> 0.9973 (minilm.md).
         embedding_bits: bits of the embedding tables (``nn.Embedding``: token,
             position and token-type tables, and a ViT's / DeiT's learned position
