@@ -433,7 +433,8 @@ class WeightOnly(nn.Module):
             return w
         codes, scale = self.codes_and_scale(w)
         q = codes * scale
-        return w + (q - w).detach() if w.requires_grad else q
+        # straight-through only when training: w + (q - w) can differ from q by a rounding step
+        return w + (q - w).detach() if w.requires_grad and torch.is_grad_enabled() else q
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, axis={self.axis}"

@@ -397,6 +397,9 @@ def test_vit_patch_conv_and_position_table_are_int8(quantized, tmp_path):
     shapes = {a.shape: a.dtype for a in consts.values()}
     assert shapes[tuple(table.shape)] == np.int8 and shapes[tuple(conv.weight.shape)] == np.int8
     assert not [a for a in consts.values() if a.dtype == np.float32 and a.shape in (tuple(table.shape), tuple(conv.weight.shape))]
+    codes = next(a for a in consts.values() if a.shape == tuple(table.shape))
+    scales = next(a for a in consts.values() if a.shape == (1, table.shape[1], 1) and a.dtype == np.float32)
+    np.testing.assert_array_equal(codes.astype(np.float32) * scales, table.numpy())  # torch uses exactly these
     U.session(model, "all", optimized_path=str(tmp_path / "opt.onnx"))
     opt = onnx.load(str(tmp_path / "opt.onnx")).graph
     constants = {i.name for i in opt.initializer}
