@@ -171,6 +171,10 @@ def main() -> int:
     parser.add_argument("--alpha", type=float, default=OutlierFinetuneConfig.clip_alpha)
     parser.add_argument("--eval-limit", type=int, default=128, help="eval paragraphs (default 128)")
     parser.add_argument("--calib-size", type=int, default=64, help="W8A8 calibration paragraphs")
+    parser.add_argument("--text", choices=("calib", "recombined"), default="calib",
+                        help="training text: the calib paragraphs (default) or 20000 windows of 48 words of their "
+                             "sentences recombined at random (softq.hf.recombined_windows; no sentence of an eval "
+                             "paragraph), which helped the MPC distillation generalise (docs/results/mpc.md)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--checkpoint-dir", type=Path, default=Path(os.environ.get("SOFTQ_CACHE", Path.home() / ".cache" / "softq")) / "outlier_finetune")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "results" / "outlier_finetune.md")
@@ -183,6 +187,8 @@ def main() -> int:
     loaded = hf.load_minilm(128)
     original = loaded.model
     train_texts = hf.text_split("calib")
+    if args.text == "recombined":
+        train_texts = hf.recombined_windows(train_texts, 48, 20000, exclude=hf.text_split("eval"))
     texts = hf.text_split("eval", args.eval_limit)
     first, second = hf.halves(texts)
     data = {"ev": loaded.batches(texts, 32), "qb": loaded.batches(first, 32), "cb": loaded.batches(second, 32),
@@ -207,7 +213,7 @@ def main() -> int:
     train_seconds = []
     for method, seed, penalty in runs:
         cfg = config(method, seed, penalty)
-        ckpt = args.checkpoint_dir / f"{run_name(cfg)}.pt"
+        ckpt = args.checkpoint_dir / f"{run_name(cfg)}{'' if args.text == 'calib' else '-' + args.text}.pt"
         t = time.time()
         res = finetune_outliers(original, loaded.tokenizer, train_texts, cfg, checkpoint=ckpt, resume=ckpt.exists(),
                                 checkpoint_every=50)
@@ -232,7 +238,9 @@ def main() -> int:
              f"{cfg0.embed_weight:g} x (1 - cos of mean-pooled embeddings) + {cfg0.hidden_weight:g} x relative squared "
              f"error of the 6 block outputs + penalty weight x mean over the 12 LayerNorm inputs and 6 FFN outputs of "
              f"sum relu(|x| - {cfg0.penalty_threshold:g})^2 / {cfg0.penalty_threshold:g}^2 per token. Teacher: the "
-             f"original model. Training text: random word windows of the {len(train_texts)} calib paragraphs. "
+             f"original model. Training text: " + (f"random word windows of the {len(train_texts)} calib paragraphs. "
+             if args.text == "calib" else f"{len(train_texts)} windows of 48 words of the calib paragraphs' sentences "
+             "recombined at random (no sentence of an eval paragraph). ") +
              f"Evaluation: {len(texts)} held-out eval paragraphs (disjoint); W8A8 calibrated on {args.calib_size} calib "
              f"paragraphs. Gated: pi_init {args.pi}, gate lr {args.gate_lr:g}; clipped: alpha {args.alpha} (gamma = -alpha/T per row). "
              f"Seeds: {', '.join(map(str, seeds))}.", "",
