@@ -16,7 +16,8 @@ outputs above a threshold.  Runs, same steps, data and loss for all:
 Measured on held-out *eval* paragraphs against the ORIGINAL FP32 model: per layer max |x| and
 kurtosis of LayerNorm inputs and FFN outputs (``softq.calib.diagnostics``), attention-sink
 rate (mass on the first key, [CLS]), FP32 embedding cosine, W8A8 with a per-tensor 8-bit
-residual stream (``QuantConfig(quantize_residual=True, residual_groups=1, input_smoothing=None, embedding_bits=None)``; clipped models with
+residual stream, [CLS] included (``QuantConfig(quantize_residual=True, residual_groups=1, residual_prefix=0,
+input_smoothing=None, embedding_bits=None)``; also with ``residual_prefix="auto"``; clipped models with
 ``softmax_output="row_exact"``, since the default ``row`` codes renormalise rows to sum 1,
 which clipped rows need not) and half-paragraph recall@1; for gated models, what the gates learned.
 Writes docs/results/outlier_finetune.md and .png (atomically) with the command.
@@ -28,6 +29,7 @@ Finished fine-tunes are checkpointed under --checkpoint-dir and reused on a re-r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -65,9 +67,12 @@ def evaluate(loaded: hf.HFModel, model: torch.nn.Module, data: dict, method: str
     r["sink"] = diag.mean_sink_rate
     r["sink_heads"] = [h.sink_rate for h in diag.heads]
     # the quantization these results were measured with: per-tensor residual stream (quantized: the issue's
-    # measure; the default keeps it float since), no input smoothing and float embedding tables
-    cfg = softq.QuantConfig(quantize_residual=True, residual_groups=1, input_smoothing=None, embedding_bits=None,
-                            softmax_output="row_exact" if method.startswith("clipped") else "row")
+    # measure; the default keeps it float since), [CLS] sharing it (residual_prefix=0; "auto" gives [CLS] its own
+    # scales since, reported apart), no input smoothing and float embedding tables
+    cfg = softq.QuantConfig(quantize_residual=True, residual_groups=1, residual_prefix=0, input_smoothing=None,
+                            embedding_bits=None, softmax_output="row_exact" if method.startswith("clipped") else "row")
+    prefixed = softq.quantize(model, data["calib"], dataclasses.replace(cfg, residual_prefix="auto"))
+    r["q_cos_prefix"] = cos(loaded.encode(data["ev"], prefixed), data["ref"]).mean().item()
     qmodel = softq.quantize(model, data["calib"], cfg)
     qemb = loaded.encode(data["ev"], qmodel)
     r["q_cos"] = cos(qemb, data["ref"]).mean().item()
@@ -245,16 +250,19 @@ def main() -> int:
              f"paragraphs. Gated: pi_init {args.pi}, gate lr {args.gate_lr:g}; clipped: alpha {args.alpha} (gamma = -alpha/T per row). "
              f"Seeds: {', '.join(map(str, seeds))}.", "",
              "Cosines are to the ORIGINAL FP32 model's sentence embeddings. W8A8 = `softq.quantize` with "
-             "`QuantConfig(quantize_residual=True, residual_groups=1, input_smoothing=None, embedding_bits=None)` (per-tensor 8-bit "
-             "residual stream, no input smoothing, float embedding tables; clipped models with "
-             "`softmax_output=\"row_exact\"`).", "",
+             "`QuantConfig(quantize_residual=True, residual_groups=1, residual_prefix=0, input_smoothing=None, "
+             "embedding_bits=None)` (per-tensor 8-bit residual stream, [CLS] included, no input smoothing, float "
+             "embedding tables; clipped models with `softmax_output=\"row_exact\"`). Last column: the same with "
+             "`residual_prefix=\"auto\"` ([CLS] gets residual scales of its own, softq's default for a quantized "
+             "residual stream).", "",
              "## Summary (mean ± std over seeds)", "",
              "| model | seeds | max LN-input inf-norm | max FFN-out inf-norm | mean LN-input kurtosis | sink rate | "
-             "FP32 cos | FP32 recall@1 | W8A8 cos (mean) | W8A8 cos (min) | W8A8 recall@1 | W8A8 cos to own FP32 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|",
+             "FP32 cos | FP32 recall@1 | W8A8 cos (mean) | W8A8 cos (min) | W8A8 recall@1 | W8A8 cos to own FP32 | "
+             "W8A8 cos, [CLS] own scales |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
              f"| original | - | {orig['ln_inf']:.1f} | {orig['ffn_inf']:.1f} | {orig['ln_kurt']:.1f} | {orig['sink']:.3f} | "
              f"1.0000 | {orig['fp_recall']:.4f} | {orig['q_cos']:.4f} | {orig['q_cos_min']:.4f} | {orig['q_recall']:.4f} | "
-             f"{orig['q_cos_self']:.4f} |"]
+             f"{orig['q_cos_self']:.4f} | {orig['q_cos_prefix']:.4f} |"]
     labels = list(dict.fromkeys(label for label, *_ in per_run))
     grouped = {label: [r for l, _, r, _ in per_run if l == label] for label in labels}
     for label, rs in grouped.items():
@@ -262,7 +270,7 @@ def main() -> int:
         lines.append(f"| {label} | {len(rs)} | {pm(col('ln_inf'), '.1f')} | {pm(col('ffn_inf'), '.1f')} | "
                      f"{pm(col('ln_kurt'), '.1f')} | {pm(col('sink'), '.3f')} | {pm(col('fp_cos'), '.4f')} | "
                      f"{pm(col('fp_recall'), '.4f')} | {pm(col('q_cos'), '.4f')} | {pm(col('q_cos_min'), '.4f')} | "
-                     f"{pm(col('q_recall'), '.4f')} | {pm(col('q_cos_self'), '.4f')} |")
+                     f"{pm(col('q_recall'), '.4f')} | {pm(col('q_cos_self'), '.4f')} | {pm(col('q_cos_prefix'), '.4f')} |")
     lines += ["", "## Every run", "",
               "| model | seed | LN-input inf-norm | FFN-out inf-norm | LN kurtosis | sink | FP32 cos | W8A8 cos | "
               "W8A8 recall@1 | final loss (embed / hidden / penalty) |", "|---|---|---|---|---|---|---|---|---|---|"]
