@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "dynamic: integer with inputs quantized per call on their own range, onnxruntime only)")
     p.add_argument("--keep-names", action="store_true",
                    help="keep the exporter's tensor and node names (default: short tensor names, no node "
-                        "names; 6-9%% smaller files)")
+                        "names: a smaller file)")
     p.add_argument("--weight-storage", choices=["int8", "uint8"], default="int8",
                    help="storage of the symmetric 8-bit weight codes (default int8: onnxruntime's fast u8s8 "
                         "kernels; on AVX2-only x86 CPUs run it with the session option "

@@ -94,7 +94,8 @@ class _ExportState:
 _STATE = _ExportState()
 WEIGHT_STORAGE = ("uint8", "int8")
 # Linear layers in the graph: "integer" (MatMulInteger, Cast, Mul, Add: onnxruntime fuses it bias included,
-# tract runs int8 kernels on it) or "qdq" (DequantizeLinear -> MatMul: OpenVINO's int8 path); export/fuse.py
+# tract runs int8 kernels on it), "qdq" (DequantizeLinear -> MatMul: OpenVINO's int8 path) or "dynamic" (the
+# integer form on DynamicQuantizeLinear codes: inputs quantized per call); export/fuse.py
 LINEAR_FORMS = ("integer", "qdq", "dynamic")
 
 
@@ -989,8 +990,8 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
 
     ``names``: ``"short"`` (default) gives every internal tensor a short name and
     drops node names (:func:`softq.export.onnx_utils.compact_names`; inputs and
-    outputs keep theirs): the exporter's long names are 6-9% of an INT8 file
-    (docs/results/export_speed.md).  ``"full"`` keeps them (for reading the graph
+    outputs keep theirs): the exporter's long names take several percent of an
+    INT8 file (one copy per producer and per reader).  ``"full"`` keeps them (for reading the graph
     or a profile).
     """
     if names not in ("short", "full"):
