@@ -263,7 +263,9 @@ def save_figure(fig, path: str | os.PathLike) -> Path:
 
 # --- sensitivity ---------------------------------------------------------------
 
-def _enable_only(qmodel: nn.Module, chosen: set[int]) -> None:
+def enable_only(qmodel: nn.Module, chosen: set[int]) -> None:
+    """Quantization on at the points whose ``id`` is in ``chosen`` (activation and softmax quantizers,
+    quantized Linears' and embedding tables' weights, weight-only parametrizations), float elsewhere."""
     from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, SoftmaxOutputQuantizer, WeightOnly
 
     for m in qmodel.modules():
@@ -321,15 +323,15 @@ def sensitivity(qmodel: nn.Module, metric: Callable[[nn.Module], float]) -> list
     everything = set().union(*parts.values())
     results = []
     try:
-        _enable_only(qmodel, set())
+        enable_only(qmodel, set())
         results.append(("none (float)", metric(qmodel)))
         for name, ids in parts.items():
-            _enable_only(qmodel, ids)
+            enable_only(qmodel, ids)
             results.append((name, metric(qmodel)))
-        _enable_only(qmodel, everything)
+        enable_only(qmodel, everything)
         results.append(("all (W8A8)", metric(qmodel)))
     finally:
-        _enable_only(qmodel, everything)
+        enable_only(qmodel, everything)
     return results
 
 

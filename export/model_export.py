@@ -497,14 +497,12 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
     counter = iter(range(10**9))
     _replace_children(model, lambda m: isinstance(m, QLinear), lambda m: _ExportLinear(m, next(counter), weight_storage))
     _replace_children(model, _is_act_quantizer, lambda m: _ExportAct(m, next(counter)))
-    from softq.quant.quantizers import QEmbedding
+    from softq.quant.quantizers import QEmbedding, WeightOnly
 
     if embeddings == "float":
         _replace_children(model, lambda m: isinstance(m, QEmbedding), _FloatEmbedding)
     else:
         _replace_children(model, lambda m: isinstance(m, QEmbedding), lambda m: _ExportEmbedding(m, next(counter)))
-    from softq.quant.quantizers import WeightOnly
-
     for module in list(model.modules()):  # Conv2d weights, a vision encoder's position table
         for plist in getattr(module, "parametrizations", {}).values():
             if len(plist) == 1 and isinstance(plist[0], WeightOnly):

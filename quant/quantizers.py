@@ -390,16 +390,26 @@ class _CopiedWeights:
 WEIGHT_SCALE_MIN = 1e-10  # Brevitas' scaling_min_val of Int8WeightPer{Channel,Tensor}Float (on max |w|)
 
 
+def weight_codes(weight: torch.Tensor, bits: int, axis: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric narrow-range codes (as float) and scale of ``weight``: one scale per slice along ``axis``
+    (``None``: one for the tensor), ``max(max|w|, 1e-10) / (2^(b-1) - 1)``, codes ``round(w / scale)``
+    clamped to +-(2^(b-1) - 1); the scale keeps dimensions so that ``codes * scale`` broadcasts."""
+    w = weight.detach()
+    if axis is None:
+        absmax = w.abs().max()
+    else:
+        absmax = w.abs().amax(dim=tuple(d for d in range(w.dim()) if d != axis % w.dim()), keepdim=True)
+    qmax = 2 ** (bits - 1) - 1
+    scale = absmax.clamp_min(WEIGHT_SCALE_MIN) / qmax
+    return torch.clamp(torch.round(w / scale), -qmax, qmax), scale
+
+
 def dequantized_weight(weight: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
     """What Brevitas' ``Int8WeightPerChannelFloat`` / ``Int8WeightPerTensorFloat`` (any bit width) returns
     as ``quant_weight().value``, computed in plain torch at about 4x its speed (timed ad hoc), for inference caches
-    (tests check equality with Brevitas bit for bit): scale ``max(max|w|, 1e-10) / (2^(b-1) - 1)`` per
-    row or tensor, codes ``round(w / scale)`` clamped to the narrow signed range."""
-    w = weight.detach()
-    absmax = w.abs().amax(dim=tuple(range(1, w.dim())), keepdim=True) if per_channel else w.abs().max()
-    qmax = 2 ** (bits - 1) - 1
-    scale = absmax.clamp_min(WEIGHT_SCALE_MIN) / qmax
-    return torch.clamp(torch.round(w / scale), -qmax, qmax) * scale
+    (tests check equality with Brevitas bit for bit): :func:`weight_codes` per row (output channel) or tensor."""
+    codes, scale = weight_codes(weight, bits, 0 if per_channel else None)
+    return codes * scale
 
 
 class WeightOnly(nn.Module):
@@ -407,7 +417,7 @@ class WeightOnly(nn.Module):
 
     For weights that are not a Linear's or an embedding table's: a ViT's patch projection
     (``Conv2d``, one scale per output channel) and its learned position table (one per
-    position).  The same formula as :func:`dequantized_weight` (Brevitas' per-channel
+    position).  The same formula as :func:`weight_codes` (Brevitas' per-channel
     weight quantizer): scale ``max(max|w|, 1e-10) / (2^(b-1) - 1)``, codes
     ``round(w / scale)`` clamped to the narrow range.  Weight-only: the module computes
     in float on the dequantized values, which is what the ONNX export stores as int8
@@ -422,11 +432,7 @@ class WeightOnly(nn.Module):
 
     def codes_and_scale(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Integer codes (as float) and the scale, shaped to broadcast against ``w``."""
-        w = w.detach()
-        dims = tuple(d for d in range(w.dim()) if d != self.axis % w.dim())
-        qmax = 2 ** (self.bits - 1) - 1
-        scale = w.abs().amax(dim=dims, keepdim=True).clamp_min(WEIGHT_SCALE_MIN) / qmax
-        return torch.clamp(torch.round(w / scale), -qmax, qmax), scale
+        return weight_codes(w, self.bits, self.axis)
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
