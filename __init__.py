@@ -5,6 +5,9 @@ The one-verb API::
     import softq
     qmodel = softq.quantize(model, calib_data, config=softq.QuantConfig())
 
+Its parts are attributes too, imported on first use: ``softq.calib``, ``softq.quant``,
+``softq.export`` (``softq.export.to_onnx``), ``softq.mpc`` (``softq.mpc.run``), and the shared
+modules ``softq.softmax``, ``softq.attention``, ``softq.hf``, ``softq.models``, ``softq.workloads``.
 Heavy dependencies (torch, transformers, Brevitas) load on first use, so
 ``softq --help`` stays instant.
 """
@@ -14,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["QuantConfig", "quantize", "configure_attention", "__version__"]
+PARTS = ("calib", "quant", "export", "mpc", "softmax", "attention", "hf", "models", "workloads")
+__all__ = ["QuantConfig", "quantize", "configure_attention", "__version__", *PARTS]
 
 _LAZY = {
     "QuantConfig": "softq.quant.config",
@@ -24,8 +28,10 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
+    if name in _LAZY or name in PARTS:
         import importlib
 
+        if name in PARTS:
+            return importlib.import_module(f"softq.{name}")
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'softq' has no attribute {name!r}")

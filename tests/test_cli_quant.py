@@ -45,3 +45,20 @@ def test_quantize_cli_steps_selects_another_cached_model(tmp_path_factory, capsy
     assert main(["quantize", "lm", "--size", "tiny", "--steps", "7", "--eval-limit", "1"]) == 0
     assert "quantized perplexity" in capsys.readouterr().out
     assert [p.name for p in cache.glob("lm-*-steps7-*")] == ["lm-gpt2-tiny-vanilla-seed0-steps7-v1"]
+
+
+def test_import_softq_exposes_its_parts_lazily() -> None:
+    """`import softq` loads no torch; its parts (softq.export, softq.mpc, ...) are attributes on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, softq; assert 'torch' not in sys.modules; "
+            "assert callable(softq.export.to_onnx) and callable(softq.mpc.run) and callable(softq.quant.load); "
+            "assert softq.calib.__name__ == 'softq.calib' and set(softq.PARTS) <= set(softq.__all__); "
+            "print(all(hasattr(softq, p) for p in softq.PARTS))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+    import softq
+
+    with pytest.raises(AttributeError, match="module 'softq' has no attribute 'nope'"):
+        softq.nope  # noqa: B018
