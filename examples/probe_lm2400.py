@@ -33,7 +33,7 @@ import torch
 import softq
 from softq.attention import attention_points
 from softq.quant import quantizers as QZ
-from softq.calib.diagnostics import enable_only
+from softq.quant.sensitivity import enable_only
 from softq.quant.quantizers import QLinear, SoftmaxOutputQuantizer
 from softq.quant.tasks import reference_task
 
@@ -49,7 +49,7 @@ PARTS = [("attention input (c_attn: Q, K, V projections)", ".attn.c_attn.input_a
 
 def only(qmodel: torch.nn.Module, keep) -> None:  # noqa: ANN001
     """Quantization on at the points whose name ``keep`` accepts (a Linear's weights as ``<name>.weight``),
-    off elsewhere (embedding tables included), by softq.calib.diagnostics.enable_only."""
+    off elsewhere (embedding tables included), by softq.quant.sensitivity.enable_only."""
     enable_only(qmodel, {id(m) for name, m in qmodel.named_modules()
                          if keep(f"{name}.weight" if isinstance(m, QLinear) else name)})
 

@@ -8,7 +8,7 @@ row max: ``QuantConfig.softmax_input="auto"``) is compared with:
   min-max over the scores a row can see);
 * W8A8 with a float softmax (`softmax_bits=None`: neither scores nor probabilities quantized).
 
-Also the one-part-at-a-time sensitivity of the default W8A8 model (``softq.calib.diagnostics.
+Also the one-part-at-a-time sensitivity of the default W8A8 model (``softq.quant.
 sensitivity``, grouped by tensor kind, held-out loss) and, per layer, the per-tensor grid's calibrated
 step next to the row-relative one, and the range of the valid scores on the first held-out window.
 
@@ -30,7 +30,7 @@ from torch import nn
 
 import softq
 from softq.attention import attention_points
-from softq.calib.diagnostics import sensitivity
+from softq.quant.sensitivity import sensitivity
 from softq.quant.tasks import Task, reference_task
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -47,8 +47,9 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-bits", type=int, default=8)
     p.add_argument("--act-bits", type=int, default=8)
     p.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
-    p.add_argument("--softmax-output", choices=["row", "row_exact", "edge"], default="row",
-                   help="softmax output codes: relative to the row max (row, row_exact) or uniform 2^-bits (edge)")
+    p.add_argument("--softmax-output", choices=["row", "row_exact", "row_log", "edge"], default="row",
+                   help="softmax output codes: relative to the row max (row, row_exact; row_log: 4-bit log codes, with "
+                        "--softmax-bits 4) or uniform 2^-bits (edge)")
     p.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA", help="SmoothQuant migration strength")
     p.add_argument("--observer", choices=["minmax", "percentile", "mse"], default="minmax")
     p.add_argument("--residual-groups", type=_groups, default=None, metavar="K",
@@ -165,6 +166,7 @@ def _quantize(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     import softq
     from softq.calib import diagnostics
+    from softq.quant import sensitivity
 
     config = _config(args)
     task = _task(args)
@@ -174,10 +176,10 @@ def _report(args: argparse.Namespace) -> int:
         print(f"== {task.name}, {label}\n{diag.table()}\n")
     if not args.no_sensitivity:
         # Held-out loss, not the headline metric: it is continuous, so small effects still rank.
-        rows = diagnostics.sensitivity(qmodel, lambda m: task.measure(m)[1])
+        rows = sensitivity.sensitivity(qmodel, lambda m: task.measure(m)[1])
         print("== sensitivity: held-out loss (nats) with one part quantized at a time (worst first)")
-        print(diagnostics.format_sensitivity(rows, higher_is_better=False))
+        print(sensitivity.format_sensitivity(rows, higher_is_better=False))
         bars = args.plot.with_name(f"{args.plot.stem}-sensitivity{args.plot.suffix}")
-        print(f"sensitivity plot written to {diagnostics.plot_sensitivity(rows, 'held-out loss', bars)}")
+        print(f"sensitivity plot written to {sensitivity.plot_sensitivity(rows, 'held-out loss', bars)}")
     print(f"plot written to {diagnostics.plot(results, args.plot)}")
     return 0

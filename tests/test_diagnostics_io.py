@@ -8,7 +8,7 @@ from conftest import tiny_inputs, tiny_model
 
 import softq
 from softq.calib import diagnostics
-from softq.quant import io
+from softq.quant import io, sensitivity
 
 
 def test_diagnostics_measure_planted_outliers_and_sinks() -> None:
@@ -68,7 +68,7 @@ def test_sensitivity_ranks_the_part_that_breaks_quantization(tmp_path) -> None:
         with torch.no_grad():
             return (m(**x).logits - ref).norm().item()
 
-    rows = diagnostics.sensitivity(q, error)
+    rows = sensitivity.sensitivity(q, error)
     names = [r[0] for r in rows]
     assert names[0] == "none (float)" and names[-1] == "all (W8A8)"
     assert rows[0][1] < 1e-5  # all quantizers really off
@@ -77,7 +77,7 @@ def test_sensitivity_ranks_the_part_that_breaks_quantization(tmp_path) -> None:
     assert max(kinds, key=kinds.get) == "kind: linear weights"  # the 2-bit part dominates
     assert {"layer 0", "layer 1"} <= set(by_name)
     assert error(q) == pytest.approx(rows[-1][1])  # quantization restored afterwards
-    text = diagnostics.format_sensitivity(rows, higher_is_better=False)
+    text = sensitivity.format_sensitivity(rows, higher_is_better=False)
     assert text.splitlines()[2].split()[0] in ("kind:", "layer")
     png = diagnostics.plot({"float": diagnostics.collect(model, calib)}, tmp_path / "plots" / "d.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -129,3 +129,18 @@ def test_load_and_save_refuse_bad_input(tmp_path) -> None:
     with pytest.raises(ValueError, match="expects a model returned by softq.quantize"):
         io.save(tiny_model("gpt2"), tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_calib_imports_nothing_from_quant() -> None:
+    """quant builds on calib (observers, SmoothQuant, data checks); calib never imports quant, so there is no cycle."""
+    import ast
+    from pathlib import Path
+
+    calib = Path(softq.calib.__file__).parent
+    offenders = []
+    for path in sorted(calib.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n == "softq.quant" or n.startswith("softq.quant.")]
+    assert offenders == []
