@@ -116,10 +116,10 @@ def _model(nodes, inits, name, opsets=None):  # noqa: ANN001, ANN202
 
 
 def grids(s: np.ndarray) -> dict[str, SoftmaxQuant]:
-    """The score grids: row-relative (the default; span of 8-bit row codes / of row_exact) and per tensor
+    """The score grids: row-relative (the default; span of 8-bit row codes / of row_exact; row_log's log step) and per tensor
     (min-max over these scores, as softq's default observer would calibrate it)."""
-    relative = {rep: SoftmaxQuant(scale=softmax_input_span(rep, 8) / 255, zero_point=255, relative=True)
-                for rep in ("row", "row_exact")}
+    relative = {rep: SoftmaxQuant(scale=softmax_input_span(rep, 4 if rep == "row_log" else 8) / 255, zero_point=255,
+                                  relative=True) for rep in ("row", "row_exact", "row_log")}
     scale = float(s.max() - s.min()) / 255
     return {**relative, "tensor": SoftmaxQuant(scale=scale, zero_point=int(np.clip(round(-s.min() / scale), 0, 255)))}
 
@@ -134,6 +134,9 @@ def forms(s: np.ndarray) -> list[tuple[str, object]]:
             default = " (default)" if (rep, grid.relative) == ("row", True) else ""
             out += [(f"{rep}, fast, {label}{default}", row_core("fast", rq)),
                     (f"{rep}, int, {label}", row_core("int", rq))]
+    log = RowQuant(g["row_log"], V_SCALE, V_ZP, 4, "row_log")  # 4-bit log codes on their row-relative grid
+    out += [("row_log (4-bit), fast, row-relative input", row_core("fast", log)),
+            ("row_log (4-bit), int, row-relative input", row_core("int", log))]
     for form in ("qdq", "ort", "int"):
         out.append((f"edge, {form}, per-tensor input", edge_core(form, g["tensor"])))
     return out
@@ -201,6 +204,8 @@ def markdown(rows: list[dict[str, object]], args: argparse.Namespace, seconds: f
         "- Row forms: `E = round(255 exp(s - rowmax))` (uint8), `MatMulInteger(E, [V | zp+1])` into int32 gives "
         "P.V's numerator and the row sum from one GEMM (`row`); `row_exact` divides by 255 times the exact sum of "
         "exp instead (float ReduceSum in `fast`, a second 2^16 table in `int`). One division per output element.",
+        "- `row_log` (4 bits): the same core as `row` with the gain 86.875 for 255 and score codes on steps of "
+        "ln(2)/2 (`E = round(86.875 * 2^(-k/2))`, 0 from k = 15); its error is that of a 4-bit softmax.",
         "- `int` forms are integer from the score codes to the int32 accumulators (exp table by Gather); their "
         "cost is onnxruntime's Gather, a scalar kernel.",
         "- Row-relative codes are `qmax - d` already, so the core takes no row max: `fast` dequantizes them into "

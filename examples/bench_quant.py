@@ -33,7 +33,7 @@ class Row:
 
 
 def rows(bits_list: tuple[int, ...] = (8, 6, 4), correction: bool = True) -> list[Row]:
-    """FP32, float softmax, then each softmax-output representation at 8/6/4 bits (row = the default).
+    """FP32, float softmax, then each softmax-output representation at 8/6/4 bits (row = the default; row_log at 4).
 
     Bias correction is measured on top of ``edge`` and of ``row_exact`` (on ``row`` it is zero by
     construction: rows of E/sum(E) sum to 1); its 'gap closed' is relative to the same
@@ -58,6 +58,9 @@ def rows(bits_list: tuple[int, ...] = (8, 6, 4), correction: bool = True) -> lis
                 Row("  softmax input on one calibrated grid per tensor (softmax_input='tensor')",
                     Q(softmax_bits=bits, softmax_input="tensor")),
                 Row(exact, Q(softmax_bits=bits, softmax_output="row_exact")), *([exact_bc] if correction else [])]
+        if bits == 4:  # log codes are defined at 4 bits
+            out.append(Row("W8A8, 4-bit softmax, row_log (log codes: powers of sqrt(2))",
+                           Q(softmax_bits=4, softmax_output="row_log")))
         if bits == 8:  # what the default's passes contribute on these models, and what a quantized residual costs
             R = dict(quantize_residual=True)
             out += [Row("  default without input smoothing (input_smoothing=None)", Q(input_smoothing=None)),
@@ -113,7 +116,9 @@ def markdown(sections: list[tuple[Task, list[tuple[str, float, float, str]]]], c
         "`row_exact`, one calibrated asymmetric grid per tensor for `edge` (the 'softmax_input=tensor' rows: per tensor);",
         "softmax output unsigned: `edge` = uniform codes at scale 2^-bits; `row` (the default) = codes",
         "E = round((2^b-1) exp(s - rowmax)), P.V = (E.V)/sum(E); `row_exact` = the same codes divided by (2^b-1) times the",
-        "exact sum of exp.  'gap closed' = share of the held-out loss increase (cross-entropy in nats, FP -> uncorrected",
+        "exact sum of exp; `row_log` (4 bits) = the scores' distance to the row max on steps of ln(2)/2 (k steps),",
+        "E = round(86.875 * 2^(-k/2)) (87, 61, 43, ... 1, then 0 from k = 15), P.V = (E.V)/sum(E).",
+        "'gap closed' = share of the held-out loss increase (cross-entropy in nats, FP -> uncorrected",
         "row of the same representation) that the correction wins back; 100% = as good as float, negative = worse;",
         "'no gap' = the uncorrected row is within 1e-4 nats of FP (nothing to win back).",
         "",

@@ -53,9 +53,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     h.add_argument("--max-length", type=int, default=128, help="tokens per calibration text (default 128)")
     g = p.add_argument_group("when MODEL is a reference workload")
     g.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
-    p.add_argument("--softmax-output", choices=["row", "row_exact", "edge"], default="row",
+    p.add_argument("--softmax-output", choices=["row", "row_exact", "row_log", "edge"], default="row",
                    help="softmax output codes when MODEL is quantized here (default %(default)s; bias correction "
                         "is exported for edge only)")
+    p.add_argument("--softmax-bits", type=int, default=8,
+                   help="softmax output bits when MODEL is quantized here (default %(default)s; row_log takes 4)")
     p.add_argument("--calib-size", type=int, default=16, help="calibration windows/images/texts (default 16)")
     g.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
     p.set_defaults(handler=_export)
@@ -70,15 +72,23 @@ def _example_inputs(model):  # noqa: ANN001, ANN202
     return {"input_ids": torch.arange(16).remainder(cfg.vocab_size).unsqueeze(0)}
 
 
+def _config(args: argparse.Namespace):  # noqa: ANN202
+    import softq
+
+    return softq.QuantConfig(bias_correction=args.bias_correction, softmax_output=args.softmax_output,
+                             softmax_bits=args.softmax_bits)
+
+
 def load_quantized(args: argparse.Namespace):  # noqa: ANN201
     """The quantized model named on the command line (loaded, or quantized from a reference workload)."""
+    import softq
+
+    config = _config(args)  # a bad combination fails before any slow work
     if args.model in REFERENCE_NAMES:
-        import softq
         from softq.quant.tasks import reference_task
 
         task = reference_task(args.model, calib_size=args.calib_size, seed=args.seed)
-        return softq.quantize(task.model, task.calib, softq.QuantConfig(bias_correction=args.bias_correction,
-                                                                        softmax_output=args.softmax_output))
+        return softq.quantize(task.model, task.calib, config)
     path = Path(args.model)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is neither a model directory nor one of {', '.join(REFERENCE_NAMES)}")
@@ -86,14 +96,12 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
         from softq.quant.io import load
 
         return load(path)
-    import softq
     from softq import hf
     from softq.quant.tasks import model_dir_task
 
     calib = hf.read_text_file(args.calib) if args.calib is not None else None
     task = model_dir_task(hf.load_model_dir(path, max_length=args.max_length), calib, [], calib_size=args.calib_size)
-    return softq.quantize(task.model, task.calib, softq.QuantConfig(bias_correction=args.bias_correction,
-                                                                    softmax_output=args.softmax_output))
+    return softq.quantize(task.model, task.calib, config)
 
 
 def _pooling(args: argparse.Namespace) -> tuple[str | None, bool]:

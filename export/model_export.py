@@ -71,7 +71,7 @@ MARKER_OP = "QAttention"
 WEIGHT_MARKER_OP = "WeightOnly"
 EXPORTABLE_SOFTMAX = ("softmax",)
 # Softmax forms by softmax-output representation; the first is the default.
-FORMS_FOR = {"row": ROW_FORMS, "row_exact": ROW_FORMS, "edge": EDGE_FORMS}
+FORMS_FOR = {"row": ROW_FORMS, "row_exact": ROW_FORMS, "row_log": ROW_FORMS, "edge": EDGE_FORMS}
 ALL_FORMS = tuple(dict.fromkeys(f for forms in FORMS_FOR.values() for f in forms))
 
 
@@ -804,7 +804,7 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
                                       name=f"{p}QuantizeV")]
             inits = [_init(f"{p}v_scale", np.float32(rq.v_scale)), _init(f"{p}v_zp", np.array(rq.v_zero_point, np.uint8))]
             # relative codes need no mask in the core, except row_exact's float sum of exp (fast form)
-            core_valid = None if q.relative and (rq.representation == "row" or form == "int") else valid_b
+            core_valid = None if q.relative and (rq.sums_codes or form == "int") else valid_b
             core, core_inits = build_row_attention(form, f"{p}codes", f"{p}vcodes", out, rq, core_valid,
                                                    probs if probs_outputs else None, prefix=f"{p}core/", opset=opset,
                                                    empty_rows=valid_b is not None)

@@ -5,7 +5,11 @@ Representation (``QuantConfig.softmax_output``, ``b`` = softmax output bits, ``L
 * codes ``E = round(L exp(s - rowmax))`` over valid keys (masked keys: 0), so
   the row max is always the top code and a diffuse row keeps its resolution;
 * ``"row"``: ``P.V = (E.V) / sum(E)``;
-* ``"row_exact"``: ``P.V = (E.V) / (L sum exp(s - rowmax))``.
+* ``"row_exact"``: ``P.V = (E.V) / (L sum exp(s - rowmax))``;
+* ``"row_log"`` (4 bits): the scores on the row-relative grid of step ln(2)/2 and
+  ``E = round(G exp(s - rowmax))`` with ``G = LOG_GAIN`` (86.875): a key k steps below
+  the max gets ``round(G 2**(-k/2))``, 0 from k = 15; ``P.V = (E.V) / sum(E)`` as ``row``.
+  (``row`` and ``row_exact`` are the same formula with ``G = L``.)
 
 The core maps integer score codes ``x`` (grid of :class:`SoftmaxQuant`) and
 uint8 V codes ``v`` (scale ``S_v``, zero point ``z``) to the float output
@@ -60,8 +64,9 @@ import onnx
 from onnx import TensorProto, helper
 
 from softq.export.int_softmax import SoftmaxQuant, _Builder, _check_input, _check_valid
+from softq.quant.config import LOG_BITS, LOG_STEP, row_code_gain
 
-REPRESENTATIONS = ("row", "row_exact")
+REPRESENTATIONS = ("row", "row_exact", "row_log")
 ROW_FORMS = ("fast", "int")
 INT32_MAX = 2**31 - 1
 SUM_TABLE_BITS = 16  # row_exact, int form: the exact sum of exp on a 2**-16 grid (int32 up to 32767 keys)
@@ -92,8 +97,12 @@ class RowQuant:
         if not 0 <= self.v_qmin <= int(self.v_zero_point) <= self.v_qmax <= 255:
             raise ValueError(f"V zero point {self.v_zero_point} and code range [{self.v_qmin}, {self.v_qmax}] "
                              "must lie in the uint8 range with qmin <= zero point <= qmax")
+        if self.representation == "row_log" and (int(self.bits) != LOG_BITS
+                                                 or self.scores.scale32 != np.float32(LOG_STEP)):
+            raise ValueError(f"row_log codes are {LOG_BITS}-bit with score codes on steps of ln(2)/2 = {LOG_STEP!r}, "
+                             f"got {self.bits} bits and step {float(self.scores.scale32)!r}")
         if self.scores.relative:  # code 0 (masked keys, scores T or more below the max) must give E = 0
-            tables = [code_table(self.scores.scale, self.levels, self.scores.bits)]
+            tables = [code_table(self.scores.scale, self.gain, self.scores.bits)]
             if self.representation == "row_exact":
                 tables.append(sum_table(self.scores.scale, self.scores.bits))
             if any(t[self.scores.qmax] != 0 for t in tables):
@@ -106,13 +115,28 @@ class RowQuant:
         return 2**self.bits - 1
 
     @property
+    def gain(self) -> float:
+        """G in ``E = round(G exp(s - rowmax))`` (``softq.quant.config.row_code_gain``: L, or LOG_GAIN)."""
+        return row_code_gain(self.representation, int(self.bits))
+
+    @property
+    def top(self) -> int:
+        """The largest code, the row max's: ``round(G)``."""
+        return int(round(self.gain))
+
+    @property
+    def sums_codes(self) -> bool:
+        """Whether P.V is divided by the sum of the codes (``row``, ``row_log``; else the exact sum of exp)."""
+        return self.representation != "row_exact"
+
+    @property
     def v_span(self) -> int:
         """The largest ``|v - z|`` a V code can have."""
         return max(int(self.v_zero_point) - self.v_qmin, self.v_qmax - int(self.v_zero_point), 1)
 
     def max_keys(self, form: str = "int") -> int:
-        """Longest row whose int32 accumulators cannot overflow: ``L * max|v - z| * keys <= 2**31 - 1``."""
-        keys = INT32_MAX // (self.levels * self.v_span)
+        """Longest row whose int32 accumulators cannot overflow: ``round(G) * max|v - z| * keys <= 2**31 - 1``."""
+        keys = INT32_MAX // (self.top * self.v_span)
         if self.representation == "row_exact" and form == "int":
             keys = min(keys, MAX_KEYS_SUM_TABLE)
         return keys
@@ -122,7 +146,7 @@ class RowQuant:
         if keys > limit:
             raise ValueError(
                 f"rows of {keys} keys can overflow the int32 accumulators of the {self.bits}-bit row-code "
-                f"attention (|E.(V - zp)| <= {self.levels} * {self.v_span} * keys); the longest safe row "
+                f"attention (|E.(V - zp)| <= {self.top} * {self.v_span} * keys); the longest safe row "
                 f"here is {limit} keys")
 
     @property
@@ -134,7 +158,7 @@ class RowQuant:
     def den_factor(self, form: str) -> np.float32:
         """``c`` in ``y = num / (max(den, 1) * c)``."""
         s = float(np.float32(self.v_scale))
-        if self.representation == "row":
+        if self.sums_codes:
             return np.float32(1.0 / s)
         if form == "int":
             return np.float32(self.levels / (2.0**SUM_TABLE_BITS * s))
@@ -146,11 +170,11 @@ def check_row_form(form: str) -> None:
         raise ValueError(f"unknown row-code attention form {form!r}; choose one of {', '.join(ROW_FORMS)}")
 
 
-def code_table(scale: float, levels: int, in_bits: int = 8) -> np.ndarray:
-    """``round(levels exp(-d S))`` for ``d = 0 .. 2**in_bits - 1``, plus a final 0 entry for masked keys."""
+def code_table(scale: float, gain: float, in_bits: int = 8) -> np.ndarray:
+    """``round(G exp(-d S))`` for ``d = 0 .. 2**in_bits - 1``, plus a final 0 entry for masked keys."""
     d = np.arange(2**in_bits, dtype=np.float64)
-    e = np.round(levels * np.exp(-d * float(np.float32(scale))))
-    return np.append(e, 0).astype(np.uint8 if levels <= 255 else np.int64)
+    e = np.round(gain * np.exp(-d * float(np.float32(scale))))
+    return np.append(e, 0).astype(np.uint8 if gain < 255.5 else np.int64)
 
 
 def sum_table(scale: float, in_bits: int = 8) -> np.ndarray:
@@ -170,16 +194,16 @@ def _row_distance(x: np.ndarray, q: SoftmaxQuant, valid: np.ndarray | None) -> t
 
 
 def row_codes(x: np.ndarray, rq: RowQuant, valid: np.ndarray | None = None) -> np.ndarray:
-    """The codes ``E = round(L exp(s - rowmax))`` (uint8), 0 at masked keys."""
+    """The codes ``E = round(G exp(s - rowmax))`` (uint8), 0 at masked keys."""
     d, v = _row_distance(x, rq.scores, valid)
-    e = code_table(rq.scores.scale, rq.levels, rq.scores.bits)[d]
+    e = code_table(rq.scores.scale, rq.gain, rq.scores.bits)[d]
     return e if v is None else np.where(v, e, 0).astype(e.dtype)
 
 
 def tie_distance(x: np.ndarray, rq: RowQuant, valid: np.ndarray | None = None) -> np.ndarray:
-    """``|L exp(-d S) - (k + 1/2)|``: how close each code is to a rounding tie (float Exp may flip it)."""
+    """``|G exp(-d S) - (k + 1/2)|``: how close each code is to a rounding tie (float Exp may flip it)."""
     d, _ = _row_distance(x, rq.scores, valid)
-    y = rq.levels * np.exp(-d * float(rq.scores.scale32))
+    y = rq.gain * np.exp(-d * float(rq.scores.scale32))
     return np.abs(y - np.floor(y) - 0.5)
 
 
@@ -212,7 +236,7 @@ def accumulators(
     vz = _check_v(v, rq, keys)
     e = row_codes(x, rq, valid) if codes is None else np.asarray(codes)
     num = np.matmul(e.astype(np.int64), vz)
-    if rq.representation == "row":
+    if rq.sums_codes:
         den = e.astype(np.int64).sum(axis=-1, keepdims=True)
     else:
         d, m = _row_distance(x, rq.scores, valid)
@@ -241,7 +265,7 @@ def reference(form: str, x: np.ndarray, v: np.ndarray, rq: RowQuant, valid: np.n
 def probabilities(x: np.ndarray, rq: RowQuant, valid: np.ndarray | None = None) -> np.ndarray:
     """The effective probabilities ``E / sum(E)`` or ``E / (L sum exp)`` (float64), for comparisons."""
     e = row_codes(x, rq, valid).astype(np.float64)
-    if rq.representation == "row":
+    if rq.sums_codes:
         return e / np.maximum(e.sum(axis=-1, keepdims=True), 1.0)
     d, m = _row_distance(x, rq.scores, valid)
     ex = np.exp(-d * float(rq.scores.scale32))
@@ -294,7 +318,7 @@ def build_row_attention(
             f = b.op("Sub", [b.op("DequantizeLinear", [xm, s_scale, s_zp]),
                              b.op("DequantizeLinear", [mx, s_scale, s_zp])])
         ex = b.op("Exp", [f])
-        e = b.op("QuantizeLinear", [ex, b.const("e_scale", np.float32(1.0 / rq.levels), np.float32),
+        e = b.op("QuantizeLinear", [ex, b.const("e_scale", np.float32(1.0 / rq.gain), np.float32),
                                     b.const("e_zp", 0, np.uint8)])
         if valid is not None and not q.relative:
             e = b.op("Min", [e, _cap(b, valid, np.uint8, 0, "e")])
@@ -305,7 +329,7 @@ def build_row_attention(
         xi = b.op("Cast", [x], to=TensorProto.INT32)
         if valid is not None:
             xi = b.op("Min", [xi, _cap(b, valid, np.int32, q.qmin, "x")])
-        codes, sums = code_table(q.scale, rq.levels, q.bits), sum_table(q.scale, q.bits)
+        codes, sums = code_table(q.scale, rq.gain, q.bits), sum_table(q.scale, q.bits)
         if q.relative:  # tables indexed by the code itself (d = qmax - x); code 0 gives 0 in both
             d = xi
             codes, sums = codes[q.qmax::-1], sums[q.qmax::-1]
@@ -319,7 +343,7 @@ def build_row_attention(
             den_i = b.op("Max", [b.reduce("ReduceSum", e16, -1), b.const("one", 1, np.int32)])
             den_f = b.op("Cast", [den_i], to=TensorProto.FLOAT)
     v_zp = b.const("v_zp", rq.v_zero_point, np.uint8)
-    if rq.representation == "row":
+    if rq.sums_codes:
         code, sign = rq.sum_column
         # V [b, h, k, d] padded with one column of ``code`` at the end of d: one Pad instead of
         # Shape/Slice/Concat/Expand/Concat

@@ -7,24 +7,45 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 BIAS_CORRECTION_GRANULARITIES = ("tensor", "head", "head_row")
-SOFTMAX_OUTPUTS = ("row", "row_exact", "edge")
+SOFTMAX_OUTPUTS = ("row", "row_exact", "row_log", "edge")
 SOFTMAX_INPUTS = ("auto", "row", "tensor")
 # Grid of the exact sums of exp that integer softmax forms accumulate (row_exact's sum table, the edge int form)
 SUM_GRID = 2**16
 # A row-relative softmax input stops at the distance T below the row max where the output code is
 # round(K exp(-T)) = round(ROW_INPUT_TAIL) = 0, with K the output grid: its last code means "exp is 0"
 ROW_INPUT_TAIL = 0.45
+# softmax_output="row_log": the score distance to the row max on steps of ln(2)/2 (float32), so the code
+# of a key k steps below the max is round(LOG_GAIN 2**(-k/2)): 15 powers of sqrt(2) and 0 (k >= 15)
+LOG_BITS = 4
+LOG_STEP = 0.3465735912322998  # float32(ln(2) / 2), exactly representable: every form uses this value
+# The largest multiple of 1/16 below 2**7.5 / 2 (so that k = 15 rounds to 0) whose 16 products keep at
+# least 0.02 from a rounding tie (float32 exp in torch and onnxruntime rounds them as the exact value)
+LOG_GAIN = 86.875
 
 
-def softmax_input_span(softmax_output: str, softmax_bits: int) -> float:
+def row_code_gain(softmax_output: str, softmax_bits: int) -> float:
+    """G in the row codes ``E = round(G exp(s - rowmax))``: ``2**b - 1`` (``row``, ``row_exact``), ``LOG_GAIN``
+    (``row_log``, whose scores sit on the ``LOG_STEP`` grid); the row max always gets the top code ``round(G)``."""
+    if softmax_output == "row_log":
+        return LOG_GAIN
+    if softmax_output not in ("row", "row_exact"):
+        raise ValueError(f"row codes are 'row', 'row_exact' or 'row_log', got {softmax_output!r}")
+    return float(2**softmax_bits - 1)
+
+
+def softmax_input_span(softmax_output: str, softmax_bits: int, act_bits: int = 8) -> float:
     """T of ``softmax_input="row"``: scores further than T below their row max get output code 0.
 
     ``"row"`` outputs ``round((2**b - 1) exp(-d))``, so ``T = ln((2**b - 1) / 0.45)`` (6.34 at 8 bits,
     3.51 at 4); ``"row_exact"`` and ``"edge"`` also sum exp on the integer forms' 2**-16 grid, so
-    ``T = ln(2**16 / 0.45)`` (11.89), where that sum's entry is 0 too.
+    ``T = ln(2**16 / 0.45)`` (11.89), where that sum's entry is 0 too.  ``"row_log"`` fixes the step
+    instead, ``LOG_STEP``: ``T = (2**act_bits - 1) LOG_STEP`` (88.4 at 8 bits; every code from 15 steps
+    down gives 0).
     """
     if softmax_output not in SOFTMAX_OUTPUTS:
         raise ValueError(f"softmax output representation must be one of {SOFTMAX_OUTPUTS}, got {softmax_output!r}")
+    if softmax_output == "row_log":
+        return (2**act_bits - 1) * LOG_STEP
     grid = 2**softmax_bits - 1 if softmax_output == "row" else SUM_GRID
     return math.log(grid / ROW_INPUT_TAIL)
 MIN_BITS, MAX_BITS = 2, 16
@@ -57,15 +78,21 @@ class QuantConfig:
             ``"row"`` (default): codes relative to the row max,
             ``E = round((2**b - 1) exp(s - rowmax))``, and P.V = (E.V) / sum(E);
             ``"row_exact"``: the same codes divided by ``(2**b - 1)`` times the
-            exact sum of exp (best at 4-6 bits); ``"edge"``: uniform codes at
+            exact sum of exp; ``"row_log"`` (4-bit softmax only): log codes, the
+            scores' distance to the row max on steps of ln(2)/2 (k steps:
+            ``E = round(86.875 * 2**(-k/2))``, 0 from k = 15: 16 levels that reach
+            ``2**-7`` of the max where ``row``'s 4-bit codes stop at 1/30), normalised
+            like ``row``: measured (docs/results/quant_lm_steps2400.md) the 2400-step
+            LM +2.08% -> +1.16% perplexity at 4 bits; ``"edge"``: uniform codes at
             scale ``softmax_scale`` (the TFLite/QNN convention).
         softmax_input: grid of the softmax input (the attention scores), used when
-            ``softmax_bits`` is set.  ``"auto"`` (default): ``"row"`` for ``row`` and
-            ``row_exact`` outputs, ``"tensor"`` for ``edge`` (the TFLite/QNN convention
+            ``softmax_bits`` is set.  ``"auto"`` (default): ``"row"`` for ``row``,
+            ``row_exact`` and ``row_log`` outputs, ``"tensor"`` for ``edge`` (the TFLite/QNN convention
             its runtimes' softmax kernels take).  ``"row"``: codes of ``s - rowmax``
             (over the keys the row may attend) on ``[-T, 0]`` with the fixed step
             ``T / (2**act_bits - 1)``, no calibration; ``T`` is where the output code
-            becomes 0 (:func:`softmax_input_span`: 6.34 for 8-bit ``row`` outputs), so
+            becomes 0 (:func:`softmax_input_span`: 6.34 for 8-bit ``row`` outputs;
+            ``row_log`` fixes the step at ln(2)/2 instead), so
             the clamp loses nothing the output keeps and the step does not grow with
             the score range.  ``"tensor"``: one calibrated grid per tensor (the
             observer's), the common PTQ convention; the 2400-step reference LM's
@@ -140,7 +167,7 @@ class QuantConfig:
     act_bits: int = 8
     act_symmetric: bool = False
     softmax_bits: int | None = 8
-    softmax_output: Literal["row", "row_exact", "edge"] = "row"
+    softmax_output: Literal["row", "row_exact", "row_log", "edge"] = "row"
     softmax_input: Literal["auto", "row", "tensor"] = "auto"
     softmax_scale: Literal["fixed", "calibrated"] = "fixed"
     observer: Literal["minmax", "percentile", "mse"] = "minmax"
@@ -167,6 +194,15 @@ class QuantConfig:
             raise ValueError(f"softmax_output must be one of {SOFTMAX_OUTPUTS}, got {self.softmax_output!r}")
         if self.softmax_input not in SOFTMAX_INPUTS:
             raise ValueError(f"softmax_input must be one of {SOFTMAX_INPUTS}, got {self.softmax_input!r}")
+        if self.softmax_output == "row_log" and self.softmax_bits != LOG_BITS:
+            raise ValueError(f"softmax_output='row_log' is defined for {LOG_BITS}-bit softmax outputs (15 powers of "
+                             f"sqrt(2) and 0), got softmax_bits={self.softmax_bits!r}; use 'row' at other widths")
+        if self.softmax_output == "row_log" and self.softmax_input == "tensor":
+            raise ValueError("softmax_output='row_log' needs the row-relative softmax input (its step is the log "
+                             "grid); use softmax_input='auto' or 'row'")
+        if self.softmax_output == "row_log" and self.act_bits < LOG_BITS:
+            raise ValueError(f"softmax_output='row_log' needs act_bits >= {LOG_BITS} (the score codes must reach "
+                             f"{2**LOG_BITS - 1} steps below the row max), got {self.act_bits}")
         if self.softmax_scale != "fixed" and self.softmax_output != "edge":
             raise ValueError(f"softmax_scale={self.softmax_scale!r} applies to softmax_output='edge' only; "
                              f"'{self.softmax_output}' codes are scaled by each row's max")
@@ -196,8 +232,8 @@ class QuantConfig:
             raise ValueError("residual_groups and residual_prefix lay out a quantized residual stream, which this "
                              f"config leaves float (quantize_residual={self.quantize_residual!r} with softmax_output="
                              f"{self.softmax_output!r}); set quantize_residual=True (CLI: --residual) to quantize it")
-        if self.bias_correction is not None and self.softmax_output == "row":
-            raise ValueError("bias_correction is zero by construction for softmax_output='row' (its rows sum to "
+        if self.bias_correction is not None and self.softmax_output in ("row", "row_log"):
+            raise ValueError(f"bias_correction is zero by construction for softmax_output='{self.softmax_output}' (its rows sum to "
                              "exactly 1, so the mean rounding error over a row is 0); use it with 'edge' or 'row_exact'")
         if self.input_smoothing not in (None, "auto") and (
                 isinstance(self.input_smoothing, bool) or not isinstance(self.input_smoothing, (int, float))

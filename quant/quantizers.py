@@ -28,7 +28,7 @@ from torch import nn
 
 from softq.attention import ProbsQuantizer
 from softq.calib.observers import ChannelRange, Observer, make_observer, scale_and_zero_point
-from softq.quant.config import SOFTMAX_OUTPUTS
+from softq.quant.config import SOFTMAX_OUTPUTS, row_code_gain
 from softq.softmax import TINY
 
 Mode = Literal["float", "observe", "quant"]
@@ -231,6 +231,11 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
       scale ``max_row(p) / (2**b - 1)``.
     * ``"row_exact"``: the same codes, output ``E max_row(p) / (2**b - 1)``, i.e.
       ``E / ((2**b - 1) sum exp(s - rowmax))``: the exact-sum denominator.
+    * ``"row_log"`` (4 bits): ``E = round(G p / max_row(p))`` with the gain
+      ``G = softq.quant.config.LOG_GAIN``; the scores reach it on the row-relative grid of
+      step ln(2)/2, so ``p / max_row(p) = 2**(-k/2)`` and ``E`` takes 16 values (``G``
+      rounded down the powers of sqrt(2), 0 from k = 15); output ``E / sum(E)`` as ``row``.
+      Brevitas' quantizer then runs at 8 bits (it must hold ``round(G) = 87``).
     * ``"edge"``: uniform codes at scale ``2**-bits`` (the edge convention: uint8
       (1/256, 0)), or calibrated from the largest probability.
 
@@ -254,11 +259,14 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         self.num_heads = num_heads
         self.scale_policy = scale_policy
         self.representation = representation
+        # row codes: E = round(gain p / max_row(p)), held in a Brevitas quantizer of code_bits
+        self.gain = None if representation == "edge" else row_code_gain(representation, bits)
+        code_bits = 8 if representation == "row_log" else bits
         self.mode: Mode = "float"
         self.quant = _brevitas_int_quant(signed=False)
         self.register_buffer("scale", torch.tensor(2.0**-bits))
         self.register_buffer("zero_point", torch.tensor(0.0))
-        self.register_buffer("bit_width", torch.tensor(float(bits)))
+        self.register_buffer("bit_width", torch.tensor(float(code_bits)))
         self.register_buffer("beta", torch.zeros(0))  # empty: no correction
         self.register_buffer("beta_head", torch.zeros(0))  # per-head fallback for other row counts
         self.max_seen = 0.0
@@ -271,17 +279,17 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
     def _scale_for(self, probs: torch.Tensor) -> torch.Tensor:
         if self.representation == "edge":
             return self.scale
-        # per-row scale max_row(p) / (2**b - 1): codes round((2**b - 1) p / max_row(p)); empty rows stay 0
-        return probs.amax(dim=-1, keepdim=True).clamp_min(TINY) / (2**self.bits - 1)
+        # per-row scale max_row(p) / G: codes round(G p / max_row(p)); empty rows stay 0
+        return probs.amax(dim=-1, keepdim=True).clamp_min(TINY) / self.gain
 
     def quantize(self, probs: torch.Tensor) -> torch.Tensor:
         q = self.quant(self._scale_for(probs), self.zero_point, self.bit_width, probs)
-        if self.representation == "row":  # normalise by the sum of the codes (the scale cancels)
+        if self.representation in ("row", "row_log"):  # normalise by the sum of the codes (the scale cancels)
             q = q / q.sum(dim=-1, keepdim=True).clamp_min(TINY)
         return q
 
     def int_repr(self, probs: torch.Tensor) -> torch.Tensor:
-        """Integer codes of ``probs``: uniform codes (``edge``) or the row codes ``E`` (``row``, ``row_exact``)."""
+        """Integer codes of ``probs``: uniform codes (``edge``) or the row codes ``E`` (``row``, ``row_exact``, ``row_log``)."""
         return self.quant.to_int(self._scale_for(probs), self.zero_point, self.bit_width, probs)
 
     def needs_probs(self) -> bool:
@@ -363,7 +371,7 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
 
     def extra_repr(self) -> str:
         corr = "none" if self.beta.numel() == 0 else f"{self.granularity} {tuple(self.beta.shape)}"
-        scale = f"scale={self.scale.item():.4g}" if self.representation == "edge" else "scale=rowmax/(2^b-1)"
+        scale = f"scale={self.scale.item():.4g}" if self.representation == "edge" else f"scale=rowmax/{self.gain:g}"
         return f"bits={self.bits}, {self.representation}, {scale}, mode={self.mode}, bias_correction={corr}"
 
 
@@ -428,7 +436,7 @@ class WeightOnly(nn.Module):
     def __init__(self, bits: int, axis: int) -> None:
         super().__init__()
         self.bits, self.axis = bits, axis
-        self.enabled = True  # False: the float parameter itself (softq.calib.diagnostics.sensitivity)
+        self.enabled = True  # False: the float parameter itself (softq.quant.sensitivity)
 
     def codes_and_scale(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Integer codes (as float) and the scale, shaped to broadcast against ``w``."""
@@ -533,7 +541,7 @@ class QEmbedding(_CopiedWeights, QuantEmbedding):
         self._cache: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def dequantized(self) -> torch.Tensor:
-        if self.weight_quant.disable_quant:  # the float table (softq.calib.diagnostics.sensitivity)
+        if self.weight_quant.disable_quant:  # the float table (softq.quant.sensitivity)
             return self.weight
         if self.training or torch.is_grad_enabled() and self.weight.requires_grad:
             return self.quant_weight().value

@@ -27,14 +27,29 @@ def _calib(family: str) -> list[dict[str, torch.Tensor]]:
     return [tiny_inputs(family, seed=10 + i) for i in range(3)]
 
 
+def _sharpened(model: torch.nn.Module, gain: float = 32.0) -> torch.nn.Module:
+    """The query projections times ``gain``: a random tiny model's scores span a few hundredths, too
+    flat for every key to get anything but the top log code; x32 they reach 10+ of the 16 codes."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("q_proj"):
+                module.weight *= gain
+            elif name.endswith("c_attn"):  # GPT-2's fused Conv1D: the first third of its outputs is Q
+                module.weight[:, : module.weight.shape[1] // 3] *= gain
+    return model
+
+
 class _Quantized(dict):
     """(family, bias_correction) -> quantized tiny model with uniform edge softmax codes, built on first use;
-    (family, "row" | "row_exact") -> the same with softmax codes relative to the row max."""
+    (family, "row" | "row_exact" | "row_log") -> the same with softmax codes relative to the row max (row_log: 4-bit)."""
 
     def __missing__(self, key: tuple[str, str | None]) -> torch.nn.Module:
         family, corr = key
-        if corr in ("row", "row_exact"):
-            self[key] = softq.quantize(tiny_model(family), _calib(family), softq.QuantConfig(softmax_output=corr))
+        if corr in ("row", "row_exact", "row_log"):
+            model, bits = tiny_model(family), 8
+            if corr == "row_log":  # 4 bits; queries x32 so that the flat tiny attention spans the log codes
+                model, bits = _sharpened(model), 4
+            self[key] = softq.quantize(model, _calib(family), softq.QuantConfig(softmax_output=corr, softmax_bits=bits))
         elif corr is None:  # same calibration without the correction: drop the measured betas (quantize is slow)
             model = copy.deepcopy(self[(family, "head")])
             for _, points in attention_points(model):
@@ -462,7 +477,7 @@ def test_opt_padded_batch(quantized):
 
 # --- softmax codes relative to the row max (the default) ----------------------------------
 
-ROW_CASES = [(f, r, form) for f in ("gpt2", "vit") for r in ("row", "row_exact") for form in ("fast", "int")]
+ROW_CASES = [(f, r, form) for f in ("gpt2", "vit") for r in ("row", "row_exact", "row_log") for form in ("fast", "int")]
 
 
 @pytest.mark.parametrize("family,representation,form", ROW_CASES)
@@ -477,6 +492,14 @@ def test_row_codes_parity_with_torch(quantized, family, representation, form):
         inside = [n for n in model.graph.node if "/core/" in n.name and n.op_type not in ("Cast", "Mul", "Div")]
         assert not {n.op_type for n in inside} & {"Exp", "Softmax", "DequantizeLinear", "QuantizeLinear"}
     shapes = [(1, 9), (3, 40)] if family == "gpt2" else [(1,), (5,)]
+    if representation == "row_log":  # the inputs reach many of the 16 log codes, not just the top one
+        codes: set[float] = set()
+        hooks = [p.probs.register_forward_hook(lambda m, i, _o: codes.update(m.int_repr(i[0]).unique().tolist()))
+                 for _, p in attention_points(qmodel)]
+        _torch_run(qmodel, tiny_inputs(family, batch=shapes[-1][0], seq=shapes[-1][-1], seed=101))
+        for h in hooks:
+            h.remove()
+        assert len(codes) >= 8, sorted(codes)
     for opt in ("disable", "all"):
         sess = U.session(model, opt)
         exact_rows, same_rows = [], []

@@ -53,8 +53,11 @@ def _rows_near_tie(x, rq, valid):
     return near.any(-1)
 
 
+LINEAR_REPRESENTATIONS = tuple(r for r in REPRESENTATIONS if r != "row_log")  # any score step and bits
+
+
 @pytest.mark.parametrize("opt", OPTS)
-@pytest.mark.parametrize("representation", REPRESENTATIONS)
+@pytest.mark.parametrize("representation", LINEAR_REPRESENTATIONS)
 @pytest.mark.parametrize("signed,bits,v_zp", [(False, 8, 7), (True, 8, 128), (False, 4, 255), (False, 6, 0)])
 def test_int_form_bit_exact(opt, representation, signed, bits, v_zp):
     q = SoftmaxQuant(scale=0.05, zero_point=-3 if signed else 9, signed=signed)
@@ -76,7 +79,7 @@ def test_int_form_bit_exact(opt, representation, signed, bits, v_zp):
 
 
 @pytest.mark.parametrize("opt", OPTS)
-@pytest.mark.parametrize("representation", REPRESENTATIONS)
+@pytest.mark.parametrize("representation", LINEAR_REPRESENTATIONS)
 def test_fast_form_matches_reference_off_ties(opt, representation):
     """The fast form's float Exp may flip a code exactly at a rounding tie; elsewhere its codes are the
     reference's. 'row' then divides integers like the reference (bit exact); 'row_exact' divides by a
@@ -96,6 +99,37 @@ def test_fast_form_matches_reference_off_ties(opt, representation):
         # near ties: within one code's worth, max|v - z| * S_v / sum(E) with sum(E) >= 2^b - 1
         np.testing.assert_allclose(y, ref, atol=135 * 0.03 / rq.levels)
         assert np.all(y[0, :, 2] == 0)
+
+
+@pytest.mark.parametrize("opt", OPTS)
+@pytest.mark.parametrize("relative", [True, False])
+def test_row_log_forms(opt, relative):
+    """row_log: score codes on steps of ln(2)/2, 4-bit log codes round(G 2^(-d/2)) (0 from d = 15). Both
+    forms equal the reference bit for bit (G keeps every code 0.02 from a tie, so the fast form's float Exp
+    cannot flip one), masked keys and a fully masked row included."""
+    from softq.quant.config import LOG_GAIN, LOG_STEP
+
+    q = SoftmaxQuant(scale=LOG_STEP, zero_point=255 if relative else 40, relative=relative)
+    rq = RowQuant(q, 0.02, 7, 4, "row_log")
+    assert rq.top == 87 and rq.sums_codes
+    assert tie_distance(np.arange(256, dtype=np.uint8)[None], rq).min() >= 0.02
+    x, v, valid = _inputs(f"log{relative}", q, shape=(2, 3, 7, 40))
+    if relative:  # codes near the top, where the log codes differ
+        x = (255 - np.random.default_rng(3).integers(0, 20, x.shape)).astype(np.uint8)
+    ref = reference("int", x, v, rq, valid)
+    for form in ROW_FORMS:
+        y, p = _run(form, rq, x, v, valid, opt, probs=True)
+        np.testing.assert_array_equal(y, ref)
+        np.testing.assert_array_equal(reference(form, x, v, rq, valid), ref)
+        assert np.all(y[0, :, 2] == 0) and not np.isnan(y).any()
+        np.testing.assert_allclose(p, probabilities(x, rq, valid), atol=1e-7)
+    e = row_codes(x, rq, valid)
+    table = [round(LOG_GAIN * 2 ** (-k / 2)) for k in range(15)]
+    assert set(np.unique(e)) <= {0, *table} and len(np.unique(e)) >= 12
+    d = 255 - x.astype(int) if relative else None
+    if relative:
+        vb = np.broadcast_to(valid, x.shape)
+        assert np.all(e[vb & (d >= 15)] == 0) and np.all(e[vb & (d < 15)] == np.take(table, d[vb & (d < 15)]))
 
 
 def test_fast_form_tie_flip_is_one_code():
@@ -173,6 +207,10 @@ def test_bad_parameters():
         RowQuant(q, 0.1, 0, 8, "log2")
     with pytest.raises(ValueError, match="2 to 8 bits"):
         RowQuant(q, 0.1, 0, 12)
+    with pytest.raises(ValueError, match=r"row_log codes are 4-bit with score codes on steps of ln\(2\)/2.*step 0.1"):
+        RowQuant(q, 0.1, 0, 4, "row_log")
+    with pytest.raises(ValueError, match="row_log codes are 4-bit.*got 8 bits"):
+        RowQuant(SoftmaxQuant(scale=0.3465735912322998), 0.1, 0, 8, "row_log")
     with pytest.raises(ValueError, match="8-bit score codes at most"):
         RowQuant(SoftmaxQuant(scale=0.1, bits=12, signed=True), 0.1, 0)
     with pytest.raises(ValueError, match="V scale"):

@@ -80,14 +80,18 @@ def test_every_attention_point_is_quantized_with_fixed_edge_softmax_scale() -> N
 @pytest.mark.parametrize("bits,softmax_input", [(8, "row"), (4, "row"), (8, "tensor")])
 def test_row_codes_are_relative_to_the_row_max(bits: int, softmax_input: str) -> None:
     """Default representation: E = round((2^b-1) exp(s - rowmax)), the torch codes equal the numpy
-    reference's from the score codes; 'row' divides by sum(E), 'row_exact' by (2^b-1) sum(exp)."""
+    reference's from the score codes; 'row' divides by sum(E), 'row_exact' by (2^b-1) sum(exp); 'row_log'
+    (4 bits, row-relative scores) takes round(G 2^(-k/2)) at k log steps below the max and divides by sum(E)."""
     import numpy as np
 
     from softq.export.int_softmax import SoftmaxQuant
     from softq.export.row_attention import RowQuant, row_codes
 
+    from softq.quant.config import LOG_GAIN
+
     levels = 2**bits - 1
-    for representation in ("row", "row_exact"):
+    log_codes = {0} | {round(LOG_GAIN * 2 ** (-k / 2)) for k in range(15)}
+    for representation in ("row", "row_exact") + (("row_log",) if (bits, softmax_input) == (4, "row") else ()):
         config = softq.QuantConfig(softmax_bits=bits, softmax_output=representation, softmax_input=softmax_input)
         qmodel = softq.quantize(tiny_model("gpt2"), calib_for("gpt2"), config)
         points = attention_points(qmodel)[0][1]
@@ -105,21 +109,46 @@ def test_row_codes_are_relative_to_the_row_max(bits: int, softmax_input: str) ->
             codes = torch.round(seen["scores"] / sq.scale + sq.zero_point).to(torch.uint8).numpy()
         q = SoftmaxQuant(scale=float(sq.scale), zero_point=int(sq.zero_point), relative=relative)
         valid = np.broadcast_to(seen["valid"].numpy().astype(bool), codes.shape)
-        expected = row_codes(codes, RowQuant(q, 0.1, 0, bits, representation), valid)
+        rq = RowQuant(q, 0.1, 0, bits, representation)
+        expected = row_codes(codes, rq, valid)
         e = points.probs.int_repr(seen["p"])
         np.testing.assert_array_equal(e.numpy(), expected)
-        assert torch.all(e.amax(-1) == levels)  # the row max is always the top code
+        assert torch.all(e.amax(-1) == rq.top)  # the row max is always the top code
+        if representation == "row_log":  # 16 levels, on the log grid's step
+            assert rq.top == 87 and float(sq.scale) == np.float32(np.log(2) / 2)
+            assert set(e.unique().tolist()) <= log_codes
         out = seen["out"]
-        if representation == "row":
+        if representation in ("row", "row_log"):
             torch.testing.assert_close(out, e / e.sum(-1, keepdim=True))
         else:
             torch.testing.assert_close(out, e * seen["p"].amax(-1, keepdim=True) / levels)
             assert torch.all(out[~torch.from_numpy(valid.copy())] == 0)
 
 
+def test_row_log_codes_are_powers_of_sqrt2() -> None:
+    """A key k log steps (ln(2)/2) below its row max, give or take 0.4 of a step, gets code round(G 2^(-k/2)):
+    15 powers of sqrt(2) from 87 down to 1, then 0; the output is E / sum(E)."""
+    from softq.quant.config import LOG_GAIN, LOG_STEP, softmax_input_span
+    from softq.quant.quantizers import RowScoresQuantizer
+
+    scores_q = RowScoresQuantizer(8, softmax_input_span("row_log", 4, 8))
+    probs_q = SoftmaxOutputQuantizer(bits=4, num_heads=1, representation="row_log")
+    scores_q.mode = probs_q.mode = "quant"
+    k = torch.arange(24.0)
+    jitter = torch.linspace(-0.4, 0.4, 24)
+    s = (3.0 - (k + jitter) * LOG_STEP).reshape(1, 1, 1, -1)
+    p = softq.softmax.softmax(scores_q(s), None)
+    e = probs_q.int_repr(p).flatten()
+    expected = torch.where(k < 15, torch.round(LOG_GAIN * 2 ** (-k / 2)), torch.zeros(24))
+    torch.testing.assert_close(e, expected, rtol=0, atol=0)
+    assert e[:15].tolist() == [87, 61, 43, 31, 22, 15, 11, 8, 5, 4, 3, 2, 1, 1, 1]
+    torch.testing.assert_close(probs_q(p, None).flatten(), expected / expected.sum())
+
+
 def test_row_codes_fully_masked_row_gives_zeros() -> None:
-    for representation in ("row", "row_exact"):
-        quantizer = SoftmaxOutputQuantizer(bits=8, num_heads=2, representation=representation)
+    for representation in ("row", "row_exact", "row_log"):
+        quantizer = SoftmaxOutputQuantizer(bits=4 if representation == "row_log" else 8, num_heads=2,
+                                           representation=representation)
         quantizer.mode = "quant"
         valid = torch.ones(1, 1, 3, 5)
         valid[..., 1, :] = 0
@@ -284,6 +313,16 @@ def test_softmax_output_is_validated() -> None:
     with pytest.raises(ValueError, match="zero by construction for softmax_output='row'"):
         softq.QuantConfig(bias_correction="head")
     assert softq.QuantConfig(bias_correction="head", softmax_output="row_exact").bias_correction == "head"
+    # row_log: 4-bit log codes on the row-relative score grid only
+    assert softq.QuantConfig(softmax_bits=4, softmax_output="row_log").row_relative_input
+    with pytest.raises(ValueError, match="'row_log' is defined for 4-bit softmax outputs.*got softmax_bits=8"):
+        softq.QuantConfig(softmax_output="row_log")
+    with pytest.raises(ValueError, match="'row_log' needs the row-relative softmax input"):
+        softq.QuantConfig(softmax_bits=4, softmax_output="row_log", softmax_input="tensor")
+    with pytest.raises(ValueError, match="'row_log' needs act_bits >= 4"):
+        softq.QuantConfig(softmax_bits=4, softmax_output="row_log", act_bits=3)
+    with pytest.raises(ValueError, match="zero by construction for softmax_output='row_log'"):
+        softq.QuantConfig(softmax_bits=4, softmax_output="row_log", bias_correction="head")
 
 
 def test_residual_stream_quantized_only_with_the_edge_softmax_by_default() -> None:
