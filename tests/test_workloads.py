@@ -152,7 +152,7 @@ def test_lm_cache_round_trip_gated_clipped(tok: W.CharTokenizer, tmp_cache: Path
     def no_training(*args: object, **kwargs: object) -> None:
         raise AssertionError("the cached model should have been loaded, not retrained")
 
-    monkeypatch.setattr(W, "train_lm", no_training)
+    monkeypatch.setattr(W.cache, "train_lm", no_training)  # what reference_lm calls
     loaded, loaded_tok = W.reference_lm(0, GATED_CLIPPED, size="tiny", steps=4, progress=False)
     assert loaded_tok.chars == tok.chars
     assert loaded.config.softq_softmax == "clipped" and loaded.config.softq_gated
