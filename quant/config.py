@@ -27,6 +27,8 @@ def row_code_gain(softmax_output: str, softmax_bits: int) -> float:
     """G in the row codes ``E = round(G exp(s - rowmax))``: ``2**b - 1`` (``row``, ``row_exact``), ``LOG_GAIN``
     (``row_log``, whose scores sit on the ``LOG_STEP`` grid); the row max always gets the top code ``round(G)``."""
     if softmax_output == "row_log":
+        if softmax_bits != LOG_BITS:
+            raise ValueError(f"row_log codes are {LOG_BITS}-bit, got {softmax_bits} bits")
         return LOG_GAIN
     if softmax_output not in ("row", "row_exact"):
         raise ValueError(f"row codes are 'row', 'row_exact' or 'row_log', got {softmax_output!r}")
