@@ -143,6 +143,8 @@ def test_row_log_codes_are_powers_of_sqrt2() -> None:
     torch.testing.assert_close(e, expected, rtol=0, atol=0)
     assert e[:15].tolist() == [87, 61, 43, 31, 22, 15, 11, 8, 5, 4, 3, 2, 1, 1, 1]
     torch.testing.assert_close(probs_q(p, None).flatten(), expected / expected.sum())
+    with pytest.raises(ValueError, match="row_log codes are 4-bit, got 8 bits"):
+        SoftmaxOutputQuantizer(bits=8, num_heads=1, representation="row_log")
 
 
 def test_row_codes_fully_masked_row_gives_zeros() -> None:
