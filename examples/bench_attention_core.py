@@ -116,8 +116,8 @@ def _model(nodes, inits, name, opsets=None):  # noqa: ANN001, ANN202
 
 
 def grids(s: np.ndarray) -> dict[str, SoftmaxQuant]:
-    """The score grids: row-relative (the default; span of 8-bit row codes / of row_exact; row_log's log step) and per tensor
-    (min-max over these scores, as softq's default observer would calibrate it)."""
+    """The score grids: row-relative (the default; span of 8-bit row codes / of row_exact; row_log's log
+    step) and per tensor (min-max over these scores, as softq's default observer would calibrate it)."""
     relative = {rep: SoftmaxQuant(scale=softmax_input_span(rep, 4 if rep == "row_log" else 8) / 255, zero_point=255,
                                   relative=True) for rep in ("row", "row_exact", "row_log")}
     scale = float(s.max() - s.min()) / 255

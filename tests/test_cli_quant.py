@@ -24,11 +24,17 @@ def test_quantize_cli_evaluates_and_saves(tmp_path, capsys) -> None:
     assert "already exists; pass --overwrite" in capsys.readouterr().err
 
 
-def test_quantize_cli_refuses_bad_bits(capsys) -> None:
+def test_quantize_cli_refuses_bad_bits(tmp_path, capsys) -> None:
     assert main(["quantize", "lm", "--size", "tiny", "--softmax-bits", "1"]) == 1
     assert "softmax_bits must be an integer from 2 to 16" in capsys.readouterr().err
     assert main(["quantize", "lm", "--size", "tiny", "--bias-correction", "head"]) == 1
     assert "zero by construction for softmax_output='row'" in capsys.readouterr().err
+    # row_log is 4-bit only; the export command checks its settings before it loads or trains anything
+    assert main(["quantize", "lm", "--size", "tiny", "--softmax-output", "row_log"]) == 1
+    assert "'row_log' is defined for 4-bit softmax outputs" in capsys.readouterr().err
+    assert main(["export", "lm", "--softmax-output", "row_log", "--softmax-bits", "8", "-o", str(tmp_path / "m.onnx")]) == 1
+    err = capsys.readouterr().err
+    assert "got softmax_bits=8" in err and len(err.strip().splitlines()) == 1
 
 
 def test_report_cli_prints_tables_and_writes_plot(tmp_path, capsys) -> None:
