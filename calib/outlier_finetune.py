@@ -353,7 +353,8 @@ def finetune_outliers(
     uses a GPU when one is present.
     """
     from softq.calib.train import load_checkpoint, save_checkpoint
-    from softq.workloads import _lr_at, _progress
+    from softq.workloads.data import _progress
+    from softq.workloads.training import _lr_at
 
     config = config or OutlierFinetuneConfig()
     if not isinstance(config, OutlierFinetuneConfig):

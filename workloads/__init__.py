@@ -26,19 +26,19 @@ Everything is importable from ``softq.workloads`` itself.
 
 from __future__ import annotations
 
-from softq.workloads.data import (  # noqa: F401
-    HELDOUT_FRACTION, DIGITS_SEED, _check_choice, char_corpus, CharTokenizer, lm_batches, lm_eval_inputs,
-    lm_calib_inputs, _progress, perplexity, digits_data, vit_eval_inputs, vit_calib_inputs, top1,
+from softq.workloads.data import (
+    HELDOUT_FRACTION, DIGITS_SEED, char_corpus, CharTokenizer, lm_batches, lm_eval_inputs,
+    lm_calib_inputs, perplexity, digits_data, vit_eval_inputs, vit_calib_inputs, top1,
     vit_batches,
 )
-from softq.workloads.models import (  # noqa: F401
+from softq.workloads.models import (
     LM_SIZES, VIT_SIZES, lm_config, vit_config, build_model, variant_name, attention_options,
 )
-from softq.workloads.training import (  # noqa: F401
-    LM_BUDGETS, VIT_BUDGETS, _lr_at, _optimizer, run_training, train_lm, train_vit, add_training_args,
+from softq.workloads.training import (
+    LM_BUDGETS, VIT_BUDGETS, run_training, train_lm, train_vit, add_training_args,
     attention_from_args,
 )
-from softq.workloads.cache import (  # noqa: F401
+from softq.workloads.cache import (
     VERSION, cache_dir, cache_key, save_model, load_model, reference_lm, reference_vit, cached_meta,
 )
 

@@ -18,8 +18,6 @@ from tqdm.auto import tqdm
 
 
 HELDOUT_FRACTION = 0.1
-
-
 DIGITS_SEED = 0
 
 

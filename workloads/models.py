@@ -14,8 +14,6 @@ LM_SIZES: dict[str, dict[str, int]] = {
     "reference": {"layers": 4, "d_model": 128, "heads": 4, "context": 1024},
     "tiny": {"layers": 2, "d_model": 32, "heads": 2, "context": 128},
 }
-
-
 VIT_SIZES: dict[str, dict[str, int]] = {
     "reference": {"layers": 4, "d_model": 128, "heads": 4, "image_size": 32, "patch_size": 4},
     "tiny": {"layers": 2, "d_model": 32, "heads": 2, "image_size": 16, "patch_size": 4},

@@ -24,8 +24,6 @@ LM_BUDGETS: dict[str, dict[str, float]] = {
     "reference": {"steps": 800, "batch_size": 4, "lr": 3e-3},
     "tiny": {"steps": 30, "batch_size": 8, "lr": 3e-3},
 }
-
-
 VIT_BUDGETS: dict[str, dict[str, float]] = {
     "reference": {"steps": 600, "batch_size": 64, "lr": 2e-3},
     "tiny": {"steps": 300, "batch_size": 32, "lr": 3e-3},
