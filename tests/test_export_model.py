@@ -29,7 +29,7 @@ def _calib(family: str) -> list[dict[str, torch.Tensor]]:
 
 def _sharpened(model: torch.nn.Module, gain: float = 32.0) -> torch.nn.Module:
     """The query projections times ``gain``: a random tiny model's scores span a few hundredths, too
-    flat for every key to get anything but the top log code; x32 they reach 10+ of the 16 codes."""
+    flat for every key to get anything but the top log code; x32 they reach 8 or more of the 16 codes."""
     with torch.no_grad():
         for name, module in model.named_modules():
             if name.endswith("q_proj"):
