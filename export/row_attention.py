@@ -64,7 +64,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from softq.export.int_softmax import SoftmaxQuant, _Builder, _check_input, _check_valid
-from softq.quant.config import LOG_BITS, LOG_STEP, row_code_gain
+from softq.quant.config import LOG_BITS, LOG_STEP, SUM_OF_CODES, row_code_gain
 
 REPRESENTATIONS = ("row", "row_exact", "row_log")
 ROW_FORMS = ("fast", "int")
@@ -127,7 +127,7 @@ class RowQuant:
     @property
     def sums_codes(self) -> bool:
         """Whether P.V is divided by the sum of the codes (``row``, ``row_log``; else the exact sum of exp)."""
-        return self.representation != "row_exact"
+        return self.representation in SUM_OF_CODES
 
     @property
     def v_span(self) -> int:

@@ -8,6 +8,8 @@ from typing import Literal
 
 BIAS_CORRECTION_GRANULARITIES = ("tensor", "head", "head_row")
 SOFTMAX_OUTPUTS = ("row", "row_exact", "row_log", "edge")
+# Representations whose P.V is divided by the sum of the codes (rows sum to exactly 1; the rest: the exact sum of exp)
+SUM_OF_CODES = ("row", "row_log")
 SOFTMAX_INPUTS = ("auto", "row", "tensor")
 # Grid of the exact sums of exp that integer softmax forms accumulate (row_exact's sum table, the edge int form)
 SUM_GRID = 2**16
@@ -234,7 +236,7 @@ class QuantConfig:
             raise ValueError("residual_groups and residual_prefix lay out a quantized residual stream, which this "
                              f"config leaves float (quantize_residual={self.quantize_residual!r} with softmax_output="
                              f"{self.softmax_output!r}); set quantize_residual=True (CLI: --residual) to quantize it")
-        if self.bias_correction is not None and self.softmax_output in ("row", "row_log"):
+        if self.bias_correction is not None and self.softmax_output in SUM_OF_CODES:
             raise ValueError(f"bias_correction is zero by construction for softmax_output='{self.softmax_output}' (its rows sum to "
                              "exactly 1, so the mean rounding error over a row is 0); use it with 'edge' or 'row_exact'")
         if self.input_smoothing not in (None, "auto") and (

@@ -28,7 +28,7 @@ from torch import nn
 
 from softq.attention import ProbsQuantizer
 from softq.calib.observers import ChannelRange, Observer, make_observer, scale_and_zero_point
-from softq.quant.config import SOFTMAX_OUTPUTS, row_code_gain
+from softq.quant.config import SOFTMAX_OUTPUTS, SUM_OF_CODES, row_code_gain
 from softq.softmax import TINY
 
 Mode = Literal["float", "observe", "quant"]
@@ -284,7 +284,7 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
 
     def quantize(self, probs: torch.Tensor) -> torch.Tensor:
         q = self.quant(self._scale_for(probs), self.zero_point, self.bit_width, probs)
-        if self.representation in ("row", "row_log"):  # normalise by the sum of the codes (the scale cancels)
+        if self.representation in SUM_OF_CODES:  # normalise by the sum of the codes (the scale cancels)
             q = q / q.sum(dim=-1, keepdim=True).clamp_min(TINY)
         return q
 
