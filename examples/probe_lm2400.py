@@ -92,11 +92,13 @@ class CodeVariant:
 
 
 def _act_fake_quant(x: torch.Tensor) -> torch.Tensor:
-    """8-bit asymmetric min-max fake quantization of a whole tensor (softq's default activation grid)."""
-    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
-    scale = (hi - lo) / 255
-    zp = round(-lo / scale)
-    return (torch.clamp(torch.round(x / scale) + zp, 0, 255) - zp) * scale
+    """``x`` through softq's default activation quantizer (8-bit asymmetric, min-max range of ``x`` itself)."""
+    q = QZ.ActQuantizer(8, signed=False)
+    q.mode = "observe"
+    q(x)
+    q.finish_calibration()
+    q.mode = "quant"
+    return q(x)
 
 
 @torch.no_grad()
