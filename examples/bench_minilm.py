@@ -83,6 +83,8 @@ def main() -> int:
                         help="input_smoothing alphas to compare with the default ('none': no smoothing)")
     parser.add_argument("--prefix", default="0",
                         help="residual_prefix values to compare with the default (default %(default)s: no [CLS] scales)")
+    parser.add_argument("--softmax-bits", default="4",
+                        help="comma list of low softmax widths measured with `row` and (at 4 bits) `row_log` codes")
     parser.add_argument("--output", type=Path, default=Path("docs/results/minilm.md"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -111,6 +113,11 @@ def main() -> int:
     for k in [int(p) for p in args.prefix.split(",") if p]:
         configs.append((f"  residual_prefix={k}" + (" ([CLS] shares the residual scales)" if k == 0 else ""),
                         softq.QuantConfig(quantize_residual=True, residual_prefix=k)))
+    for bits in [int(b) for b in args.softmax_bits.split(",") if b]:
+        configs.append((f"softq softmax_bits={bits} (row codes)", softq.QuantConfig(softmax_bits=bits)))
+        if bits == 4:
+            configs.append(("softq softmax_bits=4, softmax_output='row_log' (log codes)",
+                            softq.QuantConfig(softmax_bits=4, softmax_output="row_log")))
     qmodels = {}
     for label, cfg in configs:
         qmodel = softq.quantize(model, calib, cfg)
