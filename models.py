@@ -30,6 +30,11 @@ class UnsupportedModelError(ValueError):
     """The model is not one of the Hugging Face families softq knows."""
 
 
+def is_headless(model: nn.Module) -> bool:
+    """A bare encoder/decoder (``BertModel``, ``GPT2Model``, ``ViTModel``...): no task head, no logits."""
+    return type(model).__name__.endswith("Model") and not hasattr(model, "lm_head") and not hasattr(model, "classifier")
+
+
 def model_family(model: nn.Module) -> str:
     """The Hugging Face ``model_type`` of ``model``, checked against the supported list."""
     config = getattr(model, "config", None)

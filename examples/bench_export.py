@@ -35,7 +35,7 @@ from softq.export import onnx_utils as U
 from softq.export.int_softmax import FORMS, SoftmaxQuant, reference_qdq, softmax_model
 from softq.export.row_attention import ROW_FORMS
 from softq.export.model_export import to_onnx, to_onnx_float
-from softq.quant.tasks import reference_task
+from softq.workloads.tasks import reference_task
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -96,7 +96,7 @@ class Bench:
             self.pooling = (loaded.pooling or "mean", loaded.normalize)
             self.metric = "mean cosine to FP32 (sentence embedding)"
         else:
-            from softq.quant.tasks import reference_task
+            from softq.workloads.tasks import reference_task
 
             self.task = reference_task(name, context=SEQ * 2 if name == "lm" else None, calib_size=16,
                                        eval_limit=16 if name == "lm" else None, progress=True)

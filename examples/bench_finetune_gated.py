@@ -30,7 +30,7 @@ import softq
 from softq import workloads
 from softq.calib import diagnostics
 from softq.calib.train import _batches_for, finetune_to_gated
-from softq.quant.tasks import Task, reference_task
+from softq.workloads.tasks import Task, reference_task
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))

@@ -171,7 +171,7 @@ SURROGATE_SETS: list[tuple[str, str, str | None]] = [
 def _bert_tiny_task(seq: int) -> Any:
     from transformers import BertConfig, BertForSequenceClassification
 
-    from softq.mpc.reference import MPCTask
+    from softq.workloads.tasks import MPCTask
 
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=30522, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -197,7 +197,7 @@ def bench_e2e(args: argparse.Namespace) -> None:
     from softq.mpc import RangeError, run
     from softq.mpc.accounting import NETWORK_PROFILES
     from softq.mpc.distill import distill
-    from softq.mpc.reference import reference_task
+    from softq.workloads.tasks import mpc_task
 
     torch.set_num_threads(max(1, args.threads))
     lan, wan = NETWORK_PROFILES["lan"], NETWORK_PROFILES["wan"]
@@ -220,7 +220,7 @@ def bench_e2e(args: argparse.Namespace) -> None:
         if name == "bert-tiny":
             task = _bert_tiny_task(args.bert_seq)
         else:
-            task = reference_task(name, n=args.samples, seq_len=args.seq_len)
+            task = mpc_task(name, n=args.samples, seq_len=args.seq_len)
         teacher_logits = _plain_logits(task.model, task.inputs, "softmax", None, surrogates=False)
         teacher_acc = task.accuracy(teacher_logits) if name != "bert-tiny" else float("nan")
         teacher_txt = f"{teacher_acc:.2f}" if name != "bert-tiny" else "-"

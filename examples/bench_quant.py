@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import softq
-from softq.quant.tasks import Task, reference_task
+from softq.workloads.tasks import Task, reference_task
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,7 +29,7 @@ import torch
 
 import softq
 from softq.calib import diagnostics
-from softq.quant.tasks import Task, reference_task
+from softq.workloads.tasks import Task, reference_task
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import softq
-from softq.quant.tasks import reference_task
+from softq.workloads.tasks import reference_task
 
 
 def step(title: str) -> None:

@@ -38,7 +38,7 @@ import torch
 from softq.attention import ProbsQuantizer, attention_points
 from softq.calib.data import run_batches
 from softq.quant.quantizers import SoftmaxOutputQuantizer
-from softq.quant.tasks import Task, reference_task
+from softq.workloads.tasks import Task, reference_task
 from softq.workloads import LM_BUDGETS, VIT_BUDGETS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -43,7 +43,7 @@ from softq.models import conv1d_to_linear
 from softq.quant import quantizers as QZ
 from softq.quant.sensitivity import enable_only
 from softq.quant.quantizers import QLinear, SoftmaxOutputQuantizer
-from softq.quant.tasks import reference_task
+from softq.workloads.tasks import reference_task
 
 ROOT = Path(__file__).resolve().parents[1]
 PHI = (math.sqrt(5) - 1) / 2

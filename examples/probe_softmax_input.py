@@ -31,7 +31,7 @@ from torch import nn
 import softq
 from softq.attention import attention_points
 from softq.quant.sensitivity import sensitivity
-from softq.quant.tasks import Task, reference_task
+from softq.workloads.tasks import Task, reference_task
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))

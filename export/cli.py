@@ -85,7 +85,7 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
 
     config = _config(args)  # a bad combination fails before any slow work
     if args.model in REFERENCE_NAMES:
-        from softq.quant.tasks import reference_task
+        from softq.workloads.tasks import reference_task
 
         task = reference_task(args.model, calib_size=args.calib_size, seed=args.seed)
         return softq.quantize(task.model, task.calib, config)
@@ -97,7 +97,7 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
 
         return load(path)
     from softq import hf
-    from softq.quant.tasks import model_dir_task
+    from softq.workloads.tasks import model_dir_task
 
     calib = hf.read_text_file(args.calib) if args.calib is not None else None
     task = model_dir_task(hf.load_model_dir(path, max_length=args.max_length), calib, [], calib_size=args.calib_size)

@@ -64,6 +64,7 @@ from softq.export import fuse, onnx_utils
 from softq.export.int_softmax import FORMS as EDGE_FORMS
 from softq.export.int_softmax import OUT_SCALE, SoftmaxQuant, _Builder, build_relative_codes, build_softmax
 from softq.export.row_attention import ROW_FORMS, RowQuant, build_row_attention
+from softq.models import is_headless
 
 TORCH_OPSET = 18
 MARKER_DOMAIN = "softq"
@@ -557,11 +558,6 @@ class _VisionWrapper(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         out = self.model(pixel_values=pixel_values)
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
-
-
-def is_headless(model: nn.Module) -> bool:
-    """A bare encoder/decoder (``BertModel``, ``GPT2Model``, ``ViTModel``...): no task head, no logits."""
-    return type(model).__name__.endswith("Model") and not hasattr(model, "lm_head") and not hasattr(model, "classifier")
 
 
 def wrap_for_export(model: nn.Module, pooling: str | None = None,

@@ -55,9 +55,9 @@ def _run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     task = None
     if args.model in ("lm", "vit"):
-        from softq.mpc.reference import reference_task
+        from softq.workloads.tasks import mpc_task
 
-        task = reference_task(args.model, n=args.samples, seq_len=args.seq_len)
+        task = mpc_task(args.model, n=args.samples, seq_len=args.seq_len)
         model, inputs = task.model, task.inputs
         if args.student:
             model = load_student(args.student)
@@ -121,11 +121,11 @@ def _distill(args: argparse.Namespace) -> int:
     import torch
 
     from softq.mpc.distill import distill
-    from softq.mpc.reference import reference_task
+    from softq.workloads.tasks import mpc_task
     from softq.workloads import save_model
 
     torch.manual_seed(args.seed)
-    task = reference_task(args.model, n=args.samples, seq_len=args.seq_len)
+    task = mpc_task(args.model, n=args.samples, seq_len=args.seq_len)
     student, history = distill(task.model, task.train_batches(args.batch_size, args.seed),
                                softmax=_per_layer(args.softmax), gelu=_per_layer(args.gelu),
                                steps=(args.steps1, args.steps2))

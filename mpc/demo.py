@@ -16,11 +16,11 @@ def encrypted_demo(samples: int = 32, softmax: str = "softmax", gelu: str = "tan
     both side by side: the surrogates cost a fraction of the communication, and without
     distillation (``softq mpc distill``) they lose the accuracy.
     """
-    from softq.mpc.reference import reference_task
+    from softq.workloads.tasks import mpc_task
     from softq.mpc.runner import run
     from softq.mpc.surrogates import configure_surrogates
 
-    task = reference_task("vit", n=samples)
+    task = mpc_task("vit", n=samples)
     print(f"model owner: party 0 (weights secret-shared); client: party 1 (images secret-shared, "
           f"sees the logits); {samples} held-out digits; softmax={softmax}, GELU={gelu}", flush=True)
     result = run(task.model, task.inputs, softmax=softmax, gelu=gelu, world_size=2, timeout=300)

@@ -123,7 +123,7 @@ REFERENCE_NAMES = ("lm", "vit")
 
 
 def _task(args: argparse.Namespace):
-    from softq.quant.tasks import model_dir_task, reference_task
+    from softq.workloads.tasks import model_dir_task, reference_task
 
     if args.model in REFERENCE_NAMES:
         if args.calib is not None or args.eval is not None:

@@ -131,16 +131,23 @@ def test_load_and_save_refuse_bad_input(tmp_path) -> None:
     assert not (tmp_path / "x").exists()
 
 
-def test_calib_imports_nothing_from_quant() -> None:
-    """quant builds on calib (observers, SmoothQuant, data checks); calib never imports quant, so there is no cycle."""
+@pytest.mark.parametrize("package, forbidden", [
+    ("calib", ("quant",)),  # quant builds on calib (observers, SmoothQuant, data checks): no cycle
+    ("workloads", ("quant", "export", "mpc", "calib")),  # the reference data, models and tasks sit below all four
+])
+def test_layering_no_upward_imports(package: str, forbidden: tuple[str, ...]) -> None:
+    """A lower package never imports a higher one, not even inside a function."""
     import ast
     from pathlib import Path
 
-    calib = Path(softq.calib.__file__).parent
+    root = Path(getattr(softq, package).__file__).parent
     offenders = []
-    for path in sorted(calib.glob("*.py")):
+    for path in sorted(root.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            offenders += [f"{path.name}: {n}" for n in names if n == "softq.quant" or n.startswith("softq.quant.")]
+            if isinstance(node, ast.ImportFrom) and node.module == "softq":
+                names = [f"softq.{a.name}" for a in node.names]
+            offenders += [f"{path.name}: {n}" for n in names
+                          if any(n == f"softq.{f}" or n.startswith(f"softq.{f}.") for f in forbidden)]
     assert offenders == []

@@ -20,7 +20,9 @@ trained by the very same loop as the baseline.
 The package's modules: :mod:`~softq.workloads.data` (text and digits, batches, tokenizer, perplexity,
 top-1), :mod:`~softq.workloads.models` (configs, fresh models, attention options),
 :mod:`~softq.workloads.training` (the one training loop, the LM / ViT recipes) and
-:mod:`~softq.workloads.cache` (trained models on disk: ``reference_lm``, ``reference_vit``).
+:mod:`~softq.workloads.cache` (trained models on disk: ``reference_lm``, ``reference_vit``) and
+:mod:`~softq.workloads.tasks` (a model with what it is judged by: ``reference_task`` for quantization,
+``mpc_task`` for encrypted inference).
 Everything is importable from ``softq.workloads`` itself.
 """
 
@@ -41,6 +43,9 @@ from softq.workloads.training import (
 from softq.workloads.cache import (
     VERSION, cache_dir, cache_key, save_model, load_model, reference_lm, reference_vit, cached_meta,
 )
+from softq.workloads.tasks import (
+    TASKS, Task, reference_task, lm_task, vit_task, model_dir_task, MPCTask, mpc_task,
+)
 
 __all__ = [
     "HELDOUT_FRACTION", "DIGITS_SEED", "char_corpus", "CharTokenizer", "lm_batches", "lm_eval_inputs",
@@ -48,5 +53,6 @@ __all__ = [
     "vit_batches", "LM_SIZES", "VIT_SIZES", "lm_config", "vit_config", "build_model", "variant_name",
     "attention_options", "LM_BUDGETS", "VIT_BUDGETS", "run_training", "train_lm", "train_vit",
     "add_training_args", "attention_from_args", "VERSION", "cache_dir", "cache_key", "save_model",
-    "load_model", "reference_lm", "reference_vit", "cached_meta",
+    "load_model", "reference_lm", "reference_vit", "cached_meta", "TASKS", "Task", "reference_task", "lm_task",
+    "vit_task", "model_dir_task", "MPCTask", "mpc_task",
 ]
