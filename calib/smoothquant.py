@@ -159,8 +159,15 @@ class InputRecorder:
         self.hi: dict[str, torch.Tensor] = {}
         self.calls = 0
         self._live: dict[int, tuple[str, torch.Tensor]] = {}
-        self._handles = [model.register_forward_pre_hook(self._next_call)]
-        self._handles += [m.register_forward_pre_hook(self._hook(name)) for name, m in linears.items()]
+        self._model = model
+        self._handles: list = []
+        self.resume()
+
+    def resume(self) -> None:
+        """Record again after :meth:`remove` (e.g. around a copy of the model), keeping what was recorded."""
+        self.remove()
+        self._handles = [self._model.register_forward_pre_hook(self._next_call)]
+        self._handles += [m.register_forward_pre_hook(self._hook(name)) for name, m in self.linears.items()]
 
     def _next_call(self, _m: nn.Module, _args: tuple) -> None:
         self.calls += 1
@@ -190,11 +197,14 @@ class InputRecorder:
         self._handles = []
         self._live.clear()
 
-    def groups(self) -> list[InputGroup]:
+    def groups(self, modules: dict[str, nn.Module] | None = None) -> list[InputGroup]:
+        """The input groups with their ranges so far; ``modules`` (a copy's ``dict(named_modules())``) gives
+        the copy's Linear layers of the same names instead of the recorded model's."""
         grouped: dict[str, list[tuple[str, nn.Linear]]] = {}
         for name, lead in self.members.items():
-            grouped.setdefault(lead, []).append((name, self.linears[name]))
-        return [InputGroup(lins, self.lo[lead], self.hi[lead]) for lead, lins in grouped.items() if lead in self.lo]
+            grouped.setdefault(lead, []).append((name, self.linears[name] if modules is None else modules[name]))
+        return [InputGroup(lins, self.lo[lead].clone(), self.hi[lead].clone())
+                for lead, lins in grouped.items() if lead in self.lo]
 
 
 def _shared_parameters(model: nn.Module) -> set[int]:

@@ -20,9 +20,11 @@ from pathlib import Path
 import torch
 
 import softq
+from softq.quant.quantize import smoothing_report
 from softq.workloads.tasks import Task, reference_task
 
 ROOT = Path(__file__).resolve().parent.parent
+SMOOTHING: dict[str, str] = {}  # task -> smoothing_report of its default-config row
 
 
 @dataclass
@@ -73,8 +75,8 @@ def rows(bits_list: tuple[int, ...] = (8, 6, 4), correction: bool = True) -> lis
     return out
 
 
-def run_task(task: Task, table_rows: list[Row]) -> list[tuple[str, float, float, str]]:
-    """(label, metric, loss, gap-closed note) for every row on one task.
+def run_task(task: Task, table_rows: list[Row]) -> list[tuple[str, float, float, str, str]]:
+    """(label, metric, loss, gap-closed note, input smoothing) for every row on one task.
 
     The gap a correction closes is measured on the held-out loss, which is
     continuous (top-1 on a few hundred images moves in whole images).
@@ -84,23 +86,28 @@ def run_task(task: Task, table_rows: list[Row]) -> list[tuple[str, float, float,
     fp_metric, fp_loss = task.measure()
     for row in table_rows:
         start = time.time()
+        smoothing = ""
         if row.config is None:
             value, loss = fp_metric, fp_loss
         else:
             qmodel = softq.quantize(task.model, task.calib, row.config)
             value, loss = task.measure(qmodel)
+            alpha = qmodel.softq_input_smoothing
+            smoothing = "none" if alpha is None else f"{alpha:g}"
+            if row.config == softq.QuantConfig():
+                SMOOTHING[task.name] = smoothing_report(qmodel)
         losses[row.label.strip()] = loss
         note = ""
         if row.baseline is not None:
             gap = losses[row.baseline] - fp_loss
             note = f"{(losses[row.baseline] - loss) / gap * 100:.0f}%" if gap > 1e-4 else "no gap"
-        table.append((row.label, value, loss, note))
+        table.append((row.label, value, loss, note, smoothing))
         print(f"[{task.name}] {row.label.strip():<52} {task.metric_name} {value:.4f} loss {loss:.5f} {note} "
               f"({time.time() - start:.0f}s)", flush=True)
     return table
 
 
-def markdown(sections: list[tuple[Task, list[tuple[str, float, float, str]]]], command: str, seconds: float) -> str:
+def markdown(sections: list[tuple[Task, list[tuple[str, float, float, str, str]]]], command: str, seconds: float) -> str:
     lines = [
         "# Quantization results (generated)",
         "",
@@ -121,17 +128,23 @@ def markdown(sections: list[tuple[Task, list[tuple[str, float, float, str]]]], c
         "'gap closed' = share of the held-out loss increase (cross-entropy in nats, FP -> uncorrected",
         "row of the same representation) that the correction wins back; 100% = as good as float, negative = worse;",
         "'no gap' = the uncorrected row is within 1e-4 nats of FP (nothing to win back).",
+        "'smoothing' = the input smoothing alpha the row's model got (`input_smoothing='auto'` unless the row says",
+        "otherwise: no smoothing or alpha 0.6 / 0.8 / 1.0, whichever is closest to the float model on the calibration set).",
         "",
     ]
     for task, table in sections:
         fp = table[0][1]
         lines += [f"## {task.name} ({task.metric_name}, {len(task.eval_inputs)} held-out batches)", "",
-                  f"| setting | {task.metric_name} | vs FP | held-out loss | gap closed |", "|---|---|---|---|---|"]
-        for label, value, loss, note in table:
+                  f"| setting | {task.metric_name} | vs FP | held-out loss | gap closed | smoothing |",
+                  "|---|---|---|---|---|---|"]
+        for label, value, loss, note, smoothing in table:
             rel = (value - fp) / fp * 100 if task.higher_is_better is False else value - fp
             delta = f"{rel:+.2f}%" if not task.higher_is_better else f"{rel:+.2f} pt"
-            lines.append(f"| {label.replace('  + ', '&nbsp;&nbsp;+ ')} | {value:.4f} | {delta} | {loss:.5f} | {note} |")
+            lines.append(f"| {label.replace('  + ', '&nbsp;&nbsp;+ ')} | {value:.4f} | {delta} | {loss:.5f} | {note} "
+                         f"| {smoothing} |")
         lines.append("")
+        if task.name in SMOOTHING:
+            lines += [f"Default row, {SMOOTHING[task.name]}.", ""]
     return "\n".join(lines)
 
 

@@ -6,8 +6,8 @@ trained 2400 steps (context 1024, all 12 held-out windows); quant_lm_steps2400.m
 
 1. the 8-bit loss by part: only that kind of quantization point on (the rest float), held-out
    loss change in nats;
-2. SmoothQuant strengths: ``smoothquant_alpha`` (folded into the LayerNorms: free in ONNX) and
-   ``input_smoothing`` at every Linear input; then two calibration-driven fixes tried here only: the
+2. input smoothing: what ``input_smoothing="auto"`` (the default) picks, and each alpha; SmoothQuant strengths
+   ``smoothquant_alpha`` (folded into the LayerNorms: free in ONNX); then two calibration-driven fixes tried here only: the
    SmoothQuant alpha chosen per LayerNorm by the W8A8 output error of the Linear it feeds on the
    calibration set (alpha in 0.1 .. 0.9 or none), and empirical bias correction of every Linear (its
    mean output error on the calibration set, the quantized model's own inputs, subtracted from its bias);
@@ -41,6 +41,7 @@ from softq.calib.data import as_batches, run_batches
 from softq.calib.smoothquant import find_norm_linear_groups
 from softq.models import conv1d_to_linear
 from softq.quant import quantizers as QZ
+from softq.quant.quantize import smoothing_report
 from softq.quant.sensitivity import enable_only
 from softq.quant.quantizers import QLinear, SoftmaxOutputQuantizer
 from softq.workloads.tasks import reference_task
@@ -202,16 +203,25 @@ def main() -> None:
     lines += ["", f"The parts do not add up: alone they sum to {parts:+.5f} nats, all together "
               f"{deltas['everything (the default W8A8)']:+.5f}; their errors interact at this level, so the rows rank "
               "the parts only roughly."]
-    lines += ["", "## 2. SmoothQuant strength, and two calibration-driven fixes (8-bit)", "", *head]
-    for label, cfg in [("default (no smoothing: the LM has no outlier channels)", softq.QuantConfig())] + [
-            (f"smoothquant_alpha={a} (folded into the LayerNorms)", softq.QuantConfig(smoothquant_alpha=a))
-            for a in (0.5, 0.6, 0.7, 0.8, 0.9)] + [
-            (f"input_smoothing={a} (every Linear input)", softq.QuantConfig(input_smoothing=a)) for a in (0.5, 0.8)]:
+    auto = softq.quantize(task.model, task.calib, softq.QuantConfig())
+    lines += ["", "## 2. Input smoothing and SmoothQuant strength, and two calibration-driven fixes (8-bit)", "",
+              "`input_smoothing='auto'` (the default) observes ranges on 12 of the 16 calibration windows and judges no "
+              "smoothing and alphas 0.6 / 0.8 / 1.0 on the other 4 (cosine distance of the logits to FP32's): "
+              f"{smoothing_report(auto)}.", "", *head]
+    chosen = auto.softq_input_smoothing
+    lines.append(row(f"default: `input_smoothing='auto'` (picks {'none' if chosen is None else f'alpha {chosen:g}'} "
+                     "on held-out calibration batches)", auto))
+    none = softq.QuantConfig(input_smoothing=None)
+    for label, cfg in [("no input smoothing (`input_smoothing=None`)", none)] + [
+            (f"input_smoothing={a} (every Linear input)", softq.QuantConfig(input_smoothing=a))
+            for a in (0.5, 0.6, 0.8, 1.0)] + [
+            (f"smoothquant_alpha={a} (folded into the LayerNorms), no input smoothing",
+             softq.QuantConfig(smoothquant_alpha=a, input_smoothing=None)) for a in (0.5, 0.6, 0.7, 0.8, 0.9)]:
         lines.append(row(label, softq.quantize(task.model, task.calib, cfg)))
     smoothed, alphas = searched_smoothing(task.model, task.calib)
     picked = ", ".join("none" if a is None else f"{a:g}" for a in alphas.values())
-    lines.append(row(f"SmoothQuant alpha per LayerNorm by calibration output error ({picked})",
-                     softq.quantize(smoothed, task.calib, softq.QuantConfig())))
+    lines.append(row(f"SmoothQuant alpha per LayerNorm by calibration output error ({picked}), no input smoothing",
+                     softq.quantize(smoothed, task.calib, none)))
     lines.append(row("empirical bias correction of every Linear (calibration mean output error)",
                      linear_bias_corrected(softq.quantize(task.model, task.calib, softq.QuantConfig()), task.calib)))
     lines += ["", "## 3. The 4-bit softmax by layer (that layer's softmax input and output at 4 bits, the others "

@@ -65,8 +65,8 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                           help="leave the residual stream (LayerNorm inputs) float")
     p.add_argument("--input-smoothing", type=_smoothing, default="auto", metavar="ALPHA|auto|none",
                    help="per-channel input smoothing of Linear layers (SmoothQuant as an explicit Mul, post-LN "
-                        "models included): an alpha in [0, 1], auto (default: 0.8 in models with outlier "
-                        "input channels) or none")
+                        "models included): an alpha in [0, 1], auto (default: none or alpha 0.6, 0.8 or 1.0, whichever "
+                        "quantized model is closest to the float one on the calibration set) or none")
     p.add_argument("--embedding-bits", type=int, default=8,
                    help="bits of the embedding tables (per row, weight only); 0 keeps them float (default 8)")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
@@ -142,6 +142,7 @@ def _task(args: argparse.Namespace):
 
 def _quantize(args: argparse.Namespace) -> int:
     import softq
+    from softq.quant.quantize import smoothing_report
 
     config = _config(args)
     if args.output is not None and args.output.exists() and not args.overwrite:
@@ -149,6 +150,7 @@ def _quantize(args: argparse.Namespace) -> int:
     task = _task(args)
     qmodel = softq.quantize(task.model, task.calib, config)
     print(f"{task.name}: {config.describe()}")
+    print(f"  {smoothing_report(qmodel)}")
     if not args.no_eval:
         fp, q = task.evaluate(), task.evaluate(qmodel)
         digits = 5 if task.metric_name.startswith("cosine") else 4

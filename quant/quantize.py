@@ -34,9 +34,9 @@ from torch import nn
 from softq.attention import AttentionPoints, attention_points
 from softq.calib.data import Batch, as_batches, run_batches
 from softq.calib.observers import MinMaxObserver
-from softq.calib.smoothquant import InputRecorder, smooth, smooth_inputs, smoothable_linears, smoothing_scales, tied_linears
+from softq.calib.smoothquant import InputGroup, InputRecorder, smooth, smooth_inputs, smoothable_linears, smoothing_scales, tied_linears
 from softq.models import conv1d_to_linear, model_family
-from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_RATIO, PREFIX_TOKENS, QuantConfig, softmax_input_span
+from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_RATIO, PREFIX_TOKENS, QuantConfig, softmax_input_span
 from softq.quant.quantizers import (ActQuantizer, QEmbedding, QLinear, RowScoresQuantizer, SoftmaxOutputQuantizer,
                                     quantize_weight_only)
 
@@ -134,45 +134,137 @@ def quantize(
     attention_points(qmodel)  # switches to softq attention, keeps an already chosen variant
     if config.smoothquant_alpha is not None:
         smooth(qmodel, batches, config.smoothquant_alpha)
-    smoothing = None
-    if config.input_smoothing is not None:
-        auto = config.input_smoothing == "auto"
-        smoothing = (AUTO_SMOOTHING_ALPHA if auto else float(config.input_smoothing),
-                     AUTO_SMOOTHING_RATIO if auto else 0.0)
+    # input smoothing: an explicit alpha, or "auto"'s candidates (None = no smoothing)
+    alphas: tuple[float | None, ...] = (None,)
+    if config.input_smoothing == "auto":
+        alphas = (None, *AUTO_SMOOTHING_ALPHAS)
+    elif config.input_smoothing is not None:
+        alphas = (float(config.input_smoothing),)
+    # "auto" searches on held-out calibration batches (every 4th, or the last of 2 or 3): ranges observed on
+    # the others, candidates judged on batches their ranges never saw, so an alpha that only fits the
+    # observed ranges (clipping on new inputs) loses.  With one batch, or another observer, the gate rule.
+    search = len(alphas) > 1 and config.observer == "minmax" and len(batches) >= 2
+    if len(alphas) > 1 and not search:
+        alphas = (AUTO_SMOOTHING_ALPHA,)
+    min_ratio = AUTO_SMOOTHING_RATIO if config.input_smoothing == "auto" and not search else 0.0
     # Min-max ranges of a smoothed input follow from its per-channel ranges, so smoothing is decided
     # after the one observation pass; other observers need the smoothed values themselves: a stats pass first.
-    one_pass = smoothing is not None and config.observer == "minmax"
-    if smoothing is not None and not one_pass:
-        smooth_inputs(qmodel, batches, *smoothing, exclude=config.exclude)
+    one_pass = alphas != (None,) and config.observer == "minmax"
+    if alphas != (None,) and not one_pass:
+        smoothed = smooth_inputs(qmodel, batches, alphas[0], min_ratio, exclude=config.exclude)
+        alphas = (alphas[0] if smoothed else None,)
+    held = (batches[3::4] if len(batches) >= 4 else batches[-1:]) if search else []
+    fit = [b for b in batches if not any(b is h for h in held)]
+    # the float model's outputs on the held-out batches (before prepare: an inplace model is qmodel)
+    reference = _outputs(qmodel, held) if search else None
     tied = tied_linears(qmodel)  # before prepare copies the weights: a tied Linear is left alone, as in smooth_inputs
     prepare(qmodel, config)
 
     set_mode(qmodel, "observe")
     recorder = InputRecorder(qmodel, smoothable_linears(qmodel)) if one_pass else None
+    errors = None
     try:
-        run_batches(qmodel, batches, desc="calibrating ranges")
+        run_batches(qmodel, fit, desc="calibrating ranges")
+        if search:
+            recorder.remove()  # a copy must not carry the recording hooks
+            floats = tuple(name for name, m in qmodel.named_modules()
+                           if isinstance(m, nn.Linear) and not isinstance(m, QLinear))
+            alpha, errors = _search_smoothing(qmodel, recorder, alphas, config.exclude + tied + floats, held, reference)
+            alphas = (alpha,)
+            recorder.resume()
+            run_batches(qmodel, held, desc="calibrating ranges")  # the final ranges see every batch
     finally:
         if recorder is not None:
             recorder.remove()
-    if recorder is not None:
+    alpha = alphas[0]
+    if recorder is not None and alpha is not None:
         floats = tuple(name for name, m in qmodel.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QLinear))
-        _smooth_observed(recorder, *smoothing, config.exclude + tied + floats)
-    for q in act_quantizers(qmodel):
-        q.finish_calibration()
-    set_mode(qmodel, "quant")
+        if not _smooth_observed(recorder.groups(), alpha, min_ratio, config.exclude + tied + floats):
+            alpha = None
+    _finish(qmodel)
+    # what was chosen, for reports: the alpha (None: no smoothing) and, after "auto"'s search, each candidate's
+    # error on the held-out calibration batches (:func:`output_error`)
+    qmodel.softq_input_smoothing, qmodel.softq_smoothing_errors = alpha, errors
 
     if config.bias_correction is not None:
         correct_softmax_bias(qmodel, batches, config.bias_correction)
     return qmodel
 
 
-def _smooth_observed(recorder: InputRecorder, alpha: float, min_ratio: float, skip: tuple[str, ...]) -> None:
+def smoothing_report(qmodel: nn.Module) -> str:
+    """One line on the input smoothing ``quantize`` applied, with "auto"'s candidates and their errors."""
+    def name(alpha: float | None) -> str:
+        return "none" if alpha is None else f"alpha {alpha:g}"
+
+    text = f"input smoothing: {name(getattr(qmodel, 'softq_input_smoothing', None))}"
+    errors = getattr(qmodel, "softq_smoothing_errors", None)
+    if errors:
+        text += (" (auto: the lowest mean cosine distance of the outputs to the float model's on held-out "
+                 "calibration batches; " + ", ".join(f"{name(a)} {e:.3g}" for a, e in errors.items()) + ")")
+    return text
+
+
+def _finish(qmodel: nn.Module) -> None:
+    for q in act_quantizers(qmodel):
+        q.finish_calibration()
+    set_mode(qmodel, "quant")
+
+
+@torch.no_grad()
+def _outputs(model: nn.Module, batches: list[Batch]) -> list[torch.Tensor]:
+    """The model's output rows on ``batches``: its logits if it has a head, else its last hidden state, one row
+    per token (valid tokens only) or per example (``[rows, features]`` each)."""
+    out = []
+    for batch in batches:
+        result = model(**batch)
+        y = getattr(result, "logits", None)
+        if y is None:
+            y = result.last_hidden_state if hasattr(result, "last_hidden_state") else result[0]
+        y = y.float()
+        mask = batch.get("attention_mask")
+        flat = y.reshape(-1, y.shape[-1])
+        out.append(flat[mask.reshape(-1).bool()] if mask is not None and tuple(mask.shape) == tuple(y.shape[:-1])
+                   else flat)
+    return out
+
+
+def output_error(model: nn.Module, batches: list[Batch], reference: list[torch.Tensor]) -> float:
+    """Mean cosine distance of ``model``'s output rows (:func:`_outputs`) to ``reference`` (the float model's):
+    what ``input_smoothing="auto"`` minimises on its held-out calibration batches."""
+    got = _outputs(model, batches)
+    dist = torch.cat([1.0 - nn.functional.cosine_similarity(a, b, dim=-1) for a, b in zip(got, reference)])
+    return float(dist.mean())
+
+
+def _search_smoothing(observed: nn.Module, recorder: InputRecorder, alphas: tuple[float | None, ...],
+                      skip: tuple[str, ...], held: list[Batch],
+                      reference: list[torch.Tensor]) -> tuple[float | None, dict[float | None, float]]:
+    """``input_smoothing="auto"``: each candidate alpha (``None``: no smoothing) applied to a copy of the model
+    observed so far, finished and run on the held-out batches; returns the alpha whose outputs are closest to
+    the float model's (``None`` unless a smoothed copy is strictly closer) and every candidate's error.  Min-max
+    ranges of smoothed inputs follow from the recorded per-channel ones, so the candidates share one pass."""
+    best, best_err, errors = None, float("inf"), {}
+    for alpha in alphas:
+        trial = copy.deepcopy(observed)
+        if alpha is not None and not _smooth_observed(recorder.groups(dict(trial.named_modules())), alpha, 0.0, skip):
+            break  # every group skipped: each alpha gives the unsmoothed model
+        _finish(trial)
+        errors[alpha] = output_error(trial, held, reference)
+        if errors[alpha] < best_err:
+            best, best_err = alpha, errors[alpha]
+        del trial
+    return best, errors
+
+
+def _smooth_observed(groups: list[InputGroup], alpha: float, min_ratio: float, skip: tuple[str, ...]) -> int:
     """Input smoothing decided from the observation pass just run (``smooth_inputs`` without a pass of its
     own): weight columns x s, ``input_scale`` = 1/s, and each input quantizer's min-max range set to what it
     would have seen on the smoothed input, min/max over channels of the channel's min/max times 1/s (exact:
-    scaling by a positive factor and rounding are both monotonic)."""
+    scaling by a positive factor and rounding are both monotonic).  Returns how many groups it smoothed."""
+    done = 0
     with torch.no_grad():
-        for group, s in smoothing_scales(recorder.groups(), alpha, min_ratio, skip):
+        for group, s in smoothing_scales(groups, alpha, min_ratio, skip):
+            done += 1
             inv = 1.0 / s
             lo, hi = float((group.lo * inv).min()), float((group.hi * inv).max())
             for _, lin in group.linears:
@@ -182,6 +274,7 @@ def _smooth_observed(recorder: InputRecorder, alpha: float, min_ratio: float, sk
                 if not isinstance(observer, MinMaxObserver) or lin.input_act.channels is not None:
                     raise RuntimeError("one-pass input smoothing needs per-tensor min-max input observers")
                 observer.lo, observer.hi = lo, hi
+    return done
 
 
 def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:

@@ -179,17 +179,57 @@ def test_input_smoothing_config_is_validated() -> None:
             softq.QuantConfig(input_smoothing=bad)
 
 
-def test_auto_input_smoothing_only_in_models_with_outlier_inputs() -> None:
+def test_auto_input_smoothing_keeps_the_candidate_closest_to_float_on_held_out_batches() -> None:
+    """input_smoothing="auto" observes ranges on 3 of every 4 calibration batches, judges no smoothing and each of
+    AUTO_SMOOTHING_ALPHAS on the 4th (outputs' cosine distance to the float model's) and keeps the best: each
+    recorded error is what that alpha gives with ranges from the observed batches alone, and the kept model is
+    the explicit-alpha model calibrated on every batch.  An outlier input channel gets smoothed; a random tiny
+    model, where smoothing fits the observed ranges and clips new inputs (logit error 0.03 -> 0.12-0.23), not."""
+    from softq.quant.config import AUTO_SMOOTHING_ALPHAS
+    from softq.quant.quantize import _outputs, output_error
+
+    model = tiny_model("bert")
+    with torch.no_grad():
+        model.bert.encoder.layer[0].attention.output.LayerNorm.weight[3] = 40.0
+    calib = [tiny_inputs("bert", seed=s) for s in range(8)]
+    held, fit = calib[3::4], [b for i, b in enumerate(calib) if i % 4 != 3]
+    auto = softq.quantize(model, calib)
+    errors = auto.softq_smoothing_errors
+    assert list(errors) == [None, *AUTO_SMOOTHING_ALPHAS]
+    assert auto.softq_input_smoothing == min(errors, key=errors.get) and auto.softq_input_smoothing is not None
+    reference = _outputs(model, held)
+    for a in errors:
+        on_fit = softq.quantize(model, fit, softq.QuantConfig(input_smoothing=a))
+        assert on_fit.softq_smoothing_errors is None and on_fit.softq_input_smoothing == a
+        assert output_error(on_fit, held, reference) == pytest.approx(errors[a], rel=1e-3)  # float rounding only
+    explicit = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=auto.softq_input_smoothing))
+    x = tiny_inputs("bert", seed=21)
+    with torch.no_grad():
+        assert torch.equal(auto(**x).logits, explicit(**x).logits)
+    plain = softq.quantize(tiny_model("bert"), [tiny_inputs("bert", seed=10 + i) for i in range(3)])
+    assert plain.softq_input_smoothing is None and min(plain.softq_smoothing_errors.values()) < plain.softq_smoothing_errors[0.6]
+
+
+def test_auto_input_smoothing_without_a_search_keeps_the_outlier_gate() -> None:
+    """With another observer (no shared-pass search) or a single calibration batch (nothing to hold out), "auto"
+    smooths at AUTO_SMOOTHING_ALPHA only where some Linear input's widest channel exceeds AUTO_SMOOTHING_RATIO
+    times its median one."""
+    from softq.quant.config import AUTO_SMOOTHING_ALPHA
     from softq.quant.quantizers import QLinear
 
     calib = [tiny_inputs("bert", seed=s) for s in range(3)]
-    plain = softq.quantize(tiny_model("bert"), calib)  # input_smoothing="auto"
+    cfg = softq.QuantConfig(observer="percentile")
+    plain = softq.quantize(tiny_model("bert"), calib, cfg)
+    assert plain.softq_input_smoothing is None
     assert not any(m.input_scale.numel() for m in plain.modules() if isinstance(m, QLinear))
     model = tiny_model("bert")
     with torch.no_grad():
         model.bert.encoder.layer[0].attention.output.LayerNorm.weight[3] = 40.0
-    smoothed = softq.quantize(model, calib)
-    assert all(m.input_scale.numel() for m in smoothed.modules() if isinstance(m, QLinear))
+    for batches, config in ((calib, cfg), (calib[:1], softq.QuantConfig())):
+        smoothed = softq.quantize(model, batches, config)
+        assert smoothed.softq_input_smoothing == AUTO_SMOOTHING_ALPHA and smoothed.softq_smoothing_errors is None
+        assert all(m.input_scale.numel() for m in smoothed.modules() if isinstance(m, QLinear))
+    assert softq.quantize(tiny_model("bert"), calib[:1]).softq_input_smoothing is None
 
 
 def test_input_smoothing_leaves_excluded_layers_float_and_unscaled(tmp_path) -> None:
