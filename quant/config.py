@@ -90,7 +90,7 @@ class QuantConfig:
             ``E = round(86.875 * 2**(-k/2))``, 0 from k = 15: 16 levels that reach
             ``2**-7`` of the max where ``row``'s 4-bit codes stop at 1/30), normalised
             like ``row``: measured (docs/results/quant_lm_steps2400.md) the 2400-step
-            LM +2.08% -> +1.16% perplexity at 4 bits, all-MiniLM-L6-v2 embedding cosine
+            LM +2.08% -> +0.85% perplexity at 4 bits, all-MiniLM-L6-v2 embedding cosine
             0.9852 -> 0.9969 (minilm.md); ``"edge"``: uniform codes at
             scale ``softmax_scale`` (the TFLite/QNN convention).
         softmax_input: grid of the softmax input (the attention scores), used when
@@ -123,7 +123,8 @@ class QuantConfig:
             layers reading the same tensor; in ONNX one Mul, folded into a LayerNorm or
             the attention core where one precedes it).  An alpha in [0, 1] applies it at
             every Linear input; ``None`` never.  ``"auto"`` (default) measures: ranges are
-            observed on 3 of every 4 calibration batches, then no smoothing and alphas
+            observed on 3 of every 4 calibration batches (a single batch is cut into up to 4
+            along its examples), then no smoothing and alphas
             0.6, 0.8 and 1.0 are each judged on the held-out 4th batches (mean cosine
             distance of the outputs, logits or last hidden state, to the float model's)
             and the closest is kept, calibrated on every batch; one observation pass serves
@@ -132,10 +133,10 @@ class QuantConfig:
             looks best on the 2400-step reference LM and on tiny random models, where it clips
             new inputs (tests/test_calib.py).  Chosen (docs/results): all-MiniLM-L6-v2 0.8
             (embedding cosine 0.9937 without smoothing, 0.9875 at 0.5, 0.9978 at 0.8), the
-            2400-step reference LM 0.6 (perplexity +0.38% -> +0.22%).  With one calibration
-            batch or another observer there is nothing to hold out or no shared pass, and
-            "auto" applies alpha 0.8 where some Linear input's widest channel exceeds 16x its
-            median one (the reference ViT's single batch: 20x), else nothing.
+            2400-step reference LM 0.6 (perplexity +0.38% -> +0.22%), the 800-step one none.
+            With a single calibration example or another observer there is nothing to hold
+            out or no shared pass, and "auto" applies alpha 0.8 where some Linear input's
+            widest channel exceeds 16x its median one, else nothing.
             ``quantize`` records the choice (``softq_input_smoothing``, and the candidates'
             errors in ``softq_smoothing_errors``); ``softq quantize`` prints it.
         quantize_residual: also quantize LayerNorm inputs (the residual stream).
@@ -144,7 +145,7 @@ class QuantConfig:
             ``row_exact`` the residual stream and LayerNorm stay float, as in onnxruntime's
             quantizers and SmoothQuant's W8A8, and every Linear input, Q, K, V and the
             softmax stay 8-bit.  Measured (docs/results/quant_lm_steps2400.md, quant.md,
-            minilm.md): the 2400-step reference LM +1.01% -> +0.38% perplexity,
+            minilm.md): the 2400-step reference LM +0.66% -> +0.22% perplexity,
             all-MiniLM-L6-v2 cosine 0.9973 -> 0.9978, the 800-step LM and the ViT unchanged
             within their noise; the exported ViT runs fewer nodes (export_speed.md).
             ``True`` / ``False`` force it.

@@ -140,10 +140,12 @@ def quantize(
         alphas = (None, *AUTO_SMOOTHING_ALPHAS)
     elif config.input_smoothing is not None:
         alphas = (float(config.input_smoothing),)
-    # "auto" searches on held-out calibration batches (every 4th, or the last of 2 or 3): ranges observed on
-    # the others, candidates judged on batches their ranges never saw, so an alpha that only fits the
-    # observed ranges (clipping on new inputs) loses.  With one batch, or another observer, the gate rule.
-    search = len(alphas) > 1 and config.observer == "minmax" and len(batches) >= 2
+    # "auto" searches on held-out calibration batches (every 4th, or the last of 2 or 3; a single batch is
+    # cut into up to 4 along its examples): ranges observed on the others, candidates judged on batches their
+    # ranges never saw, so an alpha that only fits the observed ranges (clipping on new inputs) loses.  With a
+    # single example, or another observer, the gate rule.
+    split = _held_out_split(batches) if len(alphas) > 1 and config.observer == "minmax" else None
+    search = split is not None
     if len(alphas) > 1 and not search:
         alphas = (AUTO_SMOOTHING_ALPHA,)
     min_ratio = AUTO_SMOOTHING_RATIO if config.input_smoothing == "auto" and not search else 0.0
@@ -153,8 +155,7 @@ def quantize(
     if alphas != (None,) and not one_pass:
         smoothed = smooth_inputs(qmodel, batches, alphas[0], min_ratio, exclude=config.exclude)
         alphas = (alphas[0] if smoothed else None,)
-    held = (batches[3::4] if len(batches) >= 4 else batches[-1:]) if search else []
-    fit = [b for b in batches if not any(b is h for h in held)]
+    fit, held = split if search else (batches, [])
     # the float model's outputs on the held-out batches (before prepare: an inplace model is qmodel)
     reference = _outputs(qmodel, held) if search else None
     tied = tied_linears(qmodel)  # before prepare copies the weights: a tied Linear is left alone, as in smooth_inputs
@@ -208,6 +209,23 @@ def _finish(qmodel: nn.Module) -> None:
     for q in act_quantizers(qmodel):
         q.finish_calibration()
     set_mode(qmodel, "quant")
+
+
+def _held_out_split(batches: list[Batch]) -> tuple[list[Batch], list[Batch]] | None:
+    """(observed, held-out) calibration batches for "auto"'s search, or None when nothing can be held out.
+
+    Every 4th batch is held out (the last one of 2 or 3); a single batch is first cut into up to 4 along its
+    examples (min-max ranges over the pieces are those over the batch)."""
+    if len(batches) == 1:
+        batch = batches[0]
+        sizes = {v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        if len(sizes) != 1 or min(sizes) < 2:
+            return None
+        pieces = min(4, sizes.pop())
+        batches = [{k: v.tensor_split(pieces)[i] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                    for k, v in batch.items()} for i in range(pieces)]
+    held = batches[3::4] if len(batches) >= 4 else batches[-1:]
+    return [b for b in batches if not any(b is h for h in held)], held
 
 
 @torch.no_grad()

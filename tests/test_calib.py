@@ -211,9 +211,9 @@ def test_auto_input_smoothing_keeps_the_candidate_closest_to_float_on_held_out_b
 
 
 def test_auto_input_smoothing_without_a_search_keeps_the_outlier_gate() -> None:
-    """With another observer (no shared-pass search) or a single calibration batch (nothing to hold out), "auto"
+    """With another observer (no shared-pass search) or a single calibration example (nothing to hold out), "auto"
     smooths at AUTO_SMOOTHING_ALPHA only where some Linear input's widest channel exceeds AUTO_SMOOTHING_RATIO
-    times its median one."""
+    times its median one.  A single batch of several examples is cut along them and searched."""
     from softq.quant.config import AUTO_SMOOTHING_ALPHA
     from softq.quant.quantizers import QLinear
 
@@ -225,11 +225,13 @@ def test_auto_input_smoothing_without_a_search_keeps_the_outlier_gate() -> None:
     model = tiny_model("bert")
     with torch.no_grad():
         model.bert.encoder.layer[0].attention.output.LayerNorm.weight[3] = 40.0
-    for batches, config in ((calib, cfg), (calib[:1], softq.QuantConfig())):
+    one = [tiny_inputs("bert", batch=1, seed=0)]
+    for batches, config in ((calib, cfg), (one, softq.QuantConfig())):
         smoothed = softq.quantize(model, batches, config)
         assert smoothed.softq_input_smoothing == AUTO_SMOOTHING_ALPHA and smoothed.softq_smoothing_errors is None
         assert all(m.input_scale.numel() for m in smoothed.modules() if isinstance(m, QLinear))
-    assert softq.quantize(tiny_model("bert"), calib[:1]).softq_input_smoothing is None
+    assert softq.quantize(tiny_model("bert"), one).softq_input_smoothing is None
+    assert softq.quantize(model, [tiny_inputs("bert", batch=4, seed=0)]).softq_smoothing_errors is not None
 
 
 def test_input_smoothing_leaves_excluded_layers_float_and_unscaled(tmp_path) -> None:
