@@ -130,7 +130,8 @@ def markdown(sections: list[tuple[Task, list[tuple[str, float, float, str, str]]
         "'no gap' = the uncorrected row is within 1e-4 nats of FP (nothing to win back).",
         "'smoothing' = the input smoothing alpha the row's model got (`input_smoothing='auto'` unless the row says",
         "otherwise: no smoothing or alpha 0.6 / 0.8 / 1.0, whichever is closest to the float model on the calibration",
-        "batches held out from range observation (the ViT's single batch of 16 images: 4 of them)).",
+        "batches held out from range observation (the ViT's single batch of 16 images: 4 of them), smoothing only if",
+        "at least 20% closer than none).",
         "",
     ]
     for task, table in sections:

@@ -231,7 +231,8 @@ def main() -> None:
     auto = softq.quantize(task.model, task.calib, softq.QuantConfig())
     lines += ["", "## 2. Input smoothing and SmoothQuant strength, and two calibration-driven fixes (8-bit)", "",
               "`input_smoothing='auto'` (the default) observes ranges on 12 of the 16 calibration windows and judges no "
-              "smoothing and alphas 0.6 / 0.8 / 1.0 on the other 4 (cosine distance of the logits to FP32's). Here, "
+              "smoothing and alphas 0.6 / 0.8 / 1.0 on the other 4 (cosine distance of the logits to FP32's; smoothing "
+              "only if at least 20% closer than none). Here, "
               f"{smoothing_report(auto)}.", "", *head]
     chosen = auto.softq_input_smoothing
     lines.append(row(f"default: `input_smoothing='auto'` (picks {'none' if chosen is None else f'alpha {chosen:g}'} "

@@ -56,6 +56,9 @@ MIN_BITS, MAX_BITS = 2, 16
 # input_smoothing="auto" (min-max observer): no smoothing or one of these alphas, whichever gives the last hidden
 # state closest to the float model's on the calibration set
 AUTO_SMOOTHING_ALPHAS = (0.6, 0.8, 1.0)
+# ... and a smoothed candidate must cut that distance by at least this fraction: where a Linear input follows
+# neither a LayerNorm nor the attention core (a GELU output), smoothing is one more Mul at run time
+AUTO_SMOOTHING_MIN_GAIN = 0.2
 # input_smoothing="auto" with another observer: this alpha, in models where some Linear input's widest channel
 # exceeds this many times its median channel (max |x| over the calibration set)
 AUTO_SMOOTHING_ALPHA = 0.8
@@ -127,7 +130,9 @@ class QuantConfig:
             along its examples), then no smoothing and alphas
             0.6, 0.8 and 1.0 are each judged on the held-out 4th batches (mean cosine
             distance of the outputs, logits or last hidden state, to the float model's)
-            and the closest is kept, calibrated on every batch; one observation pass serves
+            and the closest is kept if it is at least 20% closer than no smoothing (where an
+            input follows a GELU, smoothing costs a Mul at run time), calibrated on every
+            batch; one observation pass serves
             all four (min-max ranges of a smoothed input follow from its per-channel ones).
             Holding batches out matters: judged on the batches that set the ranges, alpha 1.0
             looks best on the 2400-step reference LM and on tiny random models, where it clips

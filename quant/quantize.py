@@ -36,7 +36,7 @@ from softq.calib.data import Batch, as_batches, run_batches
 from softq.calib.observers import MinMaxObserver
 from softq.calib.smoothquant import InputGroup, InputRecorder, smooth, smooth_inputs, smoothable_linears, smoothing_scales, tied_linears
 from softq.models import conv1d_to_linear, model_family
-from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_RATIO, PREFIX_TOKENS, QuantConfig, softmax_input_span
+from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN, AUTO_SMOOTHING_RATIO, PREFIX_TOKENS, QuantConfig, softmax_input_span
 from softq.quant.quantizers import (ActQuantizer, QEmbedding, QLinear, RowScoresQuantizer, SoftmaxOutputQuantizer,
                                     quantize_weight_only)
 
@@ -201,7 +201,8 @@ def smoothing_report(qmodel: nn.Module) -> str:
     errors = getattr(qmodel, "softq_smoothing_errors", None)
     if errors:
         text += (" (auto: the lowest mean cosine distance of the outputs to the float model's on held-out "
-                 "calibration batches; " + ", ".join(f"{name(a)} {e:.3g}" for a, e in errors.items()) + ")")
+                 f"calibration batches, smoothing only if {AUTO_SMOOTHING_MIN_GAIN:.0%} below none's; "
+                 + ", ".join(f"{name(a)} {e:.3g}" for a, e in errors.items()) + ")")
     return text
 
 
@@ -259,19 +260,28 @@ def _search_smoothing(observed: nn.Module, recorder: InputRecorder, alphas: tupl
                       reference: list[torch.Tensor]) -> tuple[float | None, dict[float | None, float]]:
     """``input_smoothing="auto"``: each candidate alpha (``None``: no smoothing) applied to a copy of the model
     observed so far, finished and run on the held-out batches; returns the alpha whose outputs are closest to
-    the float model's (``None`` unless a smoothed copy is strictly closer) and every candidate's error.  Min-max
+    the float model's, ``None`` unless it beats no smoothing by ``AUTO_SMOOTHING_MIN_GAIN`` (20%), and every
+    candidate's error.  Min-max
     ranges of smoothed inputs follow from the recorded per-channel ones, so the candidates share one pass."""
-    best, best_err, errors = None, float("inf"), {}
+    errors: dict[float | None, float] = {}
     for alpha in alphas:
         trial = copy.deepcopy(observed)
         if alpha is not None and not _smooth_observed(recorder.groups(dict(trial.named_modules())), alpha, 0.0, skip):
             break  # every group skipped: each alpha gives the unsmoothed model
         _finish(trial)
         errors[alpha] = output_error(trial, held, reference)
-        if errors[alpha] < best_err:
-            best, best_err = alpha, errors[alpha]
         del trial
-    return best, errors
+    return pick_smoothing(errors), errors
+
+
+def pick_smoothing(errors: dict[float | None, float]) -> float | None:
+    """"auto"'s rule: the smoothed alpha with the lowest error if it is at least ``AUTO_SMOOTHING_MIN_GAIN`` below
+    no smoothing's (``errors[None]``), else ``None``."""
+    smoothed = {a: e for a, e in errors.items() if a is not None}
+    if not smoothed or None not in errors:
+        return None
+    best = min(smoothed, key=smoothed.get)
+    return best if smoothed[best] <= (1.0 - AUTO_SMOOTHING_MIN_GAIN) * errors[None] else None
 
 
 def _smooth_observed(groups: list[InputGroup], alpha: float, min_ratio: float, skip: tuple[str, ...]) -> int:

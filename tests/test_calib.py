@@ -196,7 +196,8 @@ def test_auto_input_smoothing_keeps_the_candidate_closest_to_float_on_held_out_b
     auto = softq.quantize(model, calib)
     errors = auto.softq_smoothing_errors
     assert list(errors) == [None, *AUTO_SMOOTHING_ALPHAS]
-    assert auto.softq_input_smoothing == min(errors, key=errors.get) and auto.softq_input_smoothing is not None
+    best = min(errors, key=errors.get)  # a smoothed alpha, more than AUTO_SMOOTHING_MIN_GAIN (20%) below none
+    assert best is not None and errors[best] < 0.8 * errors[None] and auto.softq_input_smoothing == best
     reference = _outputs(model, held)
     for a in errors:
         on_fit = softq.quantize(model, fit, softq.QuantConfig(input_smoothing=a))
@@ -208,6 +209,17 @@ def test_auto_input_smoothing_keeps_the_candidate_closest_to_float_on_held_out_b
         assert torch.equal(auto(**x).logits, explicit(**x).logits)
     plain = softq.quantize(tiny_model("bert"), [tiny_inputs("bert", seed=10 + i) for i in range(3)])
     assert plain.softq_input_smoothing is None and min(plain.softq_smoothing_errors.values()) < plain.softq_smoothing_errors[0.6]
+
+
+def test_auto_input_smoothing_needs_a_20_percent_gain() -> None:
+    """Smoothing costs a Mul at run time where it cannot be folded, so a smoothed candidate must beat no smoothing
+    by AUTO_SMOOTHING_MIN_GAIN; the best such candidate wins."""
+    from softq.quant.quantize import pick_smoothing
+
+    assert pick_smoothing({None: 1.0, 0.6: 0.85, 0.8: 0.9, 1.0: 1.2}) is None  # 15% better: not enough
+    assert pick_smoothing({None: 1.0, 0.6: 0.79, 0.8: 0.5, 1.0: 1.2}) == 0.8
+    assert pick_smoothing({None: 1.0, 0.6: 0.8}) == 0.6  # exactly 20%
+    assert pick_smoothing({None: 1.0}) is None
 
 
 def test_auto_input_smoothing_without_a_search_keeps_the_outlier_gate() -> None:
