@@ -93,7 +93,7 @@ class QuantConfig:
             ``E = round(86.875 * 2**(-k/2))``, 0 from k = 15: 16 levels that reach
             ``2**-7`` of the max where ``row``'s 4-bit codes stop at 1/30), normalised
             like ``row``: measured (docs/results/quant_lm_steps2400.md) the 2400-step
-            LM +2.08% -> +0.85% perplexity at 4 bits, all-MiniLM-L6-v2 embedding cosine
+            LM +2.08% -> +1.16% perplexity at 4 bits, all-MiniLM-L6-v2 embedding cosine
             0.9852 -> 0.9969 (minilm.md); ``"edge"``: uniform codes at
             scale ``softmax_scale`` (the TFLite/QNN convention).
         softmax_input: grid of the softmax input (the attention scores), used when
