@@ -197,7 +197,10 @@ def smoothing_report(qmodel: nn.Module) -> str:
     def name(alpha: float | None) -> str:
         return "none" if alpha is None else f"alpha {alpha:g}"
 
-    text = f"input smoothing: {name(getattr(qmodel, 'softq_input_smoothing', None))}"
+    if not hasattr(qmodel, "softq_input_smoothing"):  # e.g. a model loaded from disk: the alpha is not saved
+        smoothed = any(m.input_scale.numel() for m in qmodel.modules() if isinstance(m, QLinear))
+        return f"input smoothing: {'yes (alpha not recorded)' if smoothed else 'none'}"
+    text = f"input smoothing: {name(qmodel.softq_input_smoothing)}"
     errors = getattr(qmodel, "softq_smoothing_errors", None)
     if errors:
         text += (" (auto: the lowest mean cosine distance of the outputs to the float model's on held-out "
@@ -261,8 +264,8 @@ def _search_smoothing(observed: nn.Module, recorder: InputRecorder, alphas: tupl
     """``input_smoothing="auto"``: each candidate alpha (``None``: no smoothing) applied to a copy of the model
     observed so far, finished and run on the held-out batches; returns the alpha whose outputs are closest to
     the float model's, ``None`` unless it beats no smoothing by ``AUTO_SMOOTHING_MIN_GAIN`` (20%), and every
-    candidate's error.  Min-max
-    ranges of smoothed inputs follow from the recorded per-channel ones, so the candidates share one pass."""
+    candidate's error.  Min-max ranges of smoothed inputs follow from the recorded per-channel ones, so the
+    candidates share one observation pass."""
     errors: dict[float | None, float] = {}
     for alpha in alphas:
         trial = copy.deepcopy(observed)

@@ -179,14 +179,15 @@ def test_input_smoothing_config_is_validated() -> None:
             softq.QuantConfig(input_smoothing=bad)
 
 
-def test_auto_input_smoothing_keeps_the_candidate_closest_to_float_on_held_out_batches() -> None:
+def test_auto_input_smoothing_keeps_the_candidate_closest_to_float_on_held_out_batches(tmp_path) -> None:
     """input_smoothing="auto" observes ranges on 3 of every 4 calibration batches, judges no smoothing and each of
     AUTO_SMOOTHING_ALPHAS on the 4th (outputs' cosine distance to the float model's) and keeps the best: each
     recorded error is what that alpha gives with ranges from the observed batches alone, and the kept model is
     the explicit-alpha model calibrated on every batch.  An outlier input channel gets smoothed; a random tiny
     model, where smoothing fits the observed ranges and clips new inputs (logit error 0.03 -> 0.12-0.23), not."""
     from softq.quant.config import AUTO_SMOOTHING_ALPHAS
-    from softq.quant.quantize import _outputs, output_error
+    from softq.quant.io import load, save
+    from softq.quant.quantize import _outputs, output_error, smoothing_report
 
     model = tiny_model("bert")
     with torch.no_grad():
@@ -207,6 +208,9 @@ def test_auto_input_smoothing_keeps_the_candidate_closest_to_float_on_held_out_b
     x = tiny_inputs("bert", seed=21)
     with torch.no_grad():
         assert torch.equal(auto(**x).logits, explicit(**x).logits)
+    assert smoothing_report(auto).startswith(f"input smoothing: alpha {auto.softq_input_smoothing:g} (auto: ")
+    # a saved model keeps the smoothing, not the record of the choice; the report says so rather than "none"
+    assert smoothing_report(load(save(auto, tmp_path / "q"))) == "input smoothing: yes (alpha not recorded)"
     plain = softq.quantize(tiny_model("bert"), [tiny_inputs("bert", seed=10 + i) for i in range(3)])
     assert plain.softq_input_smoothing is None and min(plain.softq_smoothing_errors.values()) < plain.softq_smoothing_errors[0.6]
 
