@@ -53,8 +53,8 @@ def softmax_input_span(softmax_output: str, softmax_bits: int, act_bits: int = 8
     grid = 2**softmax_bits - 1 if softmax_output == "row" else SUM_GRID
     return math.log(grid / ROW_INPUT_TAIL)
 MIN_BITS, MAX_BITS = 2, 16
-# input_smoothing="auto" (min-max observer): no smoothing or one of these alphas, whichever gives the last hidden
-# state closest to the float model's on the calibration set
+# input_smoothing="auto" (min-max observer): no smoothing or one of these alphas, whichever gives outputs (logits
+# or last hidden state) closest to the float model's on calibration batches held out from range observation
 AUTO_SMOOTHING_ALPHAS = (0.6, 0.8, 1.0)
 # ... and a smoothed candidate must cut that distance by at least this fraction: where a Linear input follows
 # neither a LayerNorm nor the attention core (a GELU output), smoothing is one more Mul at run time
@@ -126,19 +126,20 @@ class QuantConfig:
             layers reading the same tensor; in ONNX one Mul, folded into a LayerNorm or
             the attention core where one precedes it).  An alpha in [0, 1] applies it at
             every Linear input; ``None`` never.  ``"auto"`` (default) measures: ranges are
-            observed on 3 of every 4 calibration batches (a single batch is cut into up to 4
-            along its examples), then no smoothing and alphas
-            0.6, 0.8 and 1.0 are each judged on the held-out 4th batches (mean cosine
-            distance of the outputs, logits or last hidden state, to the float model's)
-            and the closest is kept if it is at least 20% closer than no smoothing (where an
-            input follows a GELU, smoothing costs a Mul at run time), calibrated on every
-            batch; one observation pass serves
-            all four (min-max ranges of a smoothed input follow from its per-channel ones).
+            observed on 3 of every 4 calibration batches (a single batch is cut into up to
+            4 along its examples), then no smoothing and alphas 0.6, 0.8 and 1.0 are each
+            judged on the held-out 4th batches (mean cosine distance of the outputs, logits
+            or last hidden state, to the float model's); the closest alpha is kept if it is
+            at least 20% closer than no smoothing (where an input follows a GELU,
+            smoothing costs a Mul at run time) and calibrated on every batch.  One
+            observation pass serves all four (min-max ranges of a smoothed input follow
+            from its per-channel ones).
             Holding batches out matters: judged on the batches that set the ranges, alpha 1.0
             looks best on the 2400-step reference LM and on tiny random models, where it clips
             new inputs (tests/test_calib.py).  Chosen (docs/results): all-MiniLM-L6-v2 0.8
             (embedding cosine 0.9937 without smoothing, 0.9875 at 0.5, 0.9978 at 0.8), the
-            2400-step reference LM 0.6 (perplexity +0.38% -> +0.22%), the 800-step one none.
+            2400-step reference LM 0.6 (perplexity +0.38% -> +0.22%), the 800-step one none,
+            the reference ViT 0.6.
             With a single calibration example or another observer there is nothing to hold
             out or no shared pass, and "auto" applies alpha 0.8 where some Linear input's
             widest channel exceeds 16x its median one, else nothing.
