@@ -136,10 +136,11 @@ class QuantConfig:
             from its per-channel ones).
             Holding batches out matters: judged on the batches that set the ranges, alpha 1.0
             looks best on the 2400-step reference LM and on tiny random models, where it clips
-            new inputs (tests/test_calib.py).  Chosen (docs/results): all-MiniLM-L6-v2 0.8
-            (embedding cosine 0.9937 without smoothing, 0.9875 at 0.5, 0.9978 at 0.8), the
+            new inputs (tests/test_calib.py).  Chosen (quant_lm_steps2400.md, quant.md): the
             2400-step reference LM 0.6 (perplexity +0.38% -> +0.22%), the 800-step one none,
-            the reference ViT 0.6.
+            the reference ViT 0.6; all-MiniLM-L6-v2 0.8, as the outlier gate did (the default's
+            cosine in export_speed.md, 0.9978, equals minilm.md's default row, measured then;
+            0.9937 without smoothing, 0.9875 at 0.5).
             With a single calibration example or another observer there is nothing to hold
             out or no shared pass, and "auto" applies alpha 0.8 where some Linear input's
             widest channel exceeds 16x its median one, else nothing.

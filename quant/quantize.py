@@ -164,13 +164,14 @@ def quantize(
     set_mode(qmodel, "observe")
     recorder = InputRecorder(qmodel, smoothable_linears(qmodel)) if one_pass else None
     errors = None
+    # groups never smoothed: excluded, tied, or reading into a Linear that stays float
+    skip = config.exclude + tied + tuple(name for name, m in qmodel.named_modules()
+                                         if isinstance(m, nn.Linear) and not isinstance(m, QLinear))
     try:
         run_batches(qmodel, fit, desc="calibrating ranges")
         if search:
             recorder.remove()  # a copy must not carry the recording hooks
-            floats = tuple(name for name, m in qmodel.named_modules()
-                           if isinstance(m, nn.Linear) and not isinstance(m, QLinear))
-            alpha, errors = _search_smoothing(qmodel, recorder, alphas, config.exclude + tied + floats, held, reference)
+            alpha, errors = _search_smoothing(qmodel, recorder, alphas, skip, held, reference)
             alphas = (alpha,)
             recorder.resume()
             run_batches(qmodel, held, desc="calibrating ranges")  # the final ranges see every batch
@@ -178,10 +179,8 @@ def quantize(
         if recorder is not None:
             recorder.remove()
     alpha = alphas[0]
-    if recorder is not None and alpha is not None:
-        floats = tuple(name for name, m in qmodel.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QLinear))
-        if not _smooth_observed(recorder.groups(), alpha, min_ratio, config.exclude + tied + floats):
-            alpha = None
+    if recorder is not None and alpha is not None and not _smooth_observed(recorder.groups(), alpha, min_ratio, skip):
+        alpha = None
     _finish(qmodel)
     # what was chosen, for reports: the alpha (None: no smoothing) and, after "auto"'s search, each candidate's
     # error on the held-out calibration batches (:func:`output_error`)

@@ -184,7 +184,7 @@ def test_auto_input_smoothing_keeps_the_candidate_closest_to_float_on_held_out_b
     AUTO_SMOOTHING_ALPHAS on the 4th (outputs' cosine distance to the float model's) and keeps the best: each
     recorded error is what that alpha gives with ranges from the observed batches alone, and the kept model is
     the explicit-alpha model calibrated on every batch.  An outlier input channel gets smoothed; a random tiny
-    model, where smoothing fits the observed ranges and clips new inputs (logit error 0.03 -> 0.12-0.23), not."""
+    model, where smoothing fits the observed ranges and clips new inputs, not."""
     from softq.quant.config import AUTO_SMOOTHING_ALPHAS
     from softq.quant.io import load, save
     from softq.quant.quantize import _outputs, output_error, smoothing_report
