@@ -827,24 +827,6 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
     return model
 
 
-def prune(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Remove nodes and initializers nothing downstream of the graph outputs uses."""
-    graph = model.graph
-    needed = {o.name for o in graph.output}
-    kept: list[onnx.NodeProto] = []
-    for node in reversed(graph.node):
-        if any(o in needed for o in node.output):
-            kept.append(node)
-            needed.update(i for i in node.input if i)
-    kept.reverse()
-    del graph.node[:]
-    graph.node.extend(kept)
-    inits = [i for i in graph.initializer if i.name in needed]
-    del graph.initializer[:]
-    graph.initializer.extend(inits)
-    return model
-
-
 def check_exportable_ops(model: onnx.ModelProto, form: str) -> None:
     """Every node is a standard ONNX op, or QLinearSoftmax for the 'ort' form; else name op and node."""
     allowed_contrib = {("com.microsoft", "QLinearSoftmax")} if form == "ort" else set()
@@ -895,9 +877,9 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
     _run_once(wrapper, feeds, "the quantized model")
     onnx_model = _trace(wrapper, feeds, names, outputs)
     onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
-    onnx_model, _ = onnx_utils.dedupe(prune(onnx_model))
+    onnx_model, _ = onnx_utils.dedupe(onnx_utils.prune(onnx_model))
     fuse.fuse(onnx_model, linears=linears != "qdq", dynamic=linears == "dynamic")  # fewer nodes around the integer linears (export/fuse.py)
-    onnx_model = prune(onnx_model)
+    onnx_model = onnx_utils.prune(onnx_model)
     check_exportable_ops(onnx_model, softmax)
     onnx_model.producer_name = "softq"
     onnx.checker.check_model(onnx_model, full_check=True)
@@ -917,7 +899,7 @@ def build_onnx_float(model: nn.Module, example_inputs: Any, pooling: str | None 
     wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
     feeds = example_feeds(model, example_inputs, names)
     _run_once(wrapper, feeds, "the float model")
-    onnx_model = prune(_trace(wrapper, feeds, names, outputs))
+    onnx_model = onnx_utils.prune(_trace(wrapper, feeds, names, outputs))
     onnx.checker.check_model(onnx_model, full_check=True)
     return onnx_model
 

@@ -183,6 +183,24 @@ def optimized_op_types(model: onnx.ModelProto, optimization: str, workdir: str |
     return [n.op_type for n in onnx.load(str(out)).graph.node]
 
 
+def prune(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Remove nodes and initializers nothing downstream of the graph outputs uses."""
+    graph = model.graph
+    needed = {o.name for o in graph.output}
+    kept: list[onnx.NodeProto] = []
+    for node in reversed(graph.node):
+        if any(o in needed for o in node.output):
+            kept.append(node)
+            needed.update(i for i in node.input if i)
+    kept.reverse()
+    del graph.node[:]
+    graph.node.extend(kept)
+    inits = [i for i in graph.initializer if i.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(inits)
+    return model
+
+
 def dedupe(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """Merge nodes that compute the same thing (common subexpressions); returns (model, nodes removed).
 

@@ -63,6 +63,16 @@ def _n_linear(qmodel: torch.nn.Module, biased: bool = False) -> int:
     return sum(type(m).__name__ == "QLinear" and (m.bias is not None or not biased) for m in qmodel.modules())
 
 
+SHARED = ("q_proj", "k_proj", "v_proj", "query", "key", "value")  # Linear layers reading one input: one GEMM
+
+
+def _n_gemms(qmodel: torch.nn.Module) -> int:
+    """GEMMs after fuse_shared_linears: every Linear, with each attention's separate Q, K, V counted once."""
+    names = [n for n, m in qmodel.named_modules() if type(m).__name__ == "QLinear"]
+    shared = [n for n in names if n.rsplit(".", 1)[-1] in SHARED]
+    return len(names) - len(shared) + len({n.rsplit(".", 1)[0] for n in shared})
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_onnxruntime_fuses_each_linear_with_its_bias(smoothed, graphs, tmp_path, family):
     fused, plain = graphs[family]
@@ -75,9 +85,10 @@ def test_onnxruntime_fuses_each_linear_with_its_bias(smoothed, graphs, tmp_path,
         linears = [n for n in opt.graph.node if n.op_type == "MatMulIntegerToFloat" and n.input[1] in weights]
         bias_adds = [n for n in opt.graph.node if n.op_type == "Add" and any(i in weights for i in n.input)
                      and any(i in made and made[i].op_type == "MatMulIntegerToFloat" for i in n.input)]
-        if with_bias:  # every Linear is one MatMulIntegerToFloat with the bias (if any) as its 7th input, no Add after
-            assert len(linears) == _n_linear(smoothed[family])
-            assert sum(len(n.input) == 7 for n in linears) == _n_linear(smoothed[family], biased=True)
+        if with_bias:  # one MatMulIntegerToFloat per Linear (Q, K and V: one for all three), the bias its 7th input
+            assert len(linears) == _n_gemms(smoothed[family]) < _n_linear(smoothed[family]) + (family == "gpt2")
+            unbiased = _n_linear(smoothed[family]) - _n_linear(smoothed[family], biased=True)  # (a head)
+            assert sum(len(n.input) == 7 for n in linears) == len(linears) - unbiased
             assert bias_adds == []
         else:  # the DQ -> MatMul form: fused without the bias, a separate Add each
             assert linears and all(len(n.input) == 6 for n in linears) and bias_adds
@@ -118,13 +129,25 @@ def test_score_scale_folds_into_the_query_dequantization(smoothed, graphs, famil
     layers = smoothed[family].config.num_hidden_layers
     assert len(scores) == layers
     head_dim = smoothed[family].config.hidden_size // smoothed[family].config.num_attention_heads
-    for mm in scores:
+    plain_consts = {i.name: numpy_helper.to_array(i) for i in plain.graph.initializer}
+    plain_consts.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in plain.graph.node
+                         if n.op_type == "Constant"})
+    plain_made = {o: n for n in plain.graph.node for o in n.output}
+    plain_readers = _readers(plain)
+    plain_scores = [n for n in plain.graph.node if n.op_type == "MatMul"  # the ones the 1/sqrt(d) Mul follows
+                    and any(r.op_type == "Mul" for r in plain_readers.get(n.output[0], []))]
+    assert len(plain_scores) == layers
+    for mm, mm_plain in zip(scores, plain_scores):
         assert all(r.op_type != "Mul" for r in readers[mm.output[0]])  # the scores go straight to their codes
         dq = made[mm.input[0]]
         q = made[dq.input[0]]
-        assert (dq.op_type, q.op_type) == ("DequantizeLinear", "QuantizeLinear")
+        while q.op_type in ("Reshape", "Transpose"):  # Q's quantizer is the fused Q/K/V GEMM's (a Split of codes)
+            q = made[q.input[0]]
+        assert dq.op_type == "DequantizeLinear" and q.op_type in ("QuantizeLinear", "Split")
         # the quantizer keeps its scale; the dequantization carries scale * head_dim ** -0.5
-        expected = np.float32(consts[q.input[1]] * np.float32(head_dim**-0.5))
+        q_plain = plain_made[plain_made[mm_plain.input[0]].input[0]]
+        assert q_plain.op_type == "QuantizeLinear"
+        expected = np.float32(plain_consts[q_plain.input[1]] * np.float32(head_dim**-0.5))
         assert consts[dq.input[1]] == expected
     assert fuse.fold_matmul_scales(plain) == layers  # the unfused graph had the Mul after each
 
@@ -271,3 +294,143 @@ def test_dynamic_linears_fuse_into_dynamic_quantize_matmul(smoothed, graphs, tmp
     out = U.run(dynamic, feeds, "all")[0]
     assert np.abs(out - ref).max() <= LOGIT_TOL * np.abs(ref).max()
     assert not np.array_equal(out, ref)  # the grids really are the per-call ones
+
+
+def _shared_graph(requant: bool, extra_reader: bool = False) -> onnx.ModelProto:
+    """x -> codes -> three integer Linears (fuse_linears' form) on the same codes; each then quantized again
+    (the second through Reshape -> Transpose, as Q/K/V are) or, with ``requant=False``, output in float."""
+    rng = np.random.default_rng(3)
+    inits = {"s": np.float32(0.05), "zp": np.uint8(120), "shape": np.array([0, 2, 3], np.int64),
+             "one_code": np.uint8(1), "one_scale": np.float32(1.0)}
+    # fuse_linears' scalar 1 that onnxruntime does not fold (so the scale stays a Mul it fuses)
+    nodes = [helper.make_node("DequantizeLinear", ["one_code", "one_scale"], ["one_dq"]),
+             helper.make_node("Abs", ["one_dq"], ["one"]),
+             helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["codes"])]
+    outputs = []
+    for i, n in enumerate((6, 6, 4)):
+        inits.update({f"w{i}": rng.integers(-127, 128, (8, n)).astype(np.int8), f"wz{i}": np.zeros(n, np.int8),
+                      f"S{i}": rng.uniform(1e-3, 3e-3, n).astype(np.float32),
+                      f"b{i}": rng.standard_normal(n).astype(np.float32)})
+        nodes += [helper.make_node("MatMulInteger", ["codes", f"w{i}", "zp", f"wz{i}"], [f"acc{i}"]),
+                  helper.make_node("Cast", [f"acc{i}"], [f"accf{i}"], to=TensorProto.FLOAT),
+                  helper.make_node("Mul", ["one", f"S{i}"], [f"scale{i}"]),
+                  helper.make_node("Mul", [f"accf{i}", f"scale{i}"], [f"m{i}"]),
+                  helper.make_node("Add", [f"m{i}", f"b{i}"], [f"y{i}"])]
+        y = f"y{i}"
+        if i == 1:  # layout ops between the Linear and its quantizer
+            nodes += [helper.make_node("Reshape", [y, "shape"], [f"r{i}"]),
+                      helper.make_node("Transpose", [f"r{i}"], [f"t{i}"], perm=[0, 2, 1])]
+            y = f"t{i}"
+        if requant:
+            inits.update({f"qs{i}": np.float32(0.02 * (i + 1)), f"qz{i}": np.uint8(100 + 20 * i)})
+            nodes.append(helper.make_node("QuantizeLinear", [y, f"qs{i}", f"qz{i}"], [f"out{i}"]))
+            outputs.append(helper.make_tensor_value_info(f"out{i}", TensorProto.UINT8, None))
+        else:
+            nodes.append(helper.make_node("Identity", [y], [f"out{i}"]))
+            outputs.append(helper.make_tensor_value_info(f"out{i}", TensorProto.FLOAT, None))
+    if extra_reader:  # the first Linear's float output is also read by something else
+        nodes.append(helper.make_node("Relu", ["y0"], ["extra"]))
+        outputs.append(helper.make_tensor_value_info("extra", TensorProto.FLOAT, None))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 8])], outputs,
+                          [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("case", ("requantized", "float", "read elsewhere"))
+def test_shared_linears_become_one_gemm_with_the_same_outputs(case):
+    model = _shared_graph(requant=case != "float", extra_reader=case == "read elsewhere")
+    x = np.random.default_rng(4).standard_normal((200, 8)).astype(np.float32) * 3
+    before = U.run(model, {"x": x}, "disable")
+    assert fuse.fuse_shared_linears(model) == 1
+    assert fuse.fold_split_quantizers(model) == (case == "requantized")
+    U.prune(model)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("MatMulInteger") == 1 and ops.count("Split") == 1
+    # quantizers fold into the GEMM only where every part is quantized again and nothing else reads it
+    assert ops.count("QuantizeLinear") == (2 if case == "requantized" else 4 if case == "read elsewhere" else 1)
+    after = U.run(model, {"x": x}, "disable")
+    for b, a in zip(before, after):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if b.dtype == np.uint8:  # the same codes up to float rounding at ties
+            d = np.abs(a.astype(int) - b.astype(int))
+            assert d.max() <= 1 and (d == 0).mean() >= 0.99
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # onnxruntime fuses the one chain into one MatMulIntegerToFloat
+    assert [o for o in U.optimized_op_types(model, "all", "/tmp") if "MatMul" in o] == ["MatMulIntegerToFloat"]
+
+
+def test_linears_on_different_inputs_stay_apart():
+    model = _shared_graph(requant=True)
+    for node in model.graph.node:  # the third Linear reads other codes
+        if node.op_type == "MatMulInteger" and node.input[1] == "w2":
+            node.input[0] = "codes2"
+    model.graph.node.insert(3, helper.make_node("Abs", ["x"], ["xa"]))
+    model.graph.node.insert(4, helper.make_node("QuantizeLinear", ["xa", "s", "zp"], ["codes2"]))
+    assert fuse.fuse_shared_linears(model) == 1  # the first two still share theirs
+    assert sum(n.op_type == "MatMulInteger" for n in model.graph.node) == 2
+
+
+def _reshape_graph() -> onnx.ModelProto:
+    """x [b, s, 8] -> Reshape to [b, s, 2, 4] by its own dims (provable); w [c, t, 8] -> Reshape by x's dims
+    (not provable: another input's batch and sequence)."""
+    inits = {"i0": np.int64(0), "i1": np.int64(1), "ax": np.array([0], np.int64), "two": np.array([2], np.int64),
+             "four": np.array([4], np.int64)}
+    nodes = [helper.make_node("Shape", ["x"], ["sx"])]
+    for i in (0, 1):
+        nodes += [helper.make_node("Gather", ["sx", f"i{i}"], [f"g{i}"], axis=0),
+                  helper.make_node("Unsqueeze", [f"g{i}", "ax"], [f"u{i}"])]
+    nodes += [helper.make_node("Concat", ["u0", "u1", "two", "four"], ["target"], axis=0),
+              helper.make_node("Reshape", ["x", "target"], ["y"]),
+              helper.make_node("Reshape", ["w", "target"], ["z"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 8]),
+                                       helper.make_tensor_value_info("w", TensorProto.FLOAT, ["c", "t", 8])],
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "z")],
+                          [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_static_reshapes_rewrite_only_what_shape_inference_proves():
+    model = _reshape_graph()
+    assert fuse.static_reshapes(model) == 1
+    U.prune(model)
+    made = {o: n for n in model.graph.node for o in n.output}
+    consts = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    y, z = (next(n for n in model.graph.node if n.output[0] == o) for o in ("y", "z"))
+    assert consts[y.input[1]].tolist() == [0, 0, 2, 4]  # copy batch and sequence, constant heads and size
+    assert made[z.input[1]].op_type == "Concat"  # w's reshape still reads x's dims at run time
+    rng = np.random.default_rng(5)
+    for b, s in ((1, 3), (4, 7)):
+        x = rng.standard_normal((b, s, 8)).astype(np.float32)
+        y_out, z_out = U.run(model, {"x": x, "w": x[::-1].copy()}, "disable")
+        np.testing.assert_array_equal(y_out, x.reshape(b, s, 2, 4))
+        np.testing.assert_array_equal(z_out, x[::-1].reshape(b, s, 2, 4))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exported_attention_reshapes_are_constant(graphs, family):
+    """The heads' split and merge read no Shape at run time (the example's batch and length are not baked in:
+    test_fused_outputs_match_torch_and_the_unfused_graph runs other shapes)."""
+    fused, plain = graphs[family]
+    for model, static in ((fused, True), (plain, False)):
+        made = {o: n for n in model.graph.node for o in n.output}
+        attention = [n for n in model.graph.node if n.op_type == "Reshape" and "attention" in n.output[0] + n.name
+                     or n.op_type == "Reshape" and "attn" in n.output[0] + n.name]
+        assert attention
+        dynamic = [n for n in attention if n.input[1] in made and made[n.input[1]].op_type == "Concat"]
+        assert (not dynamic) if static else dynamic
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_query_key_value_codes_come_from_one_quantizer(smoothed, graphs, family):
+    """Separate Q/K/V projections (ViT, BERT) and GPT-2's one c_attn alike: one GEMM per layer, its output
+    quantized once and split as codes (the unfused graph quantizes Q, K and V one by one)."""
+    fused, plain = graphs[family]
+    layers = smoothed[family].config.num_hidden_layers
+    made = {o: n for n in fused.graph.node for o in n.output}
+    splits = [n for n in fused.graph.node if n.op_type == "Split" and made[n.input[0]].op_type == "QuantizeLinear"]
+    assert len(splits) == layers and all(len(n.output) == 3 for n in splits)
+    value_types = U.value_types(fused)
+    assert all(value_types.get(o) == TensorProto.UINT8 for n in splits for o in n.output)
+    count = [sum(n.op_type == "QuantizeLinear" for n in m.graph.node) for m in (fused, plain)]
+    assert count[0] == count[1] - 2 * layers

@@ -181,9 +181,14 @@ def _linear_weights(model: onnx.ModelProto) -> list[tuple[np.ndarray, np.ndarray
 
 
 def _assert_all_linears(weights: list[tuple[np.ndarray, np.ndarray, np.ndarray]], qmodel) -> None:
-    linears = [m for m in qmodel.modules() if type(m).__name__ == "QLinear"]
-    assert len(weights) == len(linears)
-    assert sorted(codes.shape for codes, _, _ in weights) == sorted((m.in_features, m.out_features) for m in linears)
+    """Every Linear's weight codes are in the graph once; an attention's Q, K and V share one GEMM
+    (export/fuse.py, fuse_shared_linears): their columns side by side."""
+    linears = {n: m for n, m in qmodel.named_modules() if type(m).__name__ == "QLinear"}
+    qkv = [n for n in linears if n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")]
+    assert len(weights) == len(linears) - len(qkv) + len({n.rsplit(".", 1)[0] for n in qkv})
+    shapes = [(m.in_features, m.out_features) for n, m in linears.items() if n not in qkv]
+    shapes += [(linears[n].in_features, 3 * linears[n].out_features) for n in qkv if n.endswith("q_proj")]
+    assert sorted(codes.shape for codes, _, _ in weights) == sorted(shapes)
 
 
 @pytest.mark.parametrize("form", ["qdq", "ort", "int"])
