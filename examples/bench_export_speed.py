@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
 
@@ -40,6 +41,7 @@ from bench_export import onnx_metric, ort_quantize_static  # noqa: E402
 from bench_minilm import interleaved as interleaved_runs  # noqa: E402
 
 import softq  # noqa: E402
+from softq.export import fuse  # noqa: E402
 from softq.export import onnx_utils as U  # noqa: E402
 from softq.export import runtimes  # noqa: E402
 from softq.export.model_export import to_onnx, to_onnx_float  # noqa: E402
@@ -49,7 +51,8 @@ MODELS = ("bert-base", "minilm", "lm", "vit")
 SEQ = 128
 QDQ = "softq INT8, fast, linears='qdq'"  # the export for OpenVINO (to_onnx(linears="qdq"))
 DYNAMIC = "softq INT8, fast, linears='dynamic'"  # Linear inputs quantized per call (to_onnx(linears="dynamic"))
-VARIANTS = ("FP32", "softq INT8, fast", "softq INT8, int", QDQ, DYNAMIC, "ORT quantize_dynamic",
+FP32_STATIC = "FP32, constant reshapes"  # the FP32 file after softq's static_reshapes pass (export/fuse.py)
+VARIANTS = ("FP32", FP32_STATIC, "softq INT8, fast", "softq INT8, int", QDQ, DYNAMIC, "ORT quantize_dynamic",
             "ORT quantize_static (QDQ)")
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "avx512_bf16")
 
@@ -140,6 +143,9 @@ class Bench:
         pool = {} if self.pooling is None else {"pooling": self.pooling[0], "normalize": self.pooling[1]}
         paths = {"FP32": Path(to_onnx_float(self.model, workdir / f"{self.name}_fp32.onnx", self.example(),
                                             overwrite=True, **pool))}
+        float_model = onnx.load(str(paths["FP32"]))
+        fuse.static_reshapes(float_model)
+        paths[FP32_STATIC] = U.save_atomic(U.prune(float_model), workdir / f"{self.name}_fp32_static.onnx", overwrite=True)
         for form in ("fast", "int"):
             paths[f"softq INT8, {form}"] = Path(to_onnx(qmodel, workdir / f"{self.name}_{form}.onnx", self.example(),
                                                         softmax=form, overwrite=True, **pool))
@@ -287,7 +293,12 @@ def write(results: list[dict[str, object]], args: argparse.Namespace, command: s
         "`linears='integer'`: MatMulInteger, which onnxruntime fuses with the bias); `fast` and `int` are its two "
         "attention cores; `linears='qdq'` is the `fast` file with DequantizeLinear -> MatMul linears (OpenVINO's "
         "int8 pattern); `linears='dynamic'` quantizes each Linear input per call on its own range "
-        "(DynamicQuantizeLinear, as quantize_dynamic does) instead of the calibrated grid. softq's files carry "
+        "(DynamicQuantizeLinear, as quantize_dynamic does) instead of the calibrated grid. Every softq file went "
+        "through export/fuse.py: Q, K and V are one GEMM whose output is quantized once and split as codes, and "
+        "Reshape targets built at run time from Shape/Gather/Concat are constants where shape inference shows "
+        "them (`static_reshapes`). `FP32, constant reshapes` is the FP32 file after that pass alone (the FP32 "
+        "baseline and the files onnxruntime's quantizers write do not have it): how much of softq's gain the "
+        "reshape cleanup alone would give FP32. softq's files carry "
         "short tensor names and no node names (`to_onnx(names='short')`, the default); the FP32 file and "
         "onnxruntime's quantized files keep the exporter's names. "
         "ORT quantize_dynamic: per-channel int8 weights, dynamic uint8 activations. ORT quantize_static: QDQ, "
