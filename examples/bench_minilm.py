@@ -45,6 +45,7 @@ import softq  # noqa: E402
 from softq import hf  # noqa: E402
 from softq.export import to_onnx, to_onnx_float  # noqa: E402
 from softq.export.onnx_utils import session  # noqa: E402
+from softq.quant.quantize import smoothing_report  # noqa: E402
 
 NAMES = ["input_ids", "attention_mask"]
 
@@ -190,6 +191,7 @@ def main() -> int:
     for label, s in rows + [(label, s) for label, s, _ in onnx_rows]:
         lines.append(f"| {label} | {s['cos_mean']:.4f} | {s['cos_min']:.4f} | {s['recall']:.4f} | "
                      f"{100 * (s['recall'] - fp_recall):+.2f} |")
+    lines += ["", f"Default row, {smoothing_report(qmodels[configs[0][0]])}."]
     lines += [
         "",
         "## ONNX size and onnxruntime latency (1 thread, ratios to FP32 measured in the same interleaved rounds)",

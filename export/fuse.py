@@ -378,7 +378,8 @@ def fuse_shared_linears(model: onnx.ModelProto) -> int:
         if len(parts) < 2:
             continue
         fused += 1
-        p = f"softq/fuse/linears{fused}/"
+        first = parts[0]["mm"]  # named after the first member (a profile lists it with its layer)
+        p = f"{first.name or first.output[0]}/shared{fused}/"
         w = np.concatenate([part["w"] for part in parts], axis=1)
         scale = np.concatenate([part["scale"] for part in parts])
         bias = np.concatenate([part["bias"] for part in parts])

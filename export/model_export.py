@@ -946,8 +946,8 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     ``MatMulIntegerToFloat`` with the bias and tract runs on its int8 kernels;
     ``"qdq"``: ``DequantizeLinear -> MatMul``, the pattern OpenVINO's int8 path
     recognises (all-MiniLM-L6-v2 at batch 1, one thread, docs/results/export_speed.md:
-    OpenVINO 0.54x FP32 with ``"qdq"``, 1.30x with ``"integer"``; onnxruntime 0.46x /
-    0.44x; tract 1.40x / 0.95x).  Same codes and function either way (float rounding aside).
+    OpenVINO 0.51x FP32 with ``"qdq"``, 1.30x with ``"integer"``; onnxruntime 0.46x /
+    0.45x; tract 1.37x / 0.94x).  Same codes and function either way (float rounding aside).
     ``"dynamic"``: the integer form with each Linear input quantized per call on its own
     range (``DynamicQuantizeLinear``, what ``quantize_dynamic`` does; onnxruntime fuses it
     into ``DynamicQuantizeMatMul``) instead of the calibrated grid; Q, K, V and the
