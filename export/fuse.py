@@ -23,9 +23,11 @@ onnxruntime's CPU fusions absorb:
   ``1/sqrt(d)``) becomes ``MatMul(DQ(q codes, s * c), k)``; the ``QuantizeLinear`` keeps ``s``.
 * :func:`fuse_shared_linears`: integer Linear layers that read the same codes (an attention's Q, K
   and V projections) become one ``MatMulInteger`` over the concatenated weights and a ``Split``:
-  one GEMM call instead of three.  Where each part is only quantized again (Q, K and V codes),
-  the parts' scales and zero points fold into the columns' scale and bias, and one
-  ``QuantizeLinear`` (scale 1, zero point 0) before the ``Split`` replaces three.
+  one GEMM call instead of three.
+* :func:`fold_split_quantizers`: where a Linear's output is only split into parts that are each
+  quantized again per tensor (that GEMM's Q, K and V, or GPT-2's ``c_attn``), the parts' scales and
+  zero points fold into the GEMM's column scales and bias, and one ``QuantizeLinear`` (scale 1, zero
+  point 0) before the ``Split`` replaces one per part; the heads' Reshape/Transpose then move codes.
 * :func:`static_reshapes`: ``Reshape`` targets the exporter builds at run time
   (``Shape -> Gather -> Unsqueeze -> Concat``, e.g. ``[batch, seq, heads, head_dim]``) become
   constants, with 0 ("copy this dimension") where ONNX shape inference shows that the gathered
