@@ -202,11 +202,11 @@ def train_resumable(
     ``stop_after`` ends this invocation after that many steps (train in chunks).
     Returns the model and the step reached.
     """
-    W.data._check_choice("model kind", kind, ("lm", "vit"))
+    W.data.check_choice("model kind", kind, ("lm", "vit"))
     if checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be at least 1, got {checkpoint_every}")
     sizes, budgets = (W.LM_SIZES, W.LM_BUDGETS) if kind == "lm" else (W.VIT_SIZES, W.VIT_BUDGETS)
-    W.data._check_choice(f"{kind} size", size, sizes)
+    W.data.check_choice(f"{kind} size", size, sizes)
     run = {"kind": kind, "size": size, "seed": seed, "family": family if kind == "lm" else "vit",
            "attention": attention, "steps": int(steps or budgets[size]["steps"]),
            "batch_size": int(budgets[size]["batch_size"]), "lr": float(budgets[size]["lr"])}
@@ -236,7 +236,7 @@ def train_resumable(
             configure_attention(model, **attention)
         start, losses = 0, []
     total = run["steps"]
-    optimizer = W.training._optimizer(model, run["lr"], 0.1 if kind == "lm" else 0.05)
+    optimizer = W.training.make_optimizer(model, run["lr"], 0.1 if kind == "lm" else 0.05)
     if resume:
         optimizer.load_state_dict(payload["optimizer"])
     if kind == "lm":

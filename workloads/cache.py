@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from softq.workloads.data import (CharTokenizer, _check_choice, digits_data, lm_eval_inputs, perplexity, top1,
+from softq.workloads.data import (CharTokenizer, check_choice, digits_data, lm_eval_inputs, perplexity, top1,
                                   vit_eval_inputs)
 from softq.workloads.models import LM_SIZES, VIT_SIZES, build_model, variant_name
 from softq.workloads.training import LM_BUDGETS, VIT_BUDGETS, train_lm, train_vit
@@ -94,7 +94,7 @@ def reference_lm(
     progress: bool = True,
 ) -> tuple[nn.Module, CharTokenizer]:
     """The cached reference character LM (trained and cached on first use) and its tokenizer."""
-    _check_choice("LM size", size, LM_SIZES)
+    check_choice("LM size", size, LM_SIZES)
     steps = int(steps or LM_BUDGETS[size]["steps"])
     path = cache_dir() / cache_key("lm", size, family, attention, seed, steps)
     if path.exists() and not force:
@@ -123,7 +123,7 @@ def reference_vit(
     progress: bool = True,
 ) -> nn.Module:
     """The cached reference digits ViT (trained and cached on first use)."""
-    _check_choice("ViT size", size, VIT_SIZES)
+    check_choice("ViT size", size, VIT_SIZES)
     steps = int(steps or VIT_BUDGETS[size]["steps"])
     path = cache_dir() / cache_key("vit", size, "vit", attention, seed, steps)
     if path.exists() and not force:

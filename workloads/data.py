@@ -21,7 +21,8 @@ HELDOUT_FRACTION = 0.1
 DIGITS_SEED = 0
 
 
-def _check_choice(what: str, value: str, choices: Iterable[str]) -> None:
+def check_choice(what: str, value: str, choices: Iterable[str]) -> None:
+    """One clear ValueError naming ``what`` when ``value`` is not one of ``choices``."""
     choices = list(choices)
     if value not in choices:
         raise ValueError(f"unknown {what} '{value}'; choose one of {choices}")
@@ -102,7 +103,7 @@ class CharTokenizer:
 
 
 def _split_ids(split: str, tokenizer: CharTokenizer) -> torch.Tensor:
-    _check_choice("split", split, ("train", "heldout"))
+    check_choice("split", split, ("train", "heldout"))
     train, heldout = char_corpus()
     return torch.tensor(tokenizer.encode(train if split == "train" else heldout), dtype=torch.long)
 
@@ -187,7 +188,7 @@ def digits_data(split: str, image_size: int = 32) -> tuple[torch.Tensor, torch.T
     the 8x8 images are upsampled bilinearly to ``image_size`` so that with patch 4
     the reference ViT sees 8x8 = 64 tokens.
     """
-    _check_choice("split", split, ("train", "heldout", "test"))
+    check_choice("split", split, ("train", "heldout", "test"))
     if image_size < 8:
         raise ValueError(f"image_size must be at least 8, got {image_size}")
     from sklearn.datasets import load_digits

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from softq.workloads.data import CharTokenizer, _check_choice
+from softq.workloads.data import CharTokenizer, check_choice
 
 
 # Sizes.  "reference" is what the examples train and benchmarks use; "tiny" is for tests.
@@ -31,8 +31,8 @@ def lm_config(
     ``context`` defaults to the size's context (1024 reference, 128 tiny) and
     ``vocab_size`` to the :class:`CharTokenizer` vocabulary.
     """
-    _check_choice("LM size", size, LM_SIZES)
-    _check_choice("LM family", family, ("gpt2", "opt"))
+    check_choice("LM size", size, LM_SIZES)
+    check_choice("LM family", family, ("gpt2", "opt"))
     s = LM_SIZES[size]
     context = int(context or s["context"])
     vocab_size = int(vocab_size or CharTokenizer().vocab_size)
@@ -58,7 +58,7 @@ def lm_config(
 
 def vit_config(size: str = "reference") -> Any:
     """ViTForImageClassification config for 1-channel digits, 10 labels, dropout off."""
-    _check_choice("ViT size", size, VIT_SIZES)
+    check_choice("ViT size", size, VIT_SIZES)
     from transformers import ViTConfig
 
     s = VIT_SIZES[size]

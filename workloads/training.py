@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from softq.workloads.data import CharTokenizer, _check_choice, _progress, lm_batches, vit_batches
+from softq.workloads.data import CharTokenizer, check_choice, _progress, lm_batches, vit_batches
 from softq.workloads.models import LM_SIZES, VIT_SIZES, _configure, attention_options, build_model, lm_config, vit_config
 
 
@@ -38,7 +38,8 @@ def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def _optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on biases, norms or attention gates)."""
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2 and "gate" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and (p.ndim < 2 or "gate" in n)]
     return torch.optim.AdamW(
@@ -93,7 +94,7 @@ def run_training(
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
-    optimizer = optimizer or _optimizer(model, lr, weight_decay)
+    optimizer = optimizer or make_optimizer(model, lr, weight_decay)
     warmup = max(1, min(100, steps // 10)) if warmup is None else max(1, warmup)
     losses: list[float] = []
     model.train()
@@ -142,7 +143,7 @@ def train_lm(
     the first step, so the variant is what gets trained.  ``on_step`` is passed
     to :func:`run_training` (checkpoints, measurements during training).
     """
-    _check_choice("LM size", size, LM_SIZES)
+    check_choice("LM size", size, LM_SIZES)
     budget = LM_BUDGETS[size]
     tokenizer = tokenizer or CharTokenizer()
     torch.manual_seed(seed)
@@ -172,7 +173,7 @@ def train_vit(
 
     ``on_step(step, model, optimizer, losses)`` runs after every step (see :func:`run_training`).
     """
-    _check_choice("ViT size", size, VIT_SIZES)
+    check_choice("ViT size", size, VIT_SIZES)
     budget = VIT_BUDGETS[size]
     torch.manual_seed(seed)
     config = vit_config(size)
