@@ -487,14 +487,22 @@ def _dims(value: onnx.ValueInfoProto) -> list:
 
 
 PROBE_SIZES = ((11, 13, 17), (19, 23, 29), (31, 37, 41))  # per probe, a prime for each symbolic input dimension
+SKELETON_MAX_CONST = 4096  # initializers up to this many elements keep their values for shape inference
 
 
 def _inferred_shapes(model: onnx.ModelProto, sizes: tuple[int, ...] | None = None) -> dict[str, list] | None:
     """Tensor name -> dims by ONNX shape inference (``data_prop``), with the graph inputs' symbolic
     dimensions as they are or, with ``sizes``, set to those sizes (one per distinct symbol)."""
-    bare = onnx.ModelProto()
-    bare.CopyFrom(model)
-    del bare.graph.value_info[:]  # the tracer's names would hide that two dimensions are one
+    # a skeleton: the nodes, small constants, and large initializers as inputs of their shape (not copying
+    # the weights keeps this cheap on large models); no value_info: the tracer's names would hide that two
+    # dimensions are one
+    small = [i for i in model.graph.initializer if np.prod(i.dims, dtype=np.int64) <= SKELETON_MAX_CONST]
+    inputs = {i.name for i in model.graph.input}  # (older files list initializers as inputs too)
+    large = [helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in model.graph.initializer
+             if np.prod(i.dims, dtype=np.int64) > SKELETON_MAX_CONST and i.name not in inputs]
+    graph = helper.make_graph(model.graph.node, model.graph.name, [*model.graph.input, *large], model.graph.output,
+                              small)
+    bare = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
     if sizes is not None:
         symbols = list(dict.fromkeys(d.dim_param for i in bare.graph.input
                                      for d in i.type.tensor_type.shape.dim if d.dim_param))
