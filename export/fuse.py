@@ -31,7 +31,8 @@ onnxruntime's CPU fusions absorb:
 * :func:`static_reshapes`: ``Reshape`` targets the exporter builds at run time
   (``Shape -> Gather -> Unsqueeze -> Concat``, e.g. ``[batch, seq, heads, head_dim]``) become
   constants, with 0 ("copy this dimension") where ONNX shape inference shows that the gathered
-  dimension is the Reshape input's own dimension at that position: about 7 nodes per attention
+  dimension is the Reshape input's own dimension at that position (the same symbol, or the same size
+  at three probe shapes where a mask's broadcast loses the symbols): about 7 nodes per attention
   layer fewer, which at batch 1 on a small model is several percent of the run time.
 """
 
@@ -225,12 +226,10 @@ def fold_attention_output_scales(model: onnx.ModelProto) -> int:
     projection).  Heads and head size come from ONNX shape inference of the division's output.
     """
     g = _Graph(model, "attn_out")
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # noqa: BLE001 - shapes unknown: nothing to fold
+    inferred = _inferred_shapes(model, keep_value_info=True)  # (the tracer's shapes carry the head count)
+    if inferred is None:  # shapes unknown: nothing to fold
         return 0
-    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-              for v in inferred.graph.value_info}
+    shapes = {k: [d if isinstance(d, int) else None for d in dims] for k, dims in inferred.items()}
     replaced: dict[int, list[onnx.NodeProto]] = {}
     for mul in list(g.graph.node):
         if mul.op_type != "Mul" or len(mul.input) != 2:
@@ -490,18 +489,22 @@ PROBE_SIZES = ((11, 13, 17), (19, 23, 29), (31, 37, 41))  # per probe, a prime f
 SKELETON_MAX_CONST = 4096  # initializers up to this many elements keep their values for shape inference
 
 
-def _inferred_shapes(model: onnx.ModelProto, sizes: tuple[int, ...] | None = None) -> dict[str, list] | None:
+def _inferred_shapes(model: onnx.ModelProto, sizes: tuple[int, ...] | None = None,
+                     keep_value_info: bool = False) -> dict[str, list] | None:
     """Tensor name -> dims by ONNX shape inference (``data_prop``), with the graph inputs' symbolic
-    dimensions as they are or, with ``sizes``, set to those sizes (one per distinct symbol)."""
+    dimensions as they are or, with ``sizes``, set to those sizes (one per distinct symbol).
+    ``keep_value_info`` starts from the shapes the graph already records (the tracer's)."""
     # a skeleton: the nodes, small constants, and large initializers as inputs of their shape (not copying
-    # the weights keeps this cheap on large models); no value_info: the tracer's names would hide that two
-    # dimensions are one
+    # the weights keeps this cheap on large models); by default no value_info: the tracer's names would hide
+    # that two dimensions are one
     small = [i for i in model.graph.initializer if np.prod(i.dims, dtype=np.int64) <= SKELETON_MAX_CONST]
     inputs = {i.name for i in model.graph.input}  # (older files list initializers as inputs too)
     large = [helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in model.graph.initializer
              if np.prod(i.dims, dtype=np.int64) > SKELETON_MAX_CONST and i.name not in inputs]
     graph = helper.make_graph(model.graph.node, model.graph.name, [*model.graph.input, *large], model.graph.output,
                               small)
+    if keep_value_info:
+        graph.value_info.extend(model.graph.value_info)
     bare = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
     if sizes is not None:
         symbols = list(dict.fromkeys(d.dim_param for i in bare.graph.input
