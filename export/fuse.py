@@ -28,6 +28,10 @@ onnxruntime's CPU fusions absorb:
   quantized again per tensor (that GEMM's Q, K and V, or GPT-2's ``c_attn``), the parts' scales and
   zero points fold into the GEMM's column scales and bias, and one ``QuantizeLinear`` (scale 1, zero
   point 0) before the ``Split`` replaces one per part; the heads' Reshape/Transpose then move codes.
+* :func:`fold_sum_columns`: the ``row`` core's Pad of V with a column of ``z + 1`` (its row sums) becomes
+  one more column per head in that GEMM (zero weights, the code as bias): a copy of V fewer per layer.
+* :func:`fold_row_scales`: the core's scalar factor in ``Div(N, Mul(D, c))`` moves into the scale of the
+  ``QuantizeLinear`` that reads the attention output: one Mul fewer per layer.
 * :func:`static_reshapes`: ``Reshape`` targets the exporter builds at run time
   (``Shape -> Gather -> Unsqueeze -> Concat``, e.g. ``[batch, seq, heads, head_dim]``) become
   constants, with 0 ("copy this dimension") where ONNX shape inference shows that the gathered
@@ -301,6 +305,8 @@ def fuse(model: onnx.ModelProto, linears: bool = True, dynamic: bool = False) ->
     onnx_utils.prune(model)  # the shape nodes the constants replaced read the projections' outputs
     done["shared_linears"] = fuse_shared_linears(model) if linears else 0
     done["split_quantizers"] = fold_split_quantizers(model) if linears else 0
+    done["sum_columns"] = fold_sum_columns(model) if linears else 0
+    done["row_scales"] = fold_row_scales(model)
     return done
 
 
@@ -478,6 +484,140 @@ def fold_split_quantizers(model: onnx.ModelProto) -> int:
     g.graph.value_info.extend(kept)
     g.replace(replaced)
     return len(found)
+
+
+def _const_input(g: _Graph, node: onnx.NodeProto, index: int) -> np.ndarray | None:
+    return g.const(node.input[index]) if len(node.input) > index and node.input[index] else None
+
+
+def _linear_of_codes(g: _Graph, codes: str) -> dict | None:
+    """The :func:`fold_split_quantizers` GEMM (with its bias Add) whose ``QuantizeLinear(1, 0)`` gives ``codes``."""
+    ql = g.made_by(codes, "QuantizeLinear")
+    if ql is None or len(ql.input) != 3 or ql.attribute:
+        return None
+    one, zero = _const_input(g, ql, 1), _const_input(g, ql, 2)
+    if one is None or zero is None or one.size != 1 or float(one.reshape(())) != 1.0 or zero.size != 1 or zero.any():
+        return None
+    add = g.made_by(ql.input[0], "Add")
+    mul = g.made_by(add.input[0], "Mul") if add is not None else None
+    cast = g.made_by(mul.input[0], "Cast") if mul is not None else None
+    mm = g.made_by(cast.input[0], "MatMulInteger") if cast is not None else None
+    part = _integer_linear(g, mm) if mm is not None else None
+    if part is None or part["out"] != ql.input[0] or len(part["nodes"]) != 5 or g.only_reader(ql.input[0]) is not ql:
+        return None
+    return {**part, "zero": zero.reshape(())}
+
+
+def fold_sum_columns(model: onnx.ModelProto) -> int:
+    """Let the Q/K/V GEMM write the row core's V sum column; returns the Pads removed.
+
+    The ``row`` attention core pads V (``[batch, heads, keys, head_dim]`` uint8 codes) with a constant
+    column (``z + 1``, so that ``E.(v - z)`` also gives the row sum ``sum E``).  Where V comes from a
+    :func:`fold_split_quantizers` GEMM (its codes ``Split``, ``Reshape`` to ``[.., heads, head_dim]``,
+    ``Transpose`` keeping the last axis, then possibly a ``DequantizeLinear -> QuantizeLinear`` pair with
+    equal parameters), the GEMM gets one more column per head instead: weights equal to the weight zero
+    point (an accumulator of exactly 0) and the pad code as bias, which ``QuantizeLinear(1, 0)`` returns
+    exactly.  The same codes; one Pad (a copy of V) fewer per layer for a GEMM ``heads`` columns wider.
+    """
+    g = _Graph(model, "sumcol")
+    found, reshaped, removed = 0, set(), {}
+    for pad in g.graph.node:
+        if pad.op_type != "Pad" or len(pad.input) != 3 or any(a.name == "mode" and a.s != b"constant"
+                                                               for a in pad.attribute):
+            continue
+        pads, value, x = _const_input(g, pad, 1), _const_input(g, pad, 2), pad.input[0]
+        rank = pads.size // 2 if pads is not None else 0
+        if rank < 2 or value is None or value.size != 1 or pads.tolist() != [0] * (2 * rank - 1) + [1]:
+            continue
+        codes, dq = x, None
+        ql = g.made_by(x, "QuantizeLinear")
+        if ql is not None:  # an identity requantization (same scale and zero point): the column passes through
+            dq = g.made_by(ql.input[0], "DequantizeLinear")
+            a = _dq_params(g, dq)
+            b = (_const_input(g, ql, 1), _const_input(g, ql, 2)) if len(ql.input) == 3 and not ql.attribute else None
+            if (a is None or b is None or b[0] is None or b[1] is None or a[0].size != 1 or b[0].size != 1
+                    or a[0].reshape(()) != b[0].reshape(()) or a[1].tobytes() != b[1].tobytes()
+                    or a[1].dtype != b[1].dtype or g.only_reader(dq.output[0]) is not ql):
+                continue
+            codes = dq.input[0]
+        transpose = g.made_by(codes, "Transpose")
+        perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), None) if transpose else None
+        reshape = g.made_by(transpose.input[0], "Reshape") if perm is not None else None
+        target = _const_input(g, reshape, 1) if reshape is not None else None
+        if (target is None or len(perm) != rank or perm[-1] != rank - 1 or target.shape != (rank,)
+                or g.only_reader(x) is not pad or g.only_reader(codes) is not (dq or pad)
+                or g.only_reader(reshape.output[0]) is not transpose):
+            continue
+        heads, size = (int(v) for v in target[-2:])  # heads may be -1 (inferred), which it stays
+        split = g.made_by(reshape.input[0], "Split")
+        if split is None or heads == 0 or heads < -1 or size <= 0 or g.only_reader(reshape.input[0]) is not reshape:
+            continue
+        part = _linear_of_codes(g, split.input[0])
+        sizes = _const_input(g, split, 1)
+        if (part is None or sizes is None or sizes.ndim != 1 or len(sizes) != len(split.output)
+                or int(sizes.sum()) != part["w"].shape[1] or g.only_reader(split.input[0]) is not split
+                or value.dtype != part["zero"].dtype or list(split.output).count(reshape.input[0]) != 1):
+            continue
+        j = list(split.output).index(reshape.input[0])
+        start, count = int(sizes[:j].sum()), int(sizes[j])
+        heads = count // size if heads == -1 else heads
+        if count != heads * size:
+            continue
+        where = start + size * np.arange(1, heads + 1)  # after each head's columns of part j
+        w, w_zp = part["w"], part["w_zp"]
+        mm, smul, add = part["nodes"][0], part["nodes"][3], part["nodes"][4]
+        column = np.zeros((w.shape[0], heads), w.dtype)  # weight zero point 0 (below): accumulators exactly 0
+        mm.input[1] = g.add_const("w", np.insert(w, where, column, axis=1))
+        mm.input[3] = g.add_const("w_zp", np.insert(w_zp, where, np.zeros(heads, w_zp.dtype)))
+        smul.input[1] = g.add_const("scale", np.insert(part["scale"], where, np.float32(1.0)))
+        add.input[1] = g.add_const("bias", np.insert(part["bias"], where, np.float32(value.reshape(()))))
+        sizes = sizes.astype(np.int64)
+        sizes[j] += heads
+        split.input[1] = g.add_const("sizes", sizes)
+        target = target.astype(np.int64)
+        target[-1] = size + 1
+        reshape.input[1] = g.add_const("shape", target)
+        g.rename_uses(pad.output[0], x)
+        removed[id(pad)] = []
+        reshaped.update([*(n.output[0] for n in part["nodes"]), split.input[0], reshape.input[0], reshape.output[0],
+                         codes, x] + ([dq.output[0]] if dq is not None else []))
+        found += 1
+    kept = [v for v in g.graph.value_info if v.name not in reshaped]  # recorded shapes lack the new columns
+    del g.graph.value_info[:]
+    g.graph.value_info.extend(kept)
+    g.replace(removed)
+    return found
+
+
+def fold_row_scales(model: onnx.ModelProto) -> int:
+    """Fold the row core's scalar factor into the quantizer of the attention output; returns how many.
+
+    ``QuantizeLinear(Div(N, Mul(D, c)), s)`` (directly or through Reshape/Transpose; ``c > 0`` a scalar)
+    becomes ``QuantizeLinear(Div(N, D), s * c)``: the same codes up to float rounding at ties, one Mul
+    fewer per layer.  A per-channel ``c`` (the output projection's input smoothing, folded there by
+    :func:`fold_attention_output_scales`) stays.
+    """
+    g = _Graph(model, "rowscale")
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for div in g.graph.node:
+        if div.op_type != "Div" or len(div.input) != 2:
+            continue
+        mul = g.made_by(div.input[1], "Mul")
+        if mul is None or len(mul.input) != 2 or g.only_reader(mul.output[0]) is not div:
+            continue
+        k = next((j for j, i in enumerate(mul.input) if g.const(i) is not None), None)
+        c = g.const(mul.input[k]) if k is not None else None
+        if c is None or c.size != 1 or c.dtype != np.float32 or not float(c.reshape(())) > 0:
+            continue
+        quant = _requantizer(g, div.output[0])
+        if quant is None:
+            continue
+        ql, s = quant[0], quant[1]
+        ql.input[1] = g.add_const("scale", np.float32(s * float(c.reshape(()))))
+        div.input[1] = mul.input[1 - k]
+        replaced[id(mul)] = []
+    g.replace(replaced)
+    return len(replaced)
 
 
 def _dims(value: onnx.ValueInfoProto) -> list:

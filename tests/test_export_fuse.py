@@ -434,3 +434,87 @@ def test_query_key_value_codes_come_from_one_quantizer(smoothed, graphs, family)
     assert all(value_types.get(o) == TensorProto.UINT8 for n in splits for o in n.output)
     count = [sum(n.op_type == "QuantizeLinear" for n in m.graph.node) for m in (fused, plain)]
     assert count[0] == count[1] - 2 * layers
+
+
+def _core_pads(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == "Pad"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_query_key_value_gemm_writes_the_row_sum_column(smoothed, graphs, family):
+    """The row core's V column of z + 1 (whose E.(v - z) is the row sum) comes out of the Q/K/V GEMM, one
+    zero-weight column per head, instead of a Pad copying V; test_fused_outputs_match_torch_and_the_unfused_graph
+    checks the outputs."""
+    fused, plain = graphs[family]
+    cfg = smoothed[family].config
+    layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    assert len(_core_pads(plain)) == layers and _core_pads(fused) == []
+    consts = {i.name: numpy_helper.to_array(i) for i in fused.graph.initializer}
+    made = {o: n for n in fused.graph.node for o in n.output}
+    gemms = [made[made[s.input[0]].input[0]] for s in fused.graph.node
+             if s.op_type == "Split" and made[s.input[0]].op_type == "QuantizeLinear"]
+    for add in gemms:  # QuantizeLinear(Add(Mul(Cast(MatMulInteger)), bias)): 3 x hidden + one column per head
+        mm = made[made[made[add.input[0]].input[0]].input[0]]
+        w = consts[mm.input[1]]
+        assert w.shape == (cfg.hidden_size, 3 * cfg.hidden_size + heads)
+        assert (w == 0).all(axis=0).sum() >= heads
+    assert len(gemms) == layers
+
+
+@pytest.fixture(scope="module")
+def unsmoothed() -> dict[str, tuple[torch.nn.Module, onnx.ModelProto, onnx.ModelProto]]:
+    """family -> (quantized without input smoothing, its export, the export without the fuse passes)."""
+    cfg = softq.QuantConfig(input_smoothing=None, quantize_residual=False)
+    out = {}
+    for family in FAMILIES:
+        qmodel = softq.quantize(tiny_model(family), [tiny_inputs(family, seed=40 + i) for i in range(3)], cfg)
+        fused = build_onnx(qmodel, tiny_inputs(family), "fast")
+        with pytest.MonkeyPatch.context() as plain:
+            plain.setattr(fuse, "fuse", lambda model, **_: {})
+            out[family] = (qmodel, fused, build_onnx(qmodel, tiny_inputs(family), "fast"))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_row_scale_folds_into_the_attention_output_quantizer(unsmoothed, family):
+    """Without smoothing the core's ``Div(N, Mul(D, c))`` has a scalar c: it moves into the scale of the
+    QuantizeLinear that reads the attention output (s * c), and the outputs still match torch and the
+    unfused graph."""
+    qmodel, fused, plain = unsmoothed[family]
+    layers = qmodel.config.num_hidden_layers
+
+    def core_muls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+        made = {o: n for n in model.graph.node for o in n.output}
+        return [made[n.input[1]] for n in model.graph.node if n.op_type == "Div" and n.name.startswith("softq/L")
+                and n.input[1] in made and made[n.input[1]].op_type == "Mul"]
+
+    assert len(core_muls(plain)) == layers and core_muls(fused) == []
+    for opt in ("disable", "all"):
+        sessions = [U.session(fused, opt), U.session(plain, opt)]
+        inputs, feeds = _feeds(family, 3)
+        with torch.no_grad():
+            out = qmodel(**inputs)
+        ref = (out.logits if hasattr(out, "logits") else out.last_hidden_state).numpy()
+        got, unfused = (s.run(None, feeds)[0] for s in sessions)
+        scale = np.abs(ref).max()
+        assert np.abs(got - ref).max() <= LOGIT_TOL * scale
+        rows = np.abs(got - unfused).reshape(-1, got.shape[-1]).max(-1) <= 1e-4 * scale
+        assert rows.mean() >= 0.9, f"{opt}: {rows.mean():.2f} of the rows equal the unfused graph's"
+
+
+def test_sum_column_and_row_scale_stay_where_something_else_reads_the_tensors(unsmoothed):
+    """Where another reader (here a graph output) sees a layer's V codes or its core's division, that layer's Pad
+    and Mul stay; the other layers still fold."""
+    qmodel, _, plain = unsmoothed["vit"]
+    layers = qmodel.config.num_hidden_layers
+    model = onnx.ModelProto()
+    model.CopyFrom(plain)
+    pad = _core_pads(model)[0]
+    div = next(n for n in model.graph.node if n.op_type == "Div" and n.name.startswith("softq/L1/"))
+    model.graph.output.extend([helper.make_tensor_value_info(pad.input[0], TensorProto.UINT8, None),
+                               helper.make_tensor_value_info(div.output[0], TensorProto.FLOAT, None)])
+    done = fuse.fuse(model)
+    assert done["sum_columns"] == layers - 1 and len(_core_pads(model)) == 1
+    assert done["row_scales"] == layers - 1
+    made = {o: n for n in model.graph.node for o in n.output}
+    assert made[div.input[1]].op_type == "Mul"
