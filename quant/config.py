@@ -53,8 +53,9 @@ def softmax_input_span(softmax_output: str, softmax_bits: int, act_bits: int = 8
     grid = 2**softmax_bits - 1 if softmax_output == "row" else SUM_GRID
     return math.log(grid / ROW_INPUT_TAIL)
 MIN_BITS, MAX_BITS = 2, 16
-# input_smoothing="auto" (min-max observer): no smoothing or one of these alphas, whichever gives outputs (logits
-# or last hidden state) closest to the float model's on calibration batches held out from range observation
+# input_smoothing="auto" (min-max observer): no smoothing or one of these alphas, whichever gives outputs (a language
+# model's per-token logits, else the last hidden state's tokens) closest to the float model's on calibration
+# batches held out from range observation
 AUTO_SMOOTHING_ALPHAS = (0.6, 0.8, 1.0)
 # ... and a smoothed candidate must cut that distance by at least this fraction: where a Linear input follows
 # neither a LayerNorm nor the attention core (a GELU output), smoothing is one more Mul at run time
@@ -128,8 +129,10 @@ class QuantConfig:
             every Linear input; ``None`` never.  ``"auto"`` (default) measures: ranges are
             observed on 3 of every 4 calibration batches (a single batch is cut into up to
             4 along its examples), then no smoothing and alphas 0.6, 0.8 and 1.0 are each
-            judged on the held-out 4th batches (mean cosine distance of the outputs, logits
-            or last hidden state, to the float model's); the closest alpha is kept if it is
+            judged on the held-out 4th batches (mean cosine distance to the float model's
+            outputs: a language model's per-token logits, else the tokens of the last hidden
+            state, also for classifiers, whose one logit row per example is too few rows to
+            judge by); the closest alpha is kept if it is
             at least 20% closer than no smoothing (where an input follows a GELU,
             smoothing costs a Mul at run time) and calibrated on every batch.  One
             observation pass serves all four (min-max ranges of a smoothed input follow

@@ -233,14 +233,20 @@ def _held_out_split(batches: list[Batch]) -> tuple[list[Batch], list[Batch]] | N
 
 @torch.no_grad()
 def _outputs(model: nn.Module, batches: list[Batch]) -> list[torch.Tensor]:
-    """The model's output rows on ``batches``: its logits if it has a head, else its last hidden state, one row
-    per token (valid tokens only) or per example (``[rows, features]`` each)."""
+    """The model's output rows on ``batches``, one row per token (valid tokens only): its logits where they have
+    a row per token (a language model), else its last hidden state (``[rows, features]`` each).
+
+    A classifier's logits are one row per example: a handful per held-out batch, too few to tell candidates
+    apart (the reference ViT's 4 held-out images picked a smoothing that its 260 token rows, and its held-out
+    loss, did not), so classifiers are judged on the tokens of the last hidden state their head reads."""
     out = []
     for batch in batches:
-        result = model(**batch)
+        result = model(**batch, output_hidden_states=True)
         y = getattr(result, "logits", None)
-        if y is None:
-            y = result.last_hidden_state if hasattr(result, "last_hidden_state") else result[0]
+        if y is None or y.dim() < 3:
+            hidden = getattr(result, "hidden_states", None)
+            y = (result.last_hidden_state if getattr(result, "last_hidden_state", None) is not None
+                 else hidden[-1] if hidden else result[0])
         y = y.float()
         mask = batch.get("attention_mask")
         flat = y.reshape(-1, y.shape[-1])
