@@ -515,8 +515,8 @@ def fold_sum_columns(model: onnx.ModelProto) -> int:
     column (``z + 1``, so that ``E.(v - z)`` also gives the row sum ``sum E``).  Where V comes from a
     :func:`fold_split_quantizers` GEMM (its codes ``Split``, ``Reshape`` to ``[.., heads, head_dim]``,
     ``Transpose`` keeping the last axis, then possibly a ``DequantizeLinear -> QuantizeLinear`` pair with
-    equal parameters), the GEMM gets one more column per head instead: weights equal to the weight zero
-    point (an accumulator of exactly 0) and the pad code as bias, which ``QuantizeLinear(1, 0)`` returns
+    equal parameters), the GEMM gets one more column per head instead: zero weights with weight zero point
+    0 (an accumulator of exactly 0) and the pad code as bias, which ``QuantizeLinear(1, 0)`` returns
     exactly.  The same codes; one Pad (a copy of V) fewer per layer for a GEMM ``heads`` columns wider.
     """
     g = _Graph(model, "sumcol")
@@ -566,7 +566,7 @@ def fold_sum_columns(model: onnx.ModelProto) -> int:
         where = start + size * np.arange(1, heads + 1)  # after each head's columns of part j
         w, w_zp = part["w"], part["w_zp"]
         mm, smul, add = part["nodes"][0], part["nodes"][3], part["nodes"][4]
-        column = np.zeros((w.shape[0], heads), w.dtype)  # weight zero point 0 (below): accumulators exactly 0
+        column = np.zeros((w.shape[0], heads), w.dtype)  # with weight zero point 0: accumulators exactly 0
         mm.input[1] = g.add_const("w", np.insert(w, where, column, axis=1))
         mm.input[3] = g.add_const("w_zp", np.insert(w_zp, where, np.zeros(heads, w_zp.dtype)))
         smul.input[1] = g.add_const("scale", np.insert(part["scale"], where, np.float32(1.0)))
