@@ -93,7 +93,8 @@ def run_task(task: Task, table_rows: list[Row]) -> list[tuple[str, float, float,
             qmodel = softq.quantize(task.model, task.calib, row.config)
             value, loss = task.measure(qmodel)
             alpha = qmodel.softq_input_smoothing
-            smoothing = "none" if alpha is None else f"{alpha:g}"
+            smoothing = "none" if alpha is None else f"{alpha:g}" + (
+                " (LN-folded inputs)" if getattr(qmodel, "softq_smoothing_folded_only", False) else "")
             if row.config == softq.QuantConfig():
                 SMOOTHING[task.name] = smoothing_report(qmodel)
         losses[row.label.strip()] = loss
@@ -130,8 +131,10 @@ def markdown(sections: list[tuple[Task, list[tuple[str, float, float, str, str]]
         "'no gap' = the uncorrected row is within 1e-4 nats of FP (nothing to win back).",
         "'smoothing' = the input smoothing alpha the row's model got (`input_smoothing='auto'` unless the row says",
         "otherwise: no smoothing or alpha 0.6 / 0.8 / 1.0, whichever is closest to the float model on the calibration",
-        "batches held out from range observation (the ViT's single batch of 16 images: 4 of them), smoothing only if",
-        "at least 20% closer than none).",
+        "batches held out from range observation (the ViT's single batch of 16 images: 4 of them; the LM's logits, the",
+        "ViT's last hidden state), each applied to every Linear input and, in these pre-LN models, only to the inputs",
+        "that are LayerNorm outputs ('LN-folded inputs': free at run time, kept if closer than none); smoothing every",
+        "input costs a Mul at run time and is kept only if at least 20% closer than the better of those).",
         "",
     ]
     for task, table in sections:

@@ -231,12 +231,15 @@ def main() -> None:
     auto = softq.quantize(task.model, task.calib, softq.QuantConfig())
     lines += ["", "## 2. Input smoothing and SmoothQuant strength, and two calibration-driven fixes (8-bit)", "",
               "`input_smoothing='auto'` (the default) observes ranges on 12 of the 16 calibration windows and judges no "
-              "smoothing and alphas 0.6 / 0.8 / 1.0 on the other 4 (cosine distance of the logits to FP32's; smoothing "
-              "only if at least 20% closer than none). Here, "
+              "smoothing and alphas 0.6 / 0.8 / 1.0 on the other 4 (cosine distance of the logits to FP32's), each at "
+              "every Linear input and at the LayerNorm outputs' inputs alone (c_attn, c_fc: their scales fold into the "
+              "LayerNorm, free at run time, kept if closer than none); smoothing every input costs Muls at run time "
+              "and is kept only if at least 20% closer than the better of those. Here, "
               f"{smoothing_report(auto)}.", "", *head]
     chosen = auto.softq_input_smoothing
-    lines.append(row(f"default: `input_smoothing='auto'` (picks {'none' if chosen is None else f'alpha {chosen:g}'} "
-                     "on held-out calibration batches)", auto))
+    where = " at the LayerNorm-folded inputs" if auto.softq_smoothing_folded_only else ""
+    lines.append(row(f"default: `input_smoothing='auto'` (picks {'none' if chosen is None else f'alpha {chosen:g}'}"
+                     f"{where} on held-out calibration batches)", auto))
     none = softq.QuantConfig(input_smoothing=None)
     for label, cfg in [("no input smoothing (`input_smoothing=None`)", none)] + [
             (f"input_smoothing={a} (every Linear input)", softq.QuantConfig(input_smoothing=a))

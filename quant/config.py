@@ -57,8 +57,10 @@ MIN_BITS, MAX_BITS = 2, 16
 # model's per-token logits, else the last hidden state's tokens) closest to the float model's on calibration
 # batches held out from range observation
 AUTO_SMOOTHING_ALPHAS = (0.6, 0.8, 1.0)
-# ... and a smoothed candidate must cut that distance by at least this fraction: where a Linear input follows
-# neither a LayerNorm nor the attention core (a GELU output), smoothing is one more Mul at run time
+# ... and a candidate smoothing every input must cut that distance by at least this fraction below the better of no
+# smoothing and smoothing only the inputs that are LayerNorm outputs (pre-LN models; those scales fold into the
+# LayerNorm, free at run time, so they need no margin): at an input that follows no LayerNorm (a GELU output, the
+# attention output) smoothing is one more Mul at run time
 AUTO_SMOOTHING_MIN_GAIN = 0.2
 # input_smoothing="auto" with another observer: this alpha, in models where some Linear input's widest channel
 # exceeds this many times its median channel (max |x| over the calibration set)
@@ -132,11 +134,15 @@ class QuantConfig:
             judged on the held-out 4th batches (mean cosine distance to the float model's
             outputs: a language model's per-token logits, else the tokens of the last hidden
             state, also for classifiers, whose one logit row per example is too few rows to
-            judge by); the closest alpha is kept if it is
-            at least 20% closer than no smoothing (where an input follows a GELU,
-            smoothing costs a Mul at run time) and calibrated on every batch.  One
-            observation pass serves all four (min-max ranges of a smoothed input follow
-            from its per-channel ones).
+            judge by).  In a pre-LN model (ViT, GPT-2) the alphas are also judged applied
+            only to the inputs that are LayerNorm outputs (Q/K/V, the first FFN Linear),
+            whose scales fold into the LayerNorm and cost nothing at run time: the best of
+            those is kept if closer than no smoothing.  Smoothing every input costs a Mul
+            at run time at each input that follows no LayerNorm (a GELU output, the
+            attention output), so it is kept only if at least 20% closer than the better
+            of the two.  The choice is calibrated on every batch.  One observation pass
+            serves all candidates (min-max ranges of a smoothed input follow from its
+            per-channel ones).
             Holding batches out matters: judged on the batches that set the ranges, alpha 1.0
             looks best on the 2400-step reference LM and on tiny random models, where it clips
             new inputs (tests/test_calib.py).  Chosen (quant_lm_steps2400.md, quant.md): the
@@ -148,8 +154,10 @@ class QuantConfig:
             With a single calibration example or another observer there is nothing to hold
             out or no shared pass, and "auto" applies alpha 0.8 where some Linear input's
             widest channel exceeds 16x its median one, else nothing.
-            ``quantize`` records the choice (``softq_input_smoothing``, and the candidates'
-            errors in ``softq_smoothing_errors``); ``softq quantize`` prints it.
+            ``quantize`` records the choice (``softq_input_smoothing``,
+            ``softq_smoothing_folded_only``, and the candidates' errors in
+            ``softq_smoothing_errors`` and ``softq_folded_smoothing_errors``);
+            ``softq quantize`` prints it.
         quantize_residual: also quantize LayerNorm inputs (the residual stream).
             ``"auto"`` (default): only with the ``edge`` softmax output (the integer-only
             runtimes' convention, where every tensor between ops is 8-bit); with ``row`` and

@@ -34,7 +34,8 @@ from torch import nn
 from softq.attention import AttentionPoints, attention_points
 from softq.calib.data import Batch, as_batches, run_batches
 from softq.calib.observers import MinMaxObserver
-from softq.calib.smoothquant import InputGroup, InputRecorder, smooth, smooth_inputs, smoothable_linears, smoothing_scales, tied_linears
+from softq.calib.smoothquant import (InputGroup, InputRecorder, post_ln, skipped, smooth, smooth_inputs,
+                                     smoothable_linears, smoothing_scales, tied_linears)
 from softq.models import conv1d_to_linear, model_family
 from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN, AUTO_SMOOTHING_RATIO, PREFIX_TOKENS, QuantConfig, softmax_input_span
 from softq.quant.quantizers import (ActQuantizer, QEmbedding, QLinear, RowScoresQuantizer, SoftmaxOutputQuantizer,
@@ -163,7 +164,9 @@ def quantize(
 
     set_mode(qmodel, "observe")
     recorder = InputRecorder(qmodel, smoothable_linears(qmodel)) if one_pass else None
-    errors = None
+    errors = folded_errors = None
+    folded = False  # smoothing only the inputs that fold into a LayerNorm (no run-time cost)
+    foldable = not post_ln(qmodel)
     # groups never smoothed: excluded, tied, or reading into a Linear that stays float
     skip = config.exclude + tied + tuple(name for name, m in qmodel.named_modules()
                                          if isinstance(m, nn.Linear) and not isinstance(m, QLinear))
@@ -171,7 +174,8 @@ def quantize(
         run_batches(qmodel, fit, desc="calibrating ranges")
         if search:
             recorder.remove()  # a copy must not carry the recording hooks
-            alpha, errors = _search_smoothing(qmodel, recorder, alphas, skip, held, reference)
+            alpha, folded, errors, folded_errors = _search_smoothing(qmodel, recorder, alphas, skip, held, reference,
+                                                                     foldable)
             alphas = (alpha,)
             recorder.resume()
             run_batches(qmodel, held, desc="calibrating ranges")  # the final ranges see every batch
@@ -179,12 +183,15 @@ def quantize(
         if recorder is not None:
             recorder.remove()
     alpha = alphas[0]
-    if recorder is not None and alpha is not None and not _smooth_observed(recorder.groups(), alpha, min_ratio, skip):
+    if recorder is not None and alpha is not None and not _smooth_observed(
+            _scope(recorder.groups(), folded), alpha, min_ratio, skip):
         alpha = None
     _finish(qmodel)
-    # what was chosen, for reports: the alpha (None: no smoothing) and, after "auto"'s search, each candidate's
-    # error on the held-out calibration batches (:func:`output_error`)
+    # what was chosen, for reports: the alpha (None: no smoothing), whether only the LayerNorm-folded inputs got
+    # it, and, after "auto"'s search, each candidate's error on the held-out calibration batches (:func:`output_error`)
     qmodel.softq_input_smoothing, qmodel.softq_smoothing_errors = alpha, errors
+    qmodel.softq_smoothing_folded_only = folded and alpha is not None
+    qmodel.softq_folded_smoothing_errors = folded_errors
 
     if config.bias_correction is not None:
         correct_softmax_bias(qmodel, batches, config.bias_correction)
@@ -200,11 +207,18 @@ def smoothing_report(qmodel: nn.Module) -> str:
         smoothed = any(m.input_scale.numel() for m in qmodel.modules() if isinstance(m, QLinear))
         return f"input smoothing: {'yes (alpha not recorded)' if smoothed else 'none'}"
     text = f"input smoothing: {name(qmodel.softq_input_smoothing)}"
+    if getattr(qmodel, "softq_smoothing_folded_only", False):
+        text += " at the inputs that fold into a LayerNorm"
     errors = getattr(qmodel, "softq_smoothing_errors", None)
     if errors:
+        folded = getattr(qmodel, "softq_folded_smoothing_errors", None) or {}
         text += (" (auto: the lowest mean cosine distance of the outputs to the float model's on held-out "
-                 f"calibration batches, smoothing only if {AUTO_SMOOTHING_MIN_GAIN:.0%} below none's; "
-                 + ", ".join(f"{name(a)} {e:.3g}" for a, e in errors.items()) + ")")
+                 "calibration batches; " + ", ".join(f"{name(a)} {e:.3g}" for a, e in errors.items()))
+        if folded:
+            text += ("; at LayerNorm-folded inputs only (no run-time cost, kept if below none): "
+                     + ", ".join(f"{name(a)} {e:.3g}" for a, e in folded.items()))
+        text += (f"; every input, which costs a Mul where one cannot fold, only if {AUTO_SMOOTHING_MIN_GAIN:.0%} "
+                 "below the better of those)")
     return text
 
 
@@ -263,33 +277,60 @@ def output_error(model: nn.Module, batches: list[Batch], reference: list[torch.T
     return float(dist.mean())
 
 
+def _scope(groups: list[InputGroup], folded_only: bool) -> list[InputGroup]:
+    """The groups a smoothing applies to: all, or those whose input is a LayerNorm output (``folded_only``)."""
+    return [g for g in groups if g.after_norm] if folded_only else groups
+
+
 def _search_smoothing(observed: nn.Module, recorder: InputRecorder, alphas: tuple[float | None, ...],
-                      skip: tuple[str, ...], held: list[Batch],
-                      reference: list[torch.Tensor]) -> tuple[float | None, dict[float | None, float]]:
+                      skip: tuple[str, ...], held: list[Batch], reference: list[torch.Tensor], foldable: bool,
+                      ) -> tuple[float | None, bool, dict[float | None, float], dict[float, float]]:
     """``input_smoothing="auto"``: each candidate alpha (``None``: no smoothing) applied to a copy of the model
-    observed so far, finished and run on the held-out batches; returns the alpha whose outputs are closest to
-    the float model's, ``None`` unless it beats no smoothing by ``AUTO_SMOOTHING_MIN_GAIN`` (20%), and every
-    candidate's error.  Min-max ranges of smoothed inputs follow from the recorded per-channel ones, so the
-    candidates share one observation pass."""
+    observed so far, finished and run on the held-out batches, at every input and, in a pre-LN model with
+    other inputs too, at the LayerNorm outputs alone (their scales fold into the LayerNorm: free at run time).
+    Returns (alpha, folded only, every-input errors, folded-only errors) by :func:`pick_smoothing`.  Min-max
+    ranges of smoothed inputs follow from the recorded per-channel ones, so the candidates share one
+    observation pass."""
     errors: dict[float | None, float] = {}
-    for alpha in alphas:
-        trial = copy.deepcopy(observed)
-        if alpha is not None and not _smooth_observed(recorder.groups(dict(trial.named_modules())), alpha, 0.0, skip):
-            break  # every group skipped: each alpha gives the unsmoothed model
-        _finish(trial)
-        errors[alpha] = output_error(trial, held, reference)
-        del trial
-    return pick_smoothing(errors), errors
+    folded: dict[float, float] = {}
+    for scope in (False, True):
+        if scope and not foldable:
+            break
+        for alpha in alphas if not scope else [a for a in alphas if a is not None]:
+            trial = copy.deepcopy(observed)
+            groups = recorder.groups(dict(trial.named_modules()))
+            if alpha is not None:
+                done = _smooth_observed(_scope(groups, scope), alpha, 0.0, skip)
+                everything = len([g for g in groups if not skipped(g, skip)])
+                if not done or scope and done == everything:  # nothing smoothed, or the every-input candidate
+                    break
+            _finish(trial)
+            (folded if scope else errors)[alpha] = output_error(trial, held, reference)
+            del trial
+    alpha, folded_only = pick_smoothing(errors, folded)
+    return alpha, folded_only, errors, folded
 
 
-def pick_smoothing(errors: dict[float | None, float]) -> float | None:
-    """"auto"'s rule: the smoothed alpha with the lowest error if it is at least ``AUTO_SMOOTHING_MIN_GAIN`` below
-    no smoothing's (``errors[None]``), else ``None``."""
+def pick_smoothing(errors: dict[float | None, float], folded: dict[float, float] | None = None,
+                   ) -> tuple[float | None, bool]:
+    """"auto"'s rule, as (alpha, folded only): the LayerNorm-folded candidate (``folded``) with the lowest error if
+    below no smoothing's (``errors[None]``; it costs nothing at run time); then an every-input alpha only if its
+    error is at least ``AUTO_SMOOTHING_MIN_GAIN`` below the better of those two (at run time it costs a Mul at
+    each input that does not follow a LayerNorm: a GELU output, or the attention output, whose scale takes the
+    place of the row core's factor that export/fuse.py otherwise folds away)."""
+    if None not in errors:
+        return None, False
+    base, base_error, base_folded = None, errors[None], False
+    if folded:
+        best = min(folded, key=folded.get)
+        if folded[best] < base_error:
+            base, base_error, base_folded = best, folded[best], True
     smoothed = {a: e for a, e in errors.items() if a is not None}
-    if not smoothed or None not in errors:
-        return None
-    best = min(smoothed, key=smoothed.get)
-    return best if smoothed[best] <= (1.0 - AUTO_SMOOTHING_MIN_GAIN) * errors[None] else None
+    if smoothed:
+        best = min(smoothed, key=smoothed.get)
+        if smoothed[best] <= (1.0 - AUTO_SMOOTHING_MIN_GAIN) * base_error:
+            return best, False
+    return base, base_folded
 
 
 def _smooth_observed(groups: list[InputGroup], alpha: float, min_ratio: float, skip: tuple[str, ...]) -> int:

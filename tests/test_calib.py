@@ -223,14 +223,64 @@ def test_auto_input_smoothing_keeps_the_candidate_closest_to_float_on_held_out_b
 
 
 def test_auto_input_smoothing_needs_a_20_percent_gain() -> None:
-    """Smoothing costs a Mul at run time where it cannot be folded, so a smoothed candidate must beat no smoothing
-    by AUTO_SMOOTHING_MIN_GAIN; the best such candidate wins."""
+    """Smoothing every input costs a Mul at run time where it cannot be folded, so such a candidate must beat the
+    better of no smoothing and the LayerNorm-folded candidates (free at run time: any gain will do) by
+    AUTO_SMOOTHING_MIN_GAIN; the best such candidate wins."""
     from softq.quant.quantize import pick_smoothing
 
-    assert pick_smoothing({None: 1.0, 0.6: 0.85, 0.8: 0.9, 1.0: 1.2}) is None  # 15% better: not enough
-    assert pick_smoothing({None: 1.0, 0.6: 0.79, 0.8: 0.5, 1.0: 1.2}) == 0.8
-    assert pick_smoothing({None: 1.0, 0.6: 0.8}) == 0.6  # exactly 20%
-    assert pick_smoothing({None: 1.0}) is None
+    assert pick_smoothing({None: 1.0, 0.6: 0.85, 0.8: 0.9, 1.0: 1.2}) == (None, False)  # 15% better: not enough
+    assert pick_smoothing({None: 1.0, 0.6: 0.79, 0.8: 0.5, 1.0: 1.2}) == (0.8, False)
+    assert pick_smoothing({None: 1.0, 0.6: 0.8}) == (0.6, False)  # exactly 20%
+    assert pick_smoothing({None: 1.0}) == (None, False)
+    # folded-only candidates: kept if below none; an every-input one must then beat them by 20%
+    assert pick_smoothing({None: 1.0, 0.6: 0.85}, {0.6: 0.95, 0.8: 0.9}) == (0.8, True)
+    assert pick_smoothing({None: 1.0, 0.6: 0.75}, {0.6: 0.9}) == (0.6, True)  # 0.75 is not 20% below 0.9
+    assert pick_smoothing({None: 1.0, 0.6: 0.7}, {0.6: 0.9}) == (0.6, False)
+    assert pick_smoothing({None: 1.0, 0.6: 1.1}, {0.6: 1.05, 1.0: 1.2}) == (None, False)
+
+
+@pytest.mark.parametrize("family", ("vit", "gpt2"))
+def test_auto_input_smoothing_prefers_the_scales_that_fold_into_layernorms(family) -> None:
+    """In a pre-LN model "auto" also judges smoothing only the inputs that are LayerNorm outputs (Q/K/V and the
+    first FFN Linear: their scales fold into the LayerNorm, so the export runs no Mul for them).  With an outlier
+    LayerNorm channel the ViT keeps those alone (its other inputs unscaled, no Mul in its ONNX file); in the GPT-2
+    smoothing every input gains more than 20% over them and wins."""
+    from softq.export import onnx_utils as U
+    from softq.export.model_export import build_onnx
+    from softq.quant.config import AUTO_SMOOTHING_ALPHAS
+    from softq.quant.quantize import smoothing_report
+    from softq.quant.quantizers import QLinear
+
+    model = tiny_model(family)
+    with torch.no_grad():
+        (model.vit.layers[0].layernorm_before if family == "vit" else model.transformer.h[0].ln_1).weight[3] = 40.0
+    calib = [tiny_inputs(family, seed=s) for s in range(8)]
+    auto = softq.quantize(model, calib)
+    errors, folded = auto.softq_smoothing_errors, auto.softq_folded_smoothing_errors
+    assert list(errors) == [None, *AUTO_SMOOTHING_ALPHAS] and list(folded) == list(AUTO_SMOOTHING_ALPHAS)
+    best_folded = min(folded, key=folded.get)
+    assert folded[best_folded] < errors[None]
+    scaled = {n for n, m in auto.named_modules() if isinstance(m, QLinear) and m.input_scale.numel()}
+    after_norm = {n for n in scaled if n.endswith(("q_proj", "k_proj", "v_proj", "fc1", "c_attn", "c_fc"))}
+    if family == "vit":
+        assert auto.softq_smoothing_folded_only and auto.softq_input_smoothing == best_folded
+        assert min(e for a, e in errors.items() if a is not None) > 0.8 * folded[best_folded]
+        assert scaled and scaled == after_norm  # o_proj and fc2 unscaled
+        assert "at the inputs that fold into a LayerNorm" in smoothing_report(auto)
+        plain = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=None))
+        example = tiny_inputs(family)
+        muls = [sum(n.op_type == "Mul" for n in build_onnx(q, example, "fast").graph.node) for q in (auto, plain)]
+        assert muls[0] == muls[1]  # every scale folded into a LayerNorm
+        x = tiny_inputs(family, seed=30)
+        onnx_out = U.run(build_onnx(auto, example, "fast"), {k: v.numpy() for k, v in x.items()}, "all")[0]
+        with torch.no_grad():
+            ref = auto(**x).logits.numpy()
+        assert abs(onnx_out - ref).max() <= 0.02 * abs(ref).max()
+    else:
+        best = min((a for a in errors if a is not None), key=errors.get)
+        assert not auto.softq_smoothing_folded_only and auto.softq_input_smoothing == best
+        assert errors[best] <= 0.8 * min(errors[None], folded[best_folded])
+        assert scaled > after_norm  # the other inputs too
 
 
 def test_auto_input_smoothing_without_a_search_keeps_the_outlier_gate() -> None:

@@ -21,7 +21,8 @@ def test_quantize_cli_evaluates_and_saves(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "float     top-1 %" in text and "quantized top-1 %" in text
     # what input_smoothing="auto" chose, with each candidate's error on the held-out calibration pieces
-    assert re.search(r"input smoothing: (none|alpha [0-9.]+) \(auto: .*none [0-9.e-]+, alpha 0\.6 ", text), text
+    assert re.search(r"input smoothing: (none|alpha [0-9.]+)( at the inputs that fold into a LayerNorm)? \(auto: "
+                     r".*none [0-9.e-]+, alpha 0\.6 .*at LayerNorm-folded inputs only", text), text
     assert (out / "model.pt").is_file()
     # an existing output is not overwritten without --overwrite, and the failure is a clear message
     assert main(["quantize", "vit", "--size", "tiny", "--output", str(out), "--no-eval"]) == 1
