@@ -150,7 +150,8 @@ class QuantConfig:
             the reference ViT 0.6; all-MiniLM-L6-v2 0.8, as the outlier gate did (minilm.md:
             held-out error 0.0029 against 0.0114 for none; embedding cosine 0.9978, 0.9937
             without smoothing, 0.9875 at 0.5).  The search costs calibration time: on MiniLM
-            4.95x one FP32 pass over the calibration set, 1.43x with the gate alone.
+            5.97x one FP32 pass over the calibration set (4.95x in the run before), 1.43x with
+            the gate alone.
             With a single calibration example or another observer there is nothing to hold
             out or no shared pass, and "auto" applies alpha 0.8 where some Linear input's
             widest channel exceeds 16x its median one, else nothing.
