@@ -134,7 +134,7 @@ def markdown(sections: list[tuple[Task, list[tuple[str, float, float, str, str]]
         "batches held out from range observation (the ViT's single batch of 16 images: 4 of them; the LM's logits, the",
         "ViT's last hidden state), each applied to every Linear input and, in these pre-LN models, only to the inputs",
         "that are LayerNorm outputs ('LN-folded inputs': free at run time, kept if closer than none); smoothing every",
-        "input costs a Mul at run time and is kept only if at least 20% closer than the better of those).",
+        "input costs a Mul at run time and is kept only if at least 20% closer than none and closer than those).",
         "",
     ]
     for task, table in sections:

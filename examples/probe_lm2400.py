@@ -234,7 +234,7 @@ def main() -> None:
               "smoothing and alphas 0.6 / 0.8 / 1.0 on the other 4 (cosine distance of the logits to FP32's), each at "
               "every Linear input and at the LayerNorm outputs' inputs alone (c_attn, c_fc: their scales fold into the "
               "LayerNorm, free at run time, kept if closer than none); smoothing every input costs Muls at run time "
-              "and is kept only if at least 20% closer than the better of those. Here, "
+              "and is kept only if at least 20% closer than none and closer than those. Here, "
               f"{smoothing_report(auto)}.", "", *head]
     chosen = auto.softq_input_smoothing
     where = " at the LayerNorm-folded inputs" if auto.softq_smoothing_folded_only else ""

@@ -68,7 +68,8 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                         "models included): an alpha in [0, 1], auto (default: none or alpha 0.6, 0.8 or 1.0, whichever "
                         "quantized model is closest to the float one on calibration batches held out from range "
                         "observation; in pre-LN models also applied only where it folds into a LayerNorm, free at "
-                        "run time; smoothing every input only if 20%% closer than the better of those) or none")
+                        "run time; smoothing every input only if 20%% closer than none and closer than those) or "
+                        "none")
     p.add_argument("--embedding-bits", type=int, default=8,
                    help="bits of the embedding tables (per row, weight only); 0 keeps them float (default 8)")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",

@@ -57,9 +57,9 @@ MIN_BITS, MAX_BITS = 2, 16
 # model's per-token logits, else the last hidden state's tokens) closest to the float model's on calibration
 # batches held out from range observation
 AUTO_SMOOTHING_ALPHAS = (0.6, 0.8, 1.0)
-# ... and a candidate smoothing every input must cut that distance by at least this fraction below the better of no
-# smoothing and smoothing only the inputs that are LayerNorm outputs (pre-LN models; those scales fold into the
-# LayerNorm, free at run time, so they need no margin): at an input that follows no LayerNorm (a GELU output, the
+# ... and a candidate smoothing every input must cut that distance by at least this fraction below no smoothing's
+# (and be closer than smoothing only the inputs that are LayerNorm outputs, in pre-LN models; those scales fold into
+# the LayerNorm, free at run time, so they need no margin): at an input that follows no LayerNorm (a GELU output, the
 # attention output) smoothing is one more Mul at run time
 AUTO_SMOOTHING_MIN_GAIN = 0.2
 # input_smoothing="auto" with another observer: this alpha, in models where some Linear input's widest channel
@@ -139,8 +139,8 @@ class QuantConfig:
             whose scales fold into the LayerNorm and cost nothing at run time: the best of
             those is kept if closer than no smoothing.  Smoothing every input costs a Mul
             at run time at each input that follows no LayerNorm (a GELU output, the
-            attention output), so it is kept only if at least 20% closer than the better
-            of the two.  The choice is calibrated on every batch.  One observation pass
+            attention output), so it is kept only if at least 20% closer than no smoothing
+            and closer than those.  The choice is calibrated on every batch.  One observation pass
             serves all candidates (min-max ranges of a smoothed input follow from its
             per-channel ones).
             Holding batches out matters: judged on the batches that set the ranges, alpha 1.0

@@ -218,7 +218,7 @@ def smoothing_report(qmodel: nn.Module) -> str:
             text += ("; at LayerNorm-folded inputs only (no run-time cost, kept if below none): "
                      + ", ".join(f"{name(a)} {e:.3g}" for a, e in folded.items()))
         text += (f"; every input, which costs a Mul where one cannot fold, only if {AUTO_SMOOTHING_MIN_GAIN:.0%} "
-                 "below the better of those)")
+                 "below none" + (" and below the folded ones" if folded else "") + ")")
     return text
 
 
@@ -313,24 +313,24 @@ def _search_smoothing(observed: nn.Module, recorder: InputRecorder, alphas: tupl
 
 def pick_smoothing(errors: dict[float | None, float], folded: dict[float, float] | None = None,
                    ) -> tuple[float | None, bool]:
-    """"auto"'s rule, as (alpha, folded only): the LayerNorm-folded candidate (``folded``) with the lowest error if
-    below no smoothing's (``errors[None]``; it costs nothing at run time); then an every-input alpha only if its
-    error is at least ``AUTO_SMOOTHING_MIN_GAIN`` below the better of those two (at run time it costs a Mul at
-    each input that does not follow a LayerNorm: a GELU output, or the attention output, whose scale takes the
-    place of the row core's factor that export/fuse.py otherwise folds away)."""
+    """"auto"'s rule, as (alpha, folded only): the every-input alpha with the lowest error if it is at least
+    ``AUTO_SMOOTHING_MIN_GAIN`` below no smoothing's (``errors[None]``: at run time it costs a Mul at each input
+    that does not follow a LayerNorm, a GELU output or the attention output, whose scale takes the place of the
+    row core's factor that export/fuse.py otherwise folds away) and below every LayerNorm-folded candidate's;
+    else the LayerNorm-folded candidate (``folded``) with the lowest error if below no smoothing's (it costs
+    nothing at run time); else no smoothing."""
     if None not in errors:
         return None, False
-    base, base_error, base_folded = None, errors[None], False
-    if folded:
-        best = min(folded, key=folded.get)
-        if folded[best] < base_error:
-            base, base_error, base_folded = best, folded[best], True
+    best_folded = min(folded, key=folded.get) if folded else None
     smoothed = {a: e for a, e in errors.items() if a is not None}
     if smoothed:
         best = min(smoothed, key=smoothed.get)
-        if smoothed[best] <= (1.0 - AUTO_SMOOTHING_MIN_GAIN) * base_error:
+        if (smoothed[best] <= (1.0 - AUTO_SMOOTHING_MIN_GAIN) * errors[None]
+                and (best_folded is None or smoothed[best] < folded[best_folded])):
             return best, False
-    return base, base_folded
+    if best_folded is not None and folded[best_folded] < errors[None]:
+        return best_folded, True
+    return None, False
 
 
 def _smooth_observed(groups: list[InputGroup], alpha: float, min_ratio: float, skip: tuple[str, ...]) -> int:

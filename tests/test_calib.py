@@ -223,19 +223,19 @@ def test_auto_input_smoothing_keeps_the_candidate_closest_to_float_on_held_out_b
 
 
 def test_auto_input_smoothing_needs_a_20_percent_gain() -> None:
-    """Smoothing every input costs a Mul at run time where it cannot be folded, so such a candidate must beat the
-    better of no smoothing and the LayerNorm-folded candidates (free at run time: any gain will do) by
-    AUTO_SMOOTHING_MIN_GAIN; the best such candidate wins."""
+    """Smoothing every input costs a Mul at run time where it cannot be folded, so such a candidate must beat no
+    smoothing by AUTO_SMOOTHING_MIN_GAIN, and the LayerNorm-folded candidates (free at run time: any gain over
+    none will do) outright; the best such candidate wins."""
     from softq.quant.quantize import pick_smoothing
 
     assert pick_smoothing({None: 1.0, 0.6: 0.85, 0.8: 0.9, 1.0: 1.2}) == (None, False)  # 15% better: not enough
     assert pick_smoothing({None: 1.0, 0.6: 0.79, 0.8: 0.5, 1.0: 1.2}) == (0.8, False)
     assert pick_smoothing({None: 1.0, 0.6: 0.8}) == (0.6, False)  # exactly 20%
     assert pick_smoothing({None: 1.0}) == (None, False)
-    # folded-only candidates: kept if below none; an every-input one must then beat them by 20%
-    assert pick_smoothing({None: 1.0, 0.6: 0.85}, {0.6: 0.95, 0.8: 0.9}) == (0.8, True)
-    assert pick_smoothing({None: 1.0, 0.6: 0.75}, {0.6: 0.9}) == (0.6, True)  # 0.75 is not 20% below 0.9
-    assert pick_smoothing({None: 1.0, 0.6: 0.7}, {0.6: 0.9}) == (0.6, False)
+    # folded-only candidates: kept if below none, unless an every-input one is 20% below none and below them
+    assert pick_smoothing({None: 1.0, 0.6: 0.85}, {0.6: 0.95, 0.8: 0.9}) == (0.8, True)  # 0.85: not 20% below none
+    assert pick_smoothing({None: 1.0, 0.6: 0.75}, {0.6: 0.9}) == (0.6, False)
+    assert pick_smoothing({None: 1.0, 0.6: 0.75, 0.8: 0.78}, {0.6: 0.9, 0.8: 0.7}) == (0.8, True)
     assert pick_smoothing({None: 1.0, 0.6: 1.1}, {0.6: 1.05, 1.0: 1.2}) == (None, False)
 
 
@@ -243,8 +243,8 @@ def test_auto_input_smoothing_needs_a_20_percent_gain() -> None:
 def test_auto_input_smoothing_prefers_the_scales_that_fold_into_layernorms(family) -> None:
     """In a pre-LN model "auto" also judges smoothing only the inputs that are LayerNorm outputs (Q/K/V and the
     first FFN Linear: their scales fold into the LayerNorm, so the export runs no Mul for them).  With an outlier
-    LayerNorm channel the ViT keeps those alone (its other inputs unscaled, no Mul in its ONNX file); in the GPT-2
-    smoothing every input gains more than 20% over them and wins."""
+    LayerNorm channel the ViT keeps those alone (closer to float than smoothing every input; its other inputs
+    unscaled, no Mul in its ONNX file); in the GPT-2 smoothing every input is closer still, and 20% below none."""
     from softq.export import onnx_utils as U
     from softq.export.model_export import build_onnx
     from softq.quant.config import AUTO_SMOOTHING_ALPHAS
@@ -253,7 +253,8 @@ def test_auto_input_smoothing_prefers_the_scales_that_fold_into_layernorms(famil
 
     model = tiny_model(family)
     with torch.no_grad():
-        (model.vit.layers[0].layernorm_before if family == "vit" else model.transformer.h[0].ln_1).weight[3] = 40.0
+        ln = model.vit.layers[0].layernorm_before if family == "vit" else model.transformer.h[0].ln_1
+        ln.weight[3] = 20.0 if family == "vit" else 40.0
     calib = [tiny_inputs(family, seed=s) for s in range(8)]
     auto = softq.quantize(model, calib)
     errors, folded = auto.softq_smoothing_errors, auto.softq_folded_smoothing_errors
@@ -264,7 +265,7 @@ def test_auto_input_smoothing_prefers_the_scales_that_fold_into_layernorms(famil
     after_norm = {n for n in scaled if n.endswith(("q_proj", "k_proj", "v_proj", "fc1", "c_attn", "c_fc"))}
     if family == "vit":
         assert auto.softq_smoothing_folded_only and auto.softq_input_smoothing == best_folded
-        assert min(e for a, e in errors.items() if a is not None) > 0.8 * folded[best_folded]
+        assert min(e for a, e in errors.items() if a is not None) > folded[best_folded]
         assert scaled and scaled == after_norm  # o_proj and fc2 unscaled
         assert "at the inputs that fold into a LayerNorm" in smoothing_report(auto)
         plain = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=None))
@@ -279,7 +280,7 @@ def test_auto_input_smoothing_prefers_the_scales_that_fold_into_layernorms(famil
     else:
         best = min((a for a in errors if a is not None), key=errors.get)
         assert not auto.softq_smoothing_folded_only and auto.softq_input_smoothing == best
-        assert errors[best] <= 0.8 * min(errors[None], folded[best_folded])
+        assert errors[best] <= 0.8 * errors[None] and errors[best] < folded[best_folded]
         assert scaled > after_norm  # the other inputs too
 
 
