@@ -193,7 +193,7 @@ class Bench:
         rows = []
         for batch in self.eval:
             out = sess.run([self.output], self.feeds(batch))[0]
-            if self.name in ("bert-base",):
+            if self.name == "bert-base":
                 out = self._pool(out, batch)
             rows.append(out.reshape(-1, out.shape[-1]).astype(np.float64))
         return np.concatenate(rows)
