@@ -520,7 +520,8 @@ def fold_sum_columns(model: onnx.ModelProto) -> int:
     exactly.  The same codes; one Pad (a copy of V) fewer per layer for a GEMM ``heads`` columns wider.
     """
     g = _Graph(model, "sumcol")
-    found, reshaped, removed = 0, set(), {}
+    reshaped: set[str] = set()
+    removed: dict[int, list[onnx.NodeProto]] = {}
     for pad in g.graph.node:
         if pad.op_type != "Pad" or len(pad.input) != 3 or any(a.name == "mode" and a.s != b"constant"
                                                                for a in pad.attribute):
@@ -581,12 +582,11 @@ def fold_sum_columns(model: onnx.ModelProto) -> int:
         removed[id(pad)] = []
         reshaped.update([*(n.output[0] for n in part["nodes"]), split.input[0], reshape.input[0], reshape.output[0],
                          codes, x] + ([dq.output[0]] if dq is not None else []))
-        found += 1
     kept = [v for v in g.graph.value_info if v.name not in reshaped]  # recorded shapes lack the new columns
     del g.graph.value_info[:]
     g.graph.value_info.extend(kept)
     g.replace(removed)
-    return found
+    return len(removed)
 
 
 def fold_row_scales(model: onnx.ModelProto) -> int:
