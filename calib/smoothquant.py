@@ -141,7 +141,7 @@ class InputGroup:
     linears: list[tuple[str, nn.Linear]]
     lo: torch.Tensor  # per-channel min of the input over the data seen
     hi: torch.Tensor  # per-channel max
-    after_norm: bool = False  # the input is a LayerNorm's output (the tensor itself, not a copy of it)
+    after_norm: bool = False  # the input is a LayerNorm's output (the tensor or a view of all of it, not a copy)
 
     @property
     def act_absmax(self) -> torch.Tensor:
@@ -184,7 +184,7 @@ class InputRecorder:
 
     def _norm_hook(self, _m: nn.Module, _inp: tuple, out: torch.Tensor) -> None:
         if self.calls <= 1:
-            self._norm_out[id(out)] = out
+            self._norm_out[out.data_ptr()] = out  # held here: no other tensor can take this address meanwhile
 
     def _next_call(self, _m: nn.Module, _args: tuple) -> None:
         self.calls += 1
@@ -201,7 +201,7 @@ class InputRecorder:
                 else:
                     self._live[id(x)] = (name, x)
                     self.members[name] = name
-                    if self._norm_out.get(id(x)) is x:
+                    if _same_values(self._norm_out.get(x.data_ptr()), x):
                         self.after_norm.add(name)
             if self.members.get(name) == name:
                 flat = x.detach().reshape(-1, x.shape[-1]).float()
@@ -228,6 +228,13 @@ class InputRecorder:
                 for lead, lins in grouped.items() if lead in self.lo]
 
 
+def _same_values(norm_out: torch.Tensor | None, x: torch.Tensor) -> bool:
+    """``x`` is ``norm_out`` or a view of it with the same elements (GPT-2's ``view`` and ``[:, -0:]`` slice
+    between ``ln_f`` and ``lm_head``): same storage address, shape and strides."""
+    return (norm_out is not None and norm_out.data_ptr() == x.data_ptr() and norm_out.shape == x.shape
+            and norm_out.stride() == x.stride())
+
+
 def _shared_parameters(model: nn.Module) -> set[int]:
     """ids of the parameters held by more than one module (e.g. GPT-2's lm_head and embeddings)."""
     seen: dict[int, int] = {}
@@ -235,12 +242,6 @@ def _shared_parameters(model: nn.Module) -> set[int]:
         for p in m.parameters(recurse=False):
             seen[id(p)] = seen.get(id(p), 0) + 1
     return {key for key, count in seen.items() if count > 1}
-
-
-def tied_linears(model: nn.Module) -> tuple[str, ...]:
-    """Names of the Linear layers whose weights another module shares."""
-    shared = _shared_parameters(model)
-    return tuple(name for name, m in model.named_modules() if isinstance(m, nn.Linear) and id(m.weight) in shared)
 
 
 def smoothable_linears(model: nn.Module) -> dict[str, nn.Linear]:

@@ -15,7 +15,8 @@ onnxruntime's CPU fusions absorb:
   own copy (EnsureUniqueDQForNodeUnit), one more node per linear.
 * :func:`fold_layernorm_scales`: ``Mul(LayerNorm(x), c)`` (input smoothing's per-channel
   ``QLinear.input_scale``) becomes ``LayerNorm`` with ``gamma * c`` and ``beta * c`` where every
-  reader of the LayerNorm output multiplies it by the same ``c`` (``Shape`` readers aside).
+  reader of the LayerNorm output multiplies it by the same ``c`` (``Shape`` readers aside), also past a
+  ``Reshape`` that keeps the channels last (GPT-2's ``ln_f`` -> ``lm_head``).
 * :func:`fold_attention_output_scales`: input smoothing's Mul on the attention output (after the
   heads' Transpose and Reshape) becomes a per-(head, channel) constant in the row core's final
   division's denominator (``Div(N, Mul(rowsum, k / c))``).
@@ -42,7 +43,9 @@ onnxruntime's CPU fusions absorb:
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -184,6 +187,10 @@ def fold_layernorm_scales(model: onnx.ModelProto) -> int:
     g = _Graph(model, "ln")
     replaced: dict[int, list[onnx.NodeProto]] = {}
     folded = 0
+
+    @functools.cache
+    def shapes() -> dict[str, list]:
+        return _inferred_shapes(model, keep_value_info=True) or {}
     for ln in list(g.graph.node):
         if ln.op_type != "LayerNormalization" or len(ln.output) != 1 or len(ln.input) < 2:
             continue
@@ -193,13 +200,20 @@ def fold_layernorm_scales(model: onnx.ModelProto) -> int:
         beta = g.const(ln.input[2]) if len(ln.input) > 2 and ln.input[2] else None
         if axis != -1 or y in g.outputs or gamma is None or gamma.ndim != 1 or gamma.dtype != np.float32:
             continue
-        muls, c = [], None
-        for reader in g.readers.get(y, []):
+        muls, c = [], None  # (Mul, the tensor it multiplies: y or a Reshape of y)
+        readers = [(r, y) for r in g.readers.get(y, [])]
+        while readers:
+            reader, x = readers.pop()
             if reader.op_type == "Shape":
                 continue
+            if reader.op_type == "Reshape" and x == y and reader.output[0] not in g.outputs:
+                # a Reshape that keeps the channels last (GPT-2's ln_f -> view -> lm_head): look past it
+                if _last_dim(g, reader, shapes) == gamma.size:
+                    readers += [(r, reader.output[0]) for r in g.readers.get(reader.output[0], [])]
+                    continue
             other = None
             if reader.op_type == "Mul" and reader.input[0] != reader.input[1]:
-                other = g.const(reader.input[1] if reader.input[0] == y else reader.input[0])
+                other = g.const(reader.input[1] if reader.input[0] == x else reader.input[0])
             ok = (other is not None and other.dtype == np.float32 and other.size == gamma.size
                   and other.shape[-1] == gamma.size and (c is None or np.array_equal(other.reshape(-1), c))
                   and reader.output[0] not in g.outputs)
@@ -207,18 +221,29 @@ def fold_layernorm_scales(model: onnx.ModelProto) -> int:
                 muls = []
                 break
             c = other.reshape(-1)
-            muls.append(reader)
+            muls.append((reader, x))
         if not muls:
             continue
         ln.input[1] = g.add_const("gamma", (gamma * c).astype(np.float32))
         if beta is not None:
             ln.input[2] = g.add_const("beta", (beta * c).astype(np.float32))
-        for mul in muls:
-            g.rename_uses(mul.output[0], y)
+        for mul, x in muls:
+            g.rename_uses(mul.output[0], x)
             replaced[id(mul)] = []
         folded += 1
     g.replace(replaced)
     return folded
+
+
+def _last_dim(g: _Graph, reshape: onnx.NodeProto, shapes: Callable[[], dict[str, list]]) -> int | None:
+    """The last dimension of a Reshape's output where it is known: the last entry of a constant target, else
+    by shape inference (``shapes``, called only then: GPT-2 builds ``[batch, tokens, hidden]`` at run time).
+    A Reshape whose output keeps its input's last dimension maps rows to rows: channels stay last."""
+    target = g.const(reshape.input[1])
+    if target is not None and target.size and int(target.reshape(-1)[-1]) > 0:
+        return int(target.reshape(-1)[-1])
+    dims = shapes().get(reshape.output[0])
+    return dims[-1] if dims and isinstance(dims[-1], int) else None
 
 
 def fold_attention_output_scales(model: onnx.ModelProto) -> int:

@@ -138,14 +138,18 @@ class QuantConfig:
             outputs: a language model's per-token logits, else the tokens of the last hidden
             state, also for classifiers, whose one logit row per example is too few rows to
             judge by).  In a pre-LN model (ViT, GPT-2) the alphas are also judged applied
-            only to the inputs that are LayerNorm outputs (Q/K/V, the first FFN Linear),
-            whose scales fold into the LayerNorm and cost nothing at run time: the best of
+            only to the inputs that are LayerNorm outputs (Q/K/V, the first FFN Linear, a
+            language model's head), whose scales fold into the LayerNorm and cost nothing
+            at run time: the best of
             those is kept if closer than no smoothing.  Smoothing every input costs a Mul
             at run time at each input that follows no LayerNorm (a GELU output, the
             attention output), so it is kept only if at least 20% closer than no smoothing
             and closer than those.  The choice is calibrated on every batch.  One observation pass
             serves all candidates (min-max ranges of a smoothed input follow from its
-            per-channel ones).
+            per-channel ones).  A head whose weights the token table shares in the float
+            model (GPT-2's lm_head) is smoothed too: the quantized model's Linear has weights
+            of its own (the reference LM at 256 characters: logit distance to FP32 9.3e-6 ->
+            6.3e-6, quantize_dynamic's 8.0e-6; export_speed.md).
             Holding batches out matters: judged on the batches that set the ranges, alpha 1.0
             looks best on the 2400-step reference LM and on tiny random models, where it clips
             new inputs (tests/test_calib.py).  Chosen (quant_lm_steps2400.md, quant.md): the

@@ -320,3 +320,25 @@ def test_input_smoothing_leaves_excluded_layers_float_and_unscaled(tmp_path) -> 
     x = tiny_inputs("bert", seed=4)
     with torch.no_grad():
         torch.testing.assert_close(load(save(q, tmp_path / "q"))(**x).logits, q(**x).logits, rtol=0, atol=0)
+
+
+def test_input_recorder_sees_a_layernorm_output_through_a_view() -> None:
+    """GPT-2 reads ln_f's output through ``view`` and a ``[:, -0:]`` slice: the same elements, so lm_head's
+    input counts as a LayerNorm output (its scale folds); a copy or a part of it does not."""
+    from softq.calib.smoothquant import InputRecorder, _same_values, smoothable_linears
+
+    model = tiny_model("gpt2")
+    conv1d_to_linear(model)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # as after quantize's prepare
+    recorder = InputRecorder(model, smoothable_linears(model))
+    try:
+        with torch.no_grad():
+            model(**tiny_inputs("gpt2", seed=3))
+    finally:
+        recorder.remove()
+    after_norm = {name for g in recorder.groups() if g.after_norm for name, _ in g.linears}
+    assert {"lm_head", "transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc"} <= after_norm
+    assert not any(n.endswith(("c_proj",)) for n in after_norm)
+    x = torch.randn(2, 5, 4)
+    assert _same_values(x, x.view(2, 5, 4)) and _same_values(x, x[:, -5:])
+    assert not _same_values(x, x.clone()) and not _same_values(x, x[:, 1:]) and not _same_values(x, x.view(10, 4))

@@ -206,6 +206,52 @@ def _graph(nodes, inits, x_shape=("b", 8)) -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
 
 
+def test_layernorm_scale_folds_past_a_reshape_that_keeps_the_channels_last():
+    """GPT-2's ln_f -> view -> lm_head: a Reshape whose output keeps the last dimension maps rows to rows, so the
+    Mul after it folds into the LayerNorm; a Reshape that moves channels (last dimension changed) blocks it."""
+    c = np.linspace(0.1, 3, 8, dtype=np.float32)
+    inits = {"g": np.linspace(0.5, 1.5, 8, dtype=np.float32), "b": np.linspace(-1, 1, 8, dtype=np.float32), "c": c}
+    x = np.random.default_rng(1).standard_normal((6, 8)).astype(np.float32)
+    for target, folds in (([2, 3, 8], True), ([-1, 8], True), ([3, 16], False)):
+        nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["n"], axis=-1),
+                 helper.make_node("Reshape", ["n", "t"], ["r"]), helper.make_node("Mul", ["r", "c"], ["y0"]),
+                 helper.make_node("Relu", ["x"], ["z0"])]
+        mul_c = c if target[-1] == 8 else np.tile(c, 2)
+        model = _graph(nodes, {**inits, "c": mul_c, "t": np.array(target, np.int64)}, x_shape=(6, 8))
+        before = U.run(model, {"x": x}, "disable")[0]
+        assert fuse.fold_layernorm_scales(model) == int(folds)
+        assert ("Mul" in {n.op_type for n in model.graph.node}) != folds
+        np.testing.assert_allclose(U.run(model, {"x": x}, "disable")[0], before, rtol=1e-5, atol=1e-6)
+    # a target built at run time (batch and tokens read by Shape): the last dimension from shape inference
+    nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["n"], axis=-1),
+             helper.make_node("Shape", ["x"], ["sh"]), helper.make_node("Slice", ["sh", "zero", "one"], ["lead"]),
+             helper.make_node("Concat", ["lead", "eight"], ["t"], axis=0),
+             helper.make_node("Reshape", ["n", "t"], ["r"]), helper.make_node("Mul", ["r", "c"], ["y0"]),
+             helper.make_node("Relu", ["x"], ["z0"])]
+    model = _graph(nodes, {**inits, "zero": np.array([0], np.int64), "one": np.array([1], np.int64),
+                           "eight": np.array([8], np.int64)}, x_shape=("b", 8))
+    before = U.run(model, {"x": x}, "disable")[0]
+    assert fuse.fold_layernorm_scales(model) == 1 and "Mul" not in {n.op_type for n in model.graph.node}
+    np.testing.assert_allclose(U.run(model, {"x": x}, "disable")[0], before, rtol=1e-5, atol=1e-6)
+
+
+def test_tied_lm_head_is_smoothed_and_folds_into_the_final_layernorm(smoothed, graphs):
+    """GPT-2's lm_head shares the token table, but the quantized Linear has weights of its own, so input smoothing
+    scales them (the table keeps its values) and the scale folds into ln_f past GPT-2's view."""
+    qmodel = smoothed["gpt2"]
+    original = tiny_model("gpt2")
+    assert original.lm_head.weight is original.transformer.wte.weight  # tied in the float model
+    assert qmodel.lm_head.input_scale.numel() == qmodel.config.n_embd
+    torch.testing.assert_close(qmodel.lm_head.weight * qmodel.lm_head.input_scale, original.lm_head.weight)
+    torch.testing.assert_close(qmodel.transformer.wte.weight, original.transformer.wte.weight)
+    fused, plain = graphs["gpt2"]
+    for model, muls in ((plain, 1), (fused, 0)):
+        readers = _readers(model)
+        ln_f = [n for n in model.graph.node if n.op_type == "LayerNormalization"][-1]
+        views = [r for r in readers[ln_f.output[0]] if r.op_type == "Reshape"]
+        assert views and sum(r.op_type == "Mul" for v in views for r in readers.get(v.output[0], [])) == muls
+
+
 def test_passes_leave_what_they_cannot_fold():
     c1, c2 = np.full(8, 2.0, np.float32), np.full(8, 3.0, np.float32)
     ln = helper.make_node("LayerNormalization", ["x", "g", "b"], ["n"], axis=-1)
