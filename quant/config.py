@@ -157,9 +157,9 @@ class QuantConfig:
             800-step one and the reference ViT 0.8 at the LayerNorm-folded inputs (no Mul at
             run time; the ViT's logits closer to FP32's than quantize_dynamic's:
             export_speed.md); all-MiniLM-L6-v2 0.8, as the outlier gate did (minilm.md:
-            held-out error 0.0029 against 0.0114 for none; embedding cosine 0.9978, 0.9937
-            without smoothing, 0.9875 at 0.5).  The search costs calibration time: on MiniLM
-            5.97x one FP32 pass over the calibration set (4.95x in the run before), 1.43x with
+            held-out error 0.0029 against 0.0109 for none; embedding cosine 0.9979, 0.9935
+            without smoothing, 0.9879 at 0.5).  The search costs calibration time: on MiniLM
+            6.17x one FP32 pass over the calibration set (5.97x in the run before), 1.43x with
             the gate alone.
             With a single calibration example or another observer there is nothing to hold
             out or no shared pass, and "auto" applies alpha 0.8 where some Linear input's
@@ -175,7 +175,7 @@ class QuantConfig:
             quantizers and SmoothQuant's W8A8, and every Linear input, Q, K, V and the
             softmax stay 8-bit.  Measured (docs/results/quant_lm_steps2400.md, quant.md,
             minilm.md): the 2400-step reference LM +0.66% -> +0.22% perplexity,
-            all-MiniLM-L6-v2 cosine 0.9973 -> 0.9978, the 800-step LM and the ViT unchanged
+            all-MiniLM-L6-v2 cosine 0.9973 -> 0.9979, the 800-step LM and the ViT unchanged
             within their noise; the exported ViT runs fewer nodes (export_speed.md).
             ``True`` / ``False`` force it.
         residual_groups: scales of each residual-stream point over the hidden
