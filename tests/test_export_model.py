@@ -453,6 +453,16 @@ def test_embedding_tables_are_quantized_per_row():
         assert ((deq - w).abs() <= step / 2 + 1e-7).all() and not torch.equal(deq, w)
     kept = softq.quantize(model, [tiny_inputs("bert", seed=0)], softq.QuantConfig(embedding_bits=None))
     assert not any(isinstance(m, QEmbedding) for m in kept.modules())
+    # embeddings="int8" makes int8 tables of float ones by the same rule: the token-type table stays float
+    onnx_model = build_onnx(kept, tiny_inputs("bert"), "fast", embeddings="int8")
+    consts = [numpy_helper.to_array(n.attribute[0].t) for n in onnx_model.graph.node if n.op_type == "Constant"]
+    consts += [numpy_helper.to_array(i) for i in onnx_model.graph.initializer]
+    emb = model.bert.embeddings
+    shapes = {(a.shape, a.dtype.name) for a in consts}
+    assert (tuple(emb.word_embeddings.weight.shape), "int8") in shapes
+    assert (tuple(emb.position_embeddings.weight.shape), "int8") in shapes
+    assert (tuple(emb.token_type_embeddings.weight.shape), "float32") in shapes
+    assert (tuple(emb.token_type_embeddings.weight.shape), "int8") not in shapes
     with pytest.raises(ValueError, match="embedding_bits must be"):
         softq.QuantConfig(embedding_bits=12)
 
