@@ -35,6 +35,7 @@ from softq.export import onnx_utils as U
 from softq.export.int_softmax import FORMS, SoftmaxQuant, reference_qdq, softmax_model
 from softq.export.row_attention import ROW_FORMS
 from softq.export.model_export import to_onnx, to_onnx_float
+from softq.quant.quantize import smoothing_report
 from softq.workloads.tasks import reference_task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,6 +160,7 @@ def bench_task(name: str, args: argparse.Namespace, workdir: Path) -> list[dict[
             times[i].append(time.perf_counter() - t)
     for (row, _), ts in zip(sessions, times):
         row["ms"] = 1e3 * statistics.median(ts)
+    rows[0]["smoothing"] = smoothing_report(q_row)  # what the default config chose for this task
     return rows
 
 
@@ -242,6 +244,8 @@ def write_report(path: Path, command: str, model_rows: list[dict[str, object]], 
         "softq rows with softq's fake-quant model, the FP32 and quantize_static rows with the float model. "
         "quantize_static rows use the same calibration batches on softq's float export (its softmax output "
         "scale is 1/255 and it runs the float softmax between Q/DQ).",
+        "",
+        *[f"Default row codes, {r['task']}: {r['smoothing']}." for r in model_rows if "smoothing" in r],
         "",
         f"## Integer softmax alone (uint8 scores [1, 4, {args.softmax_len}, {args.softmax_len}], scale 0.06)",
         "",
