@@ -113,7 +113,10 @@ def valid_from_mask(attention_mask: torch.Tensor | None, key_len: int) -> torch.
     """0/1 float mask of attendable keys from a Hugging Face attention mask (additive or boolean)."""
     if attention_mask is None:
         return None
-    mask = attention_mask[..., :key_len]
+    # Slice only a longer mask: an exported graph (no cache, mask as long as the keys) then reads
+    # the mask once instead of slicing it again in every layer from that layer's key shape,
+    # so the layers share one valid tensor (onnx_utils.dedupe merges the equal comparisons).
+    mask = attention_mask if attention_mask.shape[-1] == key_len else attention_mask[..., :key_len]
     if mask.dtype == torch.bool:
         return mask.to(torch.float32)
     return (mask > torch.finfo(mask.dtype).min / 2).to(torch.float32)

@@ -486,6 +486,14 @@ def test_vit_head_row_correction_matches_torch(quantized):
         np.testing.assert_allclose(p[same_code], r[same_code], atol=1e-6)
 
 
+def test_layers_share_one_mask(quantized):
+    """The attention mask is turned into the valid-key tensor once, not sliced again in every layer."""
+    for family, key in (("gpt2", None), ("opt", "head")):
+        model = build_onnx(quantized[(family, key)], tiny_inputs(family), "int")
+        casts = [n for n in model.graph.node if n.name.endswith("/CastValid")]
+        assert len(casts) == 1, (family, [n.name for n in casts])
+
+
 def test_opt_padded_batch(quantized):
     """OPT derives positions from the 2-D mask; the exported graph does the same."""
     opt = quantized[("opt", "head")]
