@@ -362,7 +362,8 @@ def write(results: list[dict[str, object]], args: argparse.Namespace, command: s
             else:
                 lines.append(f"| {r['name']} | {rt} | {form} | {o['fp32_ms']:.1f} | {o['ratio']:.2f} | "
                              f"{o['diff']:.1e} | {o['cos']:.6f} |")
-    out = ROOT / "docs" / "results" / "export_speed.md"
+    out = ROOT / args.output
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, out)
@@ -377,6 +378,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7, help="timed runs per variant at batch 1")
     p.add_argument("--rounds-large", type=int, default=3, help="timed runs per variant at larger batches")
     p.add_argument("--calib-batches", type=int, default=4)
+    p.add_argument("--output", default="docs/results/export_speed.md",
+                   help="where to write the table (relative to the repository root)")
     args = p.parse_args()
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in MODELS]

@@ -8,7 +8,7 @@ model's: softq's per-row symmetric int8 codes (``QuantConfig.embedding_bits=8``)
 and the per-tensor asymmetric uint8 codes onnxruntime's ``quantize_dynamic`` gives
 a Gather's table (emulated in torch).  Then the whole W8A8 model
 (``softq.quantize`` with the default config) with tables of fewer than
-``EMBEDDING_MIN_ROWS`` rows float (the default), with every table quantized, and
+``QuantConfig.embedding_min_rows`` rows float (the default), with every table quantized, and
 with every table float.
 
     python examples/probe_embedding_tables.py     # writes docs/results/embedding_tables.md
@@ -31,7 +31,6 @@ from bench_export_speed import Bench  # noqa: E402
 from bench_quant import command_line, write_atomic  # noqa: E402
 
 import softq  # noqa: E402
-from softq.quant import quantize as quantize_module  # noqa: E402
 from softq.quant.config import EMBEDDING_MIN_ROWS  # noqa: E402
 from softq.quant.quantizers import dequantized_weight  # noqa: E402
 
@@ -86,16 +85,12 @@ def table_rows(case: Case) -> list[str]:
 
 def model_rows(case: Case) -> list[str]:
     lines = []
-    for label, min_rows, config in (
-        (f"default (tables of < {EMBEDDING_MIN_ROWS} rows float)", EMBEDDING_MIN_ROWS, softq.QuantConfig()),
-        ("every table int8", 0, softq.QuantConfig()),
-        ("every table float (`embedding_bits=None`)", EMBEDDING_MIN_ROWS, softq.QuantConfig(embedding_bits=None)),
+    for label, config in (
+        (f"default (tables of < {EMBEDDING_MIN_ROWS} rows float)", softq.QuantConfig()),
+        ("every table int8 (`embedding_min_rows=1`)", softq.QuantConfig(embedding_min_rows=1)),
+        ("every table float (`embedding_bits=None`)", softq.QuantConfig(embedding_bits=None)),
     ):
-        quantize_module.EMBEDDING_MIN_ROWS = min_rows
-        try:
-            qmodel = softq.quantize(case.model, case.calib, config)
-        finally:
-            quantize_module.EMBEDDING_MIN_ROWS = EMBEDDING_MIN_ROWS
+        qmodel = softq.quantize(case.model, case.calib, config)
         lines.append(f"| {case.name} | {label} | {case.distance(qmodel):.2e} |")
     return lines
 

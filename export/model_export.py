@@ -510,9 +510,8 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
                 plist[0] = _ExportWeightOnly(plist[0], plist.original, next(counter))
     if embeddings == "int8":
         # exact nn.Embedding only: subclasses (OPT's learned positions) have their own forward
-        from softq.quant.config import EMBEDDING_MIN_ROWS
-
-        _replace_children(model, lambda m: type(m) is nn.Embedding and m.num_embeddings >= EMBEDDING_MIN_ROWS,
+        min_rows = qmodel.softq_quant_config.embedding_min_rows
+        _replace_children(model, lambda m: type(m) is nn.Embedding and m.num_embeddings >= min_rows,
                           lambda m: _ExportEmbedding(m, next(counter)))
     return model, layers
 
@@ -959,7 +958,7 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     ``embeddings``: ``None`` (default) stores the tables as the model has them:
     int8 codes with one scale per row for ``QuantConfig.embedding_bits`` (the
     default), float otherwise; ``"int8"`` also makes int8 tables of float ones
-    (those of at least ``softq.quant.config.EMBEDDING_MIN_ROWS`` rows, as quantization does)
+    (those of at least ``QuantConfig.embedding_min_rows`` rows, as quantization does)
     (the torch model then differs slightly); ``"float"`` stores quantized tables
     dequantized (same outputs, larger file).
 

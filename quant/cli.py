@@ -72,6 +72,8 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                         "none")
     p.add_argument("--embedding-bits", type=int, default=8,
                    help="bits of the embedding tables (per row, weight only); 0 keeps them float (default 8)")
+    p.add_argument("--embedding-min-rows", type=int, default=16, metavar="N",
+                   help="tables of fewer rows stay float (default 16: BERT's 2-row token-type table stays float)")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="model directory: calibration texts, one per line or JSONL with a 'text' field "
                         "(default: paragraphs of Python's documentation)")
@@ -118,7 +120,8 @@ def _config(args: argparse.Namespace):
         softmax_bits=args.softmax_bits or None, bias_correction=args.bias_correction,
         softmax_output=args.softmax_output,
         smoothquant_alpha=args.smoothquant, observer=args.observer, quantize_residual=args.residual,
-        embedding_bits=args.embedding_bits or None, input_smoothing=args.input_smoothing, **extra,
+        embedding_bits=args.embedding_bits or None, embedding_min_rows=args.embedding_min_rows,
+        input_smoothing=args.input_smoothing, **extra,
     )
 
 

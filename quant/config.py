@@ -66,8 +66,8 @@ AUTO_SMOOTHING_MIN_GAIN = 0.2
 # exceeds this many times its median channel (max |x| over the calibration set)
 AUTO_SMOOTHING_ALPHA = 0.8
 AUTO_SMOOTHING_RATIO = 16.0
-# embedding_bits: tables with fewer rows stay float (BERT's token-type table: 2 rows, row 0 shared by nearly every
-# token, so its rounding error is one shift of every token rather than noise; see QuantConfig.embedding_bits)
+# QuantConfig.embedding_min_rows' default: tables with fewer rows stay float (BERT's token-type table: 2 rows, row 0
+# shared by nearly every token, so its rounding error is one shift of every token rather than noise)
 EMBEDDING_MIN_ROWS = 16
 # residual_prefix: special tokens at the start of every sequence, per encoder family
 PREFIX_TOKENS = {"bert": 1, "roberta": 1, "vit": 1, "deit": 2}
@@ -208,8 +208,9 @@ class QuantConfig:
             weight only; ``None`` keeps them float.  8 (default) makes the ONNX
             file about a quarter of FP32 (MiniLM's token table is half its
             weights) at no measurable cost (docs/results/export_speed.md).
-            Tables of fewer than ``EMBEDDING_MIN_ROWS`` (16) rows stay float: BERT's
-            token-type table has 2, and its row 0 is added to nearly every token, so
+            Tables of fewer than ``embedding_min_rows`` rows stay float.
+        embedding_min_rows: the smallest embedding table ``embedding_bits`` quantizes
+            (default 16; 1 quantizes every table).  BERT's token-type table has 2, and its row 0 is added to nearly every token, so
             its rounding error is the same shift on every token instead of noise that
             averages out; it weighs nothing (1.5k values).  Measured on a BERT-base
             shape (random weights, pooled embeddings): quantizing that table alone costs
@@ -238,6 +239,7 @@ class QuantConfig:
     residual_groups: int | Literal["auto"] = "auto"
     residual_prefix: int | Literal["auto"] = "auto"
     embedding_bits: int | None = 8
+    embedding_min_rows: int = EMBEDDING_MIN_ROWS
     exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -275,6 +277,9 @@ class QuantConfig:
                                                 or isinstance(self.embedding_bits, bool)
                                                 or not MIN_BITS <= self.embedding_bits <= 8):
             raise ValueError(f"embedding_bits must be an integer from {MIN_BITS} to 8 or None, got {self.embedding_bits!r}")
+        if not isinstance(self.embedding_min_rows, int) or isinstance(self.embedding_min_rows, bool) \
+                or self.embedding_min_rows < 1:
+            raise ValueError(f"embedding_min_rows must be a positive integer, got {self.embedding_min_rows!r}")
         if self.bias_correction is not None and self.softmax_bits is None:
             raise ValueError("bias_correction corrects the quantized softmax output; it needs softmax_bits")
         if self.quantize_residual != "auto" and not isinstance(self.quantize_residual, bool):

@@ -85,6 +85,7 @@ def load(path: str | os.PathLike) -> nn.Module:
     raw = meta["quant_config"]
     raw.setdefault("softmax_output", "edge")  # saved before the field existed: the uniform edge codes
     raw.setdefault("embedding_bits", None)  # saved before the field existed: float embedding tables
+    raw.setdefault("embedding_min_rows", 16)  # saved before the field existed: the module constant it replaced
     raw.setdefault("input_smoothing", None)  # saved before the field existed: no input smoothing
     raw.setdefault("residual_prefix", 0)  # saved before the field existed: no prefix-token scales
     if raw.get("quantize_residual") is False:  # the layout of a residual stream a file left float means nothing

@@ -37,7 +37,7 @@ from softq.calib.observers import MinMaxObserver
 from softq.calib.smoothquant import (InputGroup, InputRecorder, post_ln, skipped, smooth, smooth_inputs,
                                      smoothable_linears, smoothing_scales)
 from softq.models import conv1d_to_linear, model_family
-from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN, AUTO_SMOOTHING_RATIO, EMBEDDING_MIN_ROWS, PREFIX_TOKENS, QuantConfig, softmax_input_span
+from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN, AUTO_SMOOTHING_RATIO, PREFIX_TOKENS, QuantConfig, softmax_input_span
 from softq.quant.quantizers import (ActQuantizer, QEmbedding, QLinear, RowScoresQuantizer, SoftmaxOutputQuantizer,
                                     quantize_weight_only)
 
@@ -85,7 +85,7 @@ def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
             elif type(child) is nn.LayerNorm and config.residual_quantized:
                 setattr(parent, child_name, QLayerNorm(child, _act(config, config.residual_groups, prefix)))
             elif (type(child) is nn.Embedding and config.embedding_bits is not None
-                  and child.num_embeddings >= EMBEDDING_MIN_ROWS):
+                  and child.num_embeddings >= config.embedding_min_rows):
                 setattr(parent, child_name, QEmbedding(child, config.embedding_bits))
     quantize_weight_only(model, config.weight_bits, config.embedding_bits, config.exclude)
 

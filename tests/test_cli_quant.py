@@ -34,6 +34,8 @@ def test_quantize_cli_refuses_bad_bits(tmp_path, capsys) -> None:
     assert "softmax_bits must be an integer from 2 to 16" in capsys.readouterr().err
     assert main(["quantize", "lm", "--size", "tiny", "--bias-correction", "head"]) == 1
     assert "zero by construction for softmax_output='row'" in capsys.readouterr().err
+    assert main(["quantize", "lm", "--size", "tiny", "--embedding-min-rows", "0"]) == 1
+    assert "embedding_min_rows must be a positive integer, got 0" in capsys.readouterr().err
     # row_log is 4-bit only; the export command checks its settings before it loads or trains anything
     assert main(["quantize", "lm", "--size", "tiny", "--softmax-output", "row_log"]) == 1
     assert "'row_log' is defined for 4-bit softmax outputs" in capsys.readouterr().err

@@ -465,6 +465,16 @@ def test_embedding_tables_are_quantized_per_row():
     assert (tuple(emb.token_type_embeddings.weight.shape), "int8") not in shapes
     with pytest.raises(ValueError, match="embedding_bits must be"):
         softq.QuantConfig(embedding_bits=12)
+    # embedding_min_rows=1: every table, the token-type one included, in torch and in the file
+    every = softq.quantize(model, [tiny_inputs("bert", seed=0)], softq.QuantConfig(embedding_min_rows=1))
+    assert isinstance(every.bert.embeddings.token_type_embeddings, QEmbedding)
+    onnx_model = build_onnx(every, tiny_inputs("bert"), "fast")
+    consts = [numpy_helper.to_array(n.attribute[0].t) for n in onnx_model.graph.node if n.op_type == "Constant"]
+    shapes = {(a.shape, a.dtype.name) for a in consts + [numpy_helper.to_array(i) for i in onnx_model.graph.initializer]}
+    assert (tuple(emb.token_type_embeddings.weight.shape), "int8") in shapes
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="embedding_min_rows must be a positive integer"):
+            softq.QuantConfig(embedding_min_rows=bad)
 
 
 def test_vit_head_row_correction_matches_torch(quantized):
