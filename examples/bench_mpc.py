@@ -369,6 +369,14 @@ def _distill_texts(window: int, source: str = "prose") -> list[str]:
     return texts
 
 
+FIT_BATCHES = 8  # training batches softq.mpc.distill fits the surrogates on (its fit_batches)
+
+
+def _fits(args: argparse.Namespace) -> bool:
+    """Whether the student is fitted before distillation: a fresh student with --fit (a continued one keeps its weights)."""
+    return bool(args.fit) and not args.init
+
+
 def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The distilled 2Quad + Quad MiniLM student: from ~/.cache/softq/minilm-distill (keyed by every setting)
     or distilled now and cached there (atomically: state dict and metadata)."""
@@ -383,7 +391,8 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
     lr2 = args.lr / 2 if args.stage2_lr is None else args.stage2_lr
     key = (f"minilm-2quad-quad-v2-s{args.steps}-lr{args.lr:g}-s{steps2}-lr{lr2:g}-b{args.batch_size}"
            f"-len{args.train_len}-w{args.window}{'' if args.text == 'prose' else '-' + args.text}-dropout{int(args.dropout)}"
-           f"{f'-hw{args.hidden_weight:g}' if args.hidden_weight else ''}{f'-from-{args.init}' if args.init else ''}-seed0")
+           f"{f'-hw{args.hidden_weight:g}' if args.hidden_weight else ''}{f'-from-{args.init}' if args.init else ''}"
+           f"{'-fit' if _fits(args) else ''}-seed0")
     folder = cache_dir() / "minilm-distill"
     path = folder / f"{key}.pt"
 
@@ -408,8 +417,9 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
     t0 = time.perf_counter()
     student, hist = distill(model, itertools.cycle(train), softmax="2quad", gelu="quad",
                             steps=(args.steps, steps2), lr=(args.lr, lr2), dropout=args.dropout,
-                            stage2_hidden_weight=args.hidden_weight, student=init)
-    meta = {"minutes": (time.perf_counter() - t0) / 60, "stage1": hist.stage1, "stage2": hist.stage2,
+                            stage2_hidden_weight=args.hidden_weight, student=init, fit=_fits(args),
+                            fit_batches=FIT_BATCHES)
+    meta = {"fit": hist.fit.summary() if hist.fit is not None else None,"minutes": (time.perf_counter() - t0) / 60, "stage1": hist.stage1, "stage2": hist.stage2,
             "init_minutes": init_meta["minutes"] + init_meta.get("init_minutes", 0.0) if init_meta else 0.0,
             "steps": (args.steps, steps2), "lr": (args.lr, lr2), "texts": len(texts), "words": sum(len(t.split()) for t in texts)}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -448,6 +458,20 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
     undistilled = copy.deepcopy(model)
     configure_surrogates(undistilled, softmax="2quad", gelu="quad")
     student, meta = _distilled_minilm(model, args, hm)
+    fitted_note = ""
+    if _fits(args):  # the same fit distill made, on the same first training batches, without the distillation
+        import random
+
+        from softq.mpc.fit import fit_surrogates
+
+        fitted = copy.deepcopy(undistilled)
+        train = hm.batches(_distill_texts(args.window, args.text), batch_size=args.batch_size, max_length=args.train_len)
+        random.Random(0).shuffle(train)
+        fit_surrogates(fitted, model, train[:FIT_BATCHES])
+        cos_fitted = cosines(fitted)
+        fitted_note = (f"; fitted (`softq.mpc.fit.fit_surrogates` on the first {FIT_BATCHES} training batches: "
+                       f"{meta.get('fit') or '-'}), not distilled: mean {float(cos_fitted.mean()):.4f} "
+                       f"(min {float(cos_fitted.min()):.4f})")
     (steps1, steps2), (lr1, lr2), hist1, hist2 = meta["steps"], meta["lr"], meta["stage1"], meta["stage2"]
     cos_before, cos_after = cosines(undistilled), cosines(student)
     texts = _distill_texts(args.window, args.text)
@@ -480,7 +504,7 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
         f"AdamW, cosine schedule; {meta['minutes']:.1f} min on {args.threads} thread(s) (cached afterwards)"
         f"{continued}. "
         f"Plaintext cosine to the FP32 embeddings on {args.eval_texts} `eval` paragraphs: not distilled mean "
-        f"{float(cos_before.mean()):.4f} (min {float(cos_before.min()):.4f}); distilled mean "
+        f"{float(cos_before.mean()):.4f} (min {float(cos_before.min()):.4f}){fitted_note}; distilled mean "
         f"{float(cos_after.mean()):.4f} (min {float(cos_after.min()):.4f}); on {len(cos_seen)} of the student's training "
         f"windows (evenly spaced) mean {float(cos_seen.mean()):.4f}. Stage losses first -> last: "
         f"{_loss_trace(hist1)}; {_loss_trace(hist2)}.",
@@ -499,7 +523,8 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
         lines += ["", f"Per op kind, {label}:", "", "```", res.report.table("kind"), "```"]
     text = "\n".join(lines) + "\n"
     print(text)
-    _write("minilm-distill" if args.text == "prose" else f"minilm-distill-{args.text}", text)
+    _write(("minilm-distill" if args.text == "prose" else f"minilm-distill-{args.text}") + ("-fit" if _fits(args) else ""),
+           text)
 
 
 # ---------------------------------------------------------------------------
@@ -638,6 +663,9 @@ def main() -> int:
     md.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=False,
                     help="keep dropout on while distilling (default off: fit the deterministic teacher)")
     md.add_argument("--force", action="store_true", help="distill again even if the student is cached")
+    md.add_argument("--fit", action=argparse.BooleanOptionalAction, default=True,
+                    help="fit the fresh student's surrogates to the teacher first (softq.mpc.distill's default; "
+                         "--no-fit: MPCFormer's plain copy, the earlier blocks)")
     t = sub.add_parser("truncation")
     t.add_argument("--magnitude", type=float, default=1000.0)
     t.add_argument("--chunk", type=int, default=10_000_000)

@@ -128,7 +128,9 @@ def _distill(args: argparse.Namespace) -> int:
     task = mpc_task(args.model, n=args.samples, seq_len=args.seq_len)
     student, history = distill(task.model, task.train_batches(args.batch_size, args.seed),
                                softmax=_per_layer(args.softmax), gelu=_per_layer(args.gelu),
-                               steps=(args.steps1, args.steps2))
+                               steps=(args.steps1, args.steps2), fit=args.fit)
+    if history.fit is not None:
+        print(f"fitted the surrogates to the teacher before distilling: {history.fit.summary()}")
     with torch.no_grad():
         before_model = __import__("copy").deepcopy(task.model)
         from softq.mpc.surrogates import configure_surrogates
@@ -140,7 +142,7 @@ def _distill(args: argparse.Namespace) -> int:
     print(f"{task.name} plaintext accuracy on {args.samples} held-out samples: teacher {teacher_acc:.2f}%, "
           f"surrogates before distillation {before:.2f}%, after {after:.2f}%")
     meta = {"kind": f"mpc-student-{task.name}", "softmax": args.softmax, "gelu": args.gelu,
-            "steps": [args.steps1, args.steps2], "teacher_accuracy": teacher_acc,
+            "steps": [args.steps1, args.steps2], "fit": args.fit, "teacher_accuracy": teacher_acc,
             "before": before, "after": after, "stage1_final_loss": history.stage1[-1:] or None,
             "stage2_final_loss": history.stage2[-1:] or None}
     save_model(student, args.out, task.tokenizer, meta)
@@ -193,6 +195,9 @@ def register(subparsers: Any) -> None:
     d.add_argument("--samples", type=int, default=360, help="held-out samples for the before/after accuracy")
     d.add_argument("--seq-len", type=int, default=64)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--fit", action=argparse.BooleanOptionalAction, default=True,
+                   help="fit Quad GELU per channel and 2Quad per head to the teacher's activations first "
+                        "(exact weight rewrites, same encrypted cost; default on)")
     d.add_argument("--out", required=True, help="directory for the student")
     d.set_defaults(handler=_distill)
 

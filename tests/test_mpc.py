@@ -163,6 +163,19 @@ def test_bert_encrypted_matches_plaintext(crypten1, softmax, gelu):
     assert (out - plain).abs().max() < 1e-2
 
 
+def test_fitted_student_runs_encrypted(crypten1):
+    """fit_surrogates only rewrites weights: the encrypted program of a fitted student is the plaintext one."""
+    from softq.mpc.fit import fit_surrogates
+
+    teacher = tiny_bert()
+    student = copy.deepcopy(teacher)
+    configure_surrogates(student, softmax="2quad", gelu="quad")
+    report = fit_surrogates(student, teacher, [bert_inputs()])
+    assert report.skipped == [] and sorted(report.scales) == [0, 1]
+    out, plain = encrypted_local(crypten1, student, bert_inputs(), "2quad", "quad")
+    assert (out - plain).abs().max() < 1e-2
+
+
 def test_gpt2_without_cache_and_causal_mask(crypten1):
     model = tiny_gpt2()
     ids = torch.randint(0, 40, (1, 8), generator=torch.Generator().manual_seed(6))
