@@ -9,9 +9,11 @@ network time ``rounds x RTT + bytes / bandwidth`` (1 Gbit/s, 0.5 ms / 100 Mbit/s
     python examples/bench_mpc.py attention            # BERT-base attention layer, random data
     python examples/bench_mpc.py e2e --models bert-tiny,vit,lm [--distill-steps 300]
     python examples/bench_mpc.py minilm --runs 3      # private sentence embeddings, all-MiniLM-L6-v2
-    python examples/bench_mpc.py minilm-distill --steps 1000 --stage2-steps 1000   # student cached in ~/.cache/softq
+    python examples/bench_mpc.py minilm-distill --steps 1000 --stage2-steps 1000 --text recombined \
+        --hidden-weight 0.5   # fitted surrogates, then distilled; student cached in ~/.cache/softq
     python examples/bench_mpc.py minilm-distill --steps 0 --stage2-steps 800 --text recombined --hidden-weight 0.5 \
-        --init KEY   # continue the cached student KEY (see the minilm-distill-recombined block)
+        --init KEY   # continue the cached student KEY (see the minilm-distill-recombined* blocks)
+    python examples/bench_mpc.py minilm-distill ... --no-fit   # MPCFormer's plain copy as the start (earlier blocks)
     python examples/bench_mpc.py truncation --exact-elements 1000000000
 
 Results replace their marked blocks in docs/results/mpc.md (atomically).
@@ -210,7 +212,9 @@ def bench_e2e(args: argparse.Namespace) -> None:
         "batch; *enc.* = revealed encrypted logits. Accuracy: ViT top-1 on held-out digits, LM next-character "
         f"accuracy on held-out windows of {args.seq_len} characters, BERT-tiny shape has random weights (error and "
         "cost only). *Distilled* = MPCFormer two-stage distillation "
-        f"({args.distill_steps} + {args.distill_steps} steps) from the plaintext exact model.",
+        f"({args.distill_steps} + {args.distill_steps} steps) from the plaintext exact model, the student's Quad GELU "
+        "and 2Quad softmax first fitted to the teacher's activations (`softq.mpc.distill`'s default `fit=True`; "
+        "blocks written before it existed distilled a plain copy).",
         "",
         "| Model | Surrogates | Distilled | Acc. plain | Acc. enc. | Max abs logit error | Argmax agree | Rounds | MB | Wall s | LAN s | WAN s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -481,16 +485,6 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
     print(f"[minilm-distill] plaintext cosine on {args.eval_texts} eval paragraphs: not distilled mean "
           f"{float(cos_before.mean()):.4f}; distilled mean {float(cos_after.mean()):.4f} (min {float(cos_after.min()):.4f}); "
           f"on {len(cos_seen)} of its training windows mean {float(cos_seen.mean()):.4f}", flush=True)
-    if not args.encrypt:
-        return
-    with torch.no_grad():
-        ref = model(**inputs).last_hidden_state
-    rows = []
-    for label, m, softmax, gelu in (("exact path", model, "softmax", "erf"), ("2Quad + Quad, distilled", student, "2quad", "quad")):
-        print(f"[minilm-distill] encrypted run: {label}", flush=True)
-        res = run(m, inputs, softmax=softmax, gelu=gelu, timeout=900)
-        rows.append((label, res, embedding_errors(res.outputs[0], ref, inputs["attention_mask"])))
-    exact = rows[0][1].report
     continued = f", continuing the student `{args.init}` (earlier {meta['init_minutes']:.1f} min)" if args.init else ""
     lines = [
         f"Command: `{command_line()}`",
@@ -508,23 +502,38 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
         f"{float(cos_after.mean()):.4f} (min {float(cos_after.min()):.4f}); on {len(cos_seen)} of the student's training "
         f"windows (evenly spaced) mean {float(cos_seen.mean()):.4f}. Stage losses first -> last: "
         f"{_loss_trace(hist1)}; {_loss_trace(hist2)}.",
-        "",
-        "Encrypted (2 parties, TFP, exact truncation) on the benchmark's "
-        f"{args.sentences} x {inputs['input_ids'].shape[1]} tokens; cosine to the FP32 model:",
-        "",
-        "| Model | Min cosine | Rounds | MB | Bytes vs exact | Rounds vs exact | LAN s | WAN s |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for label, res, (err, cos) in rows:
-        r = res.report
-        lines.append(f"| {label} | {cos:.4f} | {r.rounds} | {r.bytes / 1e6:.1f} | 1/{exact.bytes / r.bytes:.1f} | "
-                     f"1/{exact.rounds / r.rounds:.2f} | {r.modeled_seconds('lan'):.2f} | {r.modeled_seconds('wan'):.1f} |")
-    for label, res, _ in rows:
-        lines += ["", f"Per op kind, {label}:", "", "```", res.report.table("kind"), "```"]
+    fitted_lineage = _fits(args) or bool(args.init and "-fit-" in args.init)  # fitted, or continuing a fitted student
+    block = args.block or (("minilm-distill" if args.text == "prose" else f"minilm-distill-{args.text}")
+                           + ("-fit" if fitted_lineage else "") + ("-continued" if args.init and fitted_lineage else ""))
+    if args.encrypt:
+        with torch.no_grad():
+            ref = model(**inputs).last_hidden_state
+        rows = []
+        for label, m, softmax, gelu in (("exact path", model, "softmax", "erf"), ("2Quad + Quad, distilled", student, "2quad", "quad")):
+            print(f"[minilm-distill] encrypted run: {label}", flush=True)
+            res = run(m, inputs, softmax=softmax, gelu=gelu, timeout=900)
+            rows.append((label, res, embedding_errors(res.outputs[0], ref, inputs["attention_mask"])))
+        exact = rows[0][1].report
+        lines += [
+            "",
+            "Encrypted (2 parties, TFP, exact truncation) on the benchmark's "
+            f"{args.sentences} x {inputs['input_ids'].shape[1]} tokens; cosine to the FP32 model:",
+            "",
+            "| Model | Min cosine | Rounds | MB | Bytes vs exact | Rounds vs exact | LAN s | WAN s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for label, res, (err, cos) in rows:
+            r = res.report
+            lines.append(f"| {label} | {cos:.4f} | {r.rounds} | {r.bytes / 1e6:.1f} | 1/{exact.bytes / r.bytes:.1f} | "
+                         f"1/{exact.rounds / r.rounds:.2f} | {r.modeled_seconds('lan'):.2f} | {r.modeled_seconds('wan'):.1f} |")
+        for label, res, _ in rows:
+            lines += ["", f"Per op kind, {label}:", "", "```", res.report.table("kind"), "```"]
+    elif args.block is None:  # a plaintext-only run writes nothing unless it is given a block of its own
+        return
     text = "\n".join(lines) + "\n"
     print(text)
-    _write(("minilm-distill" if args.text == "prose" else f"minilm-distill-{args.text}") + ("-fit" if _fits(args) else ""),
-           text)
+    _write(block, text)
 
 
 # ---------------------------------------------------------------------------
@@ -663,6 +672,9 @@ def main() -> int:
     md.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=False,
                     help="keep dropout on while distilling (default off: fit the deterministic teacher)")
     md.add_argument("--force", action="store_true", help="distill again even if the student is cached")
+    md.add_argument("--block", default=None, metavar="NAME",
+                    help="the docs/results/mpc.md block to write (default: named after --text and --fit; a "
+                         "--no-encrypt run writes its plaintext cosines only when given one)")
     md.add_argument("--fit", action=argparse.BooleanOptionalAction, default=True,
                     help="fit the fresh student's surrogates to the teacher first (softq.mpc.distill's default; "
                          "--no-fit: MPCFormer's plain copy, the earlier blocks)")
