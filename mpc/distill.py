@@ -99,7 +99,7 @@ def distill(
     the teacher switched to ``softmax`` / ``gelu``.  ``fit`` (default): before stage 1, fit the
     fresh student's Quad GELUs and 2Quad softmaxes to the teacher's activations on the first
     ``fit_batches`` batches (:func:`softq.mpc.fit.fit_surrogates`: exact weight rewrites, same
-    encrypted cost); on all-MiniLM-L6-v2 it starts the student at embedding cosine 0.52 instead
+    encrypted cost); on all-MiniLM-L6-v2 it starts the student at embedding cosine 0.53 instead
     of -0.03 and ends 300 + 300 steps at 0.960 instead of 0.942 (docs/results/mpc.md).
     """
     if min(steps) < 0:
