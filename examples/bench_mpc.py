@@ -206,15 +206,15 @@ def bench_e2e(args: argparse.Namespace) -> None:
     sets = [s for s in SURROGATE_SETS if s[1] in args.sets.split(",")]
     lines = [
         f"Command: `python examples/bench_mpc.py e2e --models {args.models} --samples {args.samples} "
-        f"--seq-len {args.seq_len} --distill-steps {args.distill_steps} --sets {args.sets}`",
+        f"--seq-len {args.seq_len} --distill-steps {args.distill_steps} --sets {args.sets}{' --fit' if args.fit else ''}`",
         "",
         "2 parties (separate processes, TFP, exact truncation, loopback). *Plain* = the same surrogate model in float32 on the same "
         "batch; *enc.* = revealed encrypted logits. Accuracy: ViT top-1 on held-out digits, LM next-character "
         f"accuracy on held-out windows of {args.seq_len} characters, BERT-tiny shape has random weights (error and "
         "cost only). *Distilled* = MPCFormer two-stage distillation "
-        f"({args.distill_steps} + {args.distill_steps} steps) from the plaintext exact model, the student's Quad GELU "
-        "and 2Quad softmax first fitted to the teacher's activations (`softq.mpc.distill`'s default `fit=True`; "
-        "blocks written before it existed distilled a plain copy).",
+        f"({args.distill_steps} + {args.distill_steps} steps) from the plaintext exact model"
+        + (", the student's Quad GELU and 2Quad softmax first fitted to the teacher's activations "
+           "(`softq.mpc.distill(fit=True)`)." if args.fit else " (a plain copy with the surrogates swapped in)."),
         "",
         "| Model | Surrogates | Distilled | Acc. plain | Acc. enc. | Max abs logit error | Argmax agree | Rounds | MB | Wall s | LAN s | WAN s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -234,7 +234,7 @@ def bench_e2e(args: argparse.Namespace) -> None:
             if args.distill_steps and name != "bert-tiny" and softmax != "softmax":
                 print(f"[{name}] distilling {label}", flush=True)
                 student, _ = distill(task.model, task.train_batches(16, 0), softmax=softmax, gelu=gelu,
-                                     steps=(args.distill_steps, args.distill_steps))
+                                     steps=(args.distill_steps, args.distill_steps), fit=args.fit)
                 variants.append((True, student))
             for distilled, model in variants:
                 plain = _plain_logits(model, task.inputs, softmax, gelu)
@@ -645,6 +645,8 @@ def main() -> int:
     e.add_argument("--sets", default=E2E_SETS)
     e.add_argument("--encrypt-undistilled", action="store_true", help="also run the undistilled surrogates encrypted")
     e.add_argument("--threads", type=int, default=1)
+    e.add_argument("--fit", action=argparse.BooleanOptionalAction, default=False,
+                   help="fit the students' surrogates to the teacher before distilling (softq.mpc.distill(fit=True))")
     m = sub.add_parser("minilm")
     m.add_argument("--runs", type=int, default=3, help="repeated exact-path runs")
     m.add_argument("--sentences", type=int, default=2)
@@ -676,7 +678,7 @@ def main() -> int:
                     help="the docs/results/mpc.md block to write (default: named after --text and --fit; a "
                          "--no-encrypt run writes its plaintext cosines only when given one)")
     md.add_argument("--fit", action=argparse.BooleanOptionalAction, default=True,
-                    help="fit the fresh student's surrogates to the teacher first (softq.mpc.distill's default; "
+                    help="fit the fresh student's surrogates to the teacher first (softq.mpc.distill(fit=True); "
                          "--no-fit: MPCFormer's plain copy, the earlier blocks)")
     t = sub.add_parser("truncation")
     t.add_argument("--magnitude", type=float, default=1000.0)

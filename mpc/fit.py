@@ -14,7 +14,10 @@ weights, so the encrypted program and its cost do not change:
   ``min_curvature`` so ``t`` stays bounded).
 * **2Quad**, per head: ``(s x + c)^2`` normalised, with ``s`` from a grid minimising the KL
   divergence from the softmax of the teacher's scores ``x`` over the valid keys; ``s`` folds
-  into the query projection's rows of that head.
+  into the query projection's rows of that head.  Only scales whose row sums stay inside the
+  encrypted row division's accurate range, with the range check's margin, are candidates
+  (an unconstrained fit sharpens the reference ViT's rows until a row sum falls to 0.024 of
+  ``L c^2``, below that range, and :func:`softq.mpc.run` then refuses the student).
 
 The fit reads only where each tensor comes from (the Linear whose output is the GELU's input,
 the one reading its output, the projection whose output the query is a view of), so it needs
@@ -33,6 +36,8 @@ import torch
 from torch import nn
 
 from softq.attention import configure_attention
+from softq.mpc.graph import _denominator_scale, fused_row_scale
+from softq.mpc.ranges import SAFE_RANGES, RangeConfig
 from softq.mpc.surrogates import GELU_CLASSES, SurrogateGELU, layer_index
 
 SCALE_GRID = tuple(float(x) for x in torch.logspace(-2.0, 1.0, 61))
@@ -87,22 +92,21 @@ def _out_rows(m: nn.Module) -> torch.Tensor:
     return m.weight if isinstance(m, nn.Linear) else m.weight.t()
 
 
-def _two_quad(scores: torch.Tensor, valid: torch.Tensor, c: float) -> torch.Tensor:
-    num = (scores + c).square() * valid
-    return num / num.sum(-1, keepdim=True).clamp_min(1e-30)
-
-
 def fit_surrogates(student: nn.Module, teacher: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]],
-                   min_curvature: float = MIN_CURVATURE) -> SurrogateFit:
+                   min_curvature: float = MIN_CURVATURE, range_margin: float = RangeConfig.margin) -> SurrogateFit:
     """Fit ``student``'s Quad GELUs and 2Quad softmaxes to ``teacher``'s activations on ``batches``.
 
     ``student`` is a copy of ``teacher`` switched to surrogates (:func:`softq.mpc.configure_surrogates`);
     its weights are changed in place, ``teacher`` is not.  Returns what changed, layer by layer.
+    ``range_margin``: the headroom (as :class:`softq.mpc.ranges.RangeConfig`'s) a 2Quad scale must
+    leave inside the row division's accurate range on these batches.
     """
     if student is teacher:
         raise ValueError("fit_surrogates needs the student and its teacher as two models")
     if not min_curvature > 0:
         raise ValueError(f"min_curvature must be > 0, got {min_curvature}")
+    if not range_margin >= 1.0:
+        raise ValueError(f"range_margin must be >= 1, got {range_margin}")
     s_modules = dict(student.named_modules())
     quad_paths = {p for p, m in s_modules.items() if isinstance(m, SurrogateGELU) and m.name == "quad"}
     two_quad = {}  # layer -> c
@@ -139,6 +143,7 @@ def fit_surrogates(student: nn.Module, teacher: nn.Module, batches: Iterable[Map
     grid = torch.tensor(SCALE_GRID)
     kl: dict[int, torch.Tensor] = {}
     rows: dict[int, float] = {}
+    admissible: dict[int, torch.Tensor] = {}  # [grid + 1, heads]: row sums inside the division's range
     token_mask: list[torch.Tensor | None] = [None]
 
     def on_projection(name: str):
@@ -188,12 +193,22 @@ def fit_surrogates(student: nn.Module, teacher: nn.Module, batches: Iterable[Map
             p = torch.softmax(scores.masked_fill(valid == 0, float("-inf")), -1).nan_to_num(0.0)
             live = (valid.sum(-1) > 0).to(scores.dtype)  # rows with a key
             logp = torch.log(p.clamp_min(1e-30))
-            losses = []
+            key_len = scores.shape[-1]
+            params = {"c": c}
+            scale = _denominator_scale("2quad", params, key_len)
+            (lo, hi), _ = SAFE_RANGES["row sum" if fused_row_scale("2quad", params, key_len) else "reciprocal input"]
+            losses, ok = [], []
             for s in SCALE_GRID + (1.0,):
-                q = _two_quad(scores * s, valid, c)
+                num = (scores * s + c).square() * valid
+                den = num.sum(-1, keepdim=True)
+                q = num / den.clamp_min(1e-30)
                 row = (p * (logp - torch.log(q.clamp_min(1e-30)))).sum(-1) * live  # [b, h, s]
                 losses.append(row.sum((0, 2)))
+                r = den[..., 0] / scale
+                inside = ((r >= lo * range_margin) & (r <= hi / range_margin)) | (live == 0)  # rows with a key only
+                ok.append(inside.all(-1).all(0))  # [heads]
             kl[layer] = torch.stack(losses) + kl.get(layer, 0)
+            admissible[layer] = torch.stack(ok) & admissible.get(layer, True)
             rows[layer] = rows.get(layer, 0.0) + float(live.sum()) / scores.shape[1]
         return sink
 
@@ -254,8 +269,16 @@ def fit_surrogates(student: nn.Module, teacher: nn.Module, batches: Iterable[Map
             if s_modules[proj].bias is None:
                 fit.skipped.append(f"layer {layer} 2Quad (query projection without bias)")
                 continue
-            best = losses[:-1].argmin(0)
-            scales = grid[best]
+            allowed = admissible[layer]
+            candidates = torch.where(allowed, losses, torch.full_like(losses, math.inf))
+            best = candidates.argmin(0)  # the grid's last entry is 1.0: no change
+            scales = torch.cat([grid, torch.ones(1, dtype=grid.dtype)])[best]
+            unfit = ~allowed.any(0)
+            if bool(unfit.any()):
+                best = torch.where(unfit, torch.full_like(best, len(SCALE_GRID)), best)
+                scales = torch.where(unfit, torch.ones_like(scales), scales)
+                fit.skipped.append(f"layer {layer} 2Quad heads {unfit.nonzero().flatten().tolist()} (no scale keeps "
+                                   "the row sums in the encrypted division's range)")
             heads = scales.numel()
             head_dim = None
             points = points_by_layer[layer]

@@ -99,13 +99,39 @@ def test_distill_fits_fresh_students_only_and_refuses_bad_arguments():
         while True:
             yield batch
 
-    student, history = distill(teacher, batches(), steps=(0, 0), progress=False, fit_batches=2)
+    student, history = distill(teacher, batches(), steps=(0, 0), progress=False, fit=True, fit_batches=2)
     assert history.fit is not None and sorted(history.fit.gelu_rms) == [0, 1]
-    _, plain_history = distill(teacher, batches(), steps=(0, 0), progress=False, fit=False)
+    _, plain_history = distill(teacher, batches(), steps=(0, 0), progress=False)  # default: a plain copy
     assert plain_history.fit is None
-    _, continued = distill(teacher, batches(), steps=(0, 1), progress=False, student=student)
+    _, continued = distill(teacher, batches(), steps=(0, 1), progress=False, student=student, fit=True)
     assert continued.fit is None  # a student being continued keeps its weights
     with pytest.raises(ValueError, match="fit_batches must be >= 1"):
-        distill(teacher, batches(), steps=(0, 1), progress=False, fit_batches=0)
+        distill(teacher, batches(), steps=(0, 1), progress=False, fit=True, fit_batches=0)
     with pytest.raises(ValueError, match="two models"):
         fit_surrogates(teacher, teacher, [batch])
+
+
+def test_two_quad_scales_keep_the_encrypted_row_division_in_range():
+    """Only scales whose 2Quad row sums stay inside the encrypted division's range (with the range check's margin)
+    are candidates: the fitted student passes the range check, and where no scale can, the head is left alone."""
+    from softq.mpc.ranges import check_model
+
+    teacher = tiny_model("bert", seed=6)
+    with torch.no_grad():
+        for layer in teacher.bert.encoder.layer:
+            layer.attention.self.query.weight.mul_(40.0)
+    calib = _calib("bert")
+    student = copy.deepcopy(teacher)
+    configure_surrogates(student, softmax="2quad", gelu=None)
+    report = fit_surrogates(student, teacher, calib)
+    assert report.skipped == [] and any(s != 1.0 for scales in report.scales.values() for s in scales)
+    check_model(student, calib[1], calibration=calib)
+    strict = copy.deepcopy(teacher)
+    configure_surrogates(strict, softmax="2quad", gelu=None)
+    weights = {n: p.detach().clone() for n, p in strict.named_parameters()}
+    strict_report = fit_surrogates(strict, teacher, calib, range_margin=1e6)  # no row sum can be that central
+    assert all(s == 1.0 for scales in strict_report.scales.values() for s in scales)
+    assert len(strict_report.skipped) == 2 and "no scale keeps the row sums" in strict_report.skipped[0]
+    assert all(torch.equal(p, weights[n]) for n, p in strict.named_parameters())
+    with pytest.raises(ValueError, match="range_margin must be >= 1"):
+        fit_surrogates(strict, teacher, calib, range_margin=0.5)
