@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from softq.attention import configure_attention
-from softq.mpc.graph import _denominator_scale, fused_row_scale
-from softq.mpc.ranges import SAFE_RANGES, RangeConfig
+from softq.mpc.ranges import SAFE_RANGES, RangeConfig, _softmax_internals
 from softq.mpc.surrogates import GELU_CLASSES, SurrogateGELU, layer_index
+from softq.softmax import get_softmax
 
 SCALE_GRID = tuple(float(x) for x in torch.logspace(-2.0, 1.0, 61))
 MIN_CURVATURE = 0.02
@@ -137,7 +137,7 @@ def fit_surrogates(student: nn.Module, teacher: nn.Module, batches: Iterable[Map
     storages: list[tuple[str, torch.Tensor]] = []
     producer: dict[str, str] = {}
     consumer: dict[str, str] = {}
-    query_of: dict[int, tuple[str, int]] = {}
+    query_of: dict[int, tuple[str, int, int]] = {}  # layer -> (projection, first query column, head size)
     gelu_out: dict[int, str] = {}
     stats: dict[str, list[torch.Tensor]] = {}
     grid = torch.tensor(SCALE_GRID)
@@ -183,28 +183,25 @@ def fit_surrogates(student: nn.Module, teacher: nn.Module, batches: Iterable[Map
                 if start <= q.data_ptr() < end and out.shape[-1] >= q.shape[1] * q.shape[-1]:
                     col = (q.data_ptr() - start) // out.element_size()
                     if col + q.shape[1] * q.shape[-1] <= out.shape[-1]:
-                        query_of.setdefault(layer, (name, col))
+                        query_of.setdefault(layer, (name, col, q.shape[-1]))
                     break
         return hook
 
     def on_scores(layer: int, c: float):
         def sink(scores: torch.Tensor, valid: torch.Tensor | None) -> None:
             valid = torch.ones_like(scores) if valid is None else valid.to(scores.dtype).expand_as(scores)
-            p = torch.softmax(scores.masked_fill(valid == 0, float("-inf")), -1).nan_to_num(0.0)
             live = (valid.sum(-1) > 0).to(scores.dtype)  # rows with a key
+            p = get_softmax("softmax")(scores, valid) * live[..., None]
             logp = torch.log(p.clamp_min(1e-30))
-            key_len = scores.shape[-1]
-            params = {"c": c}
-            scale = _denominator_scale("2quad", params, key_len)
-            (lo, hi), _ = SAFE_RANGES["row sum" if fused_row_scale("2quad", params, key_len) else "reciprocal input"]
+            two_quad_fn, params = get_softmax("2quad"), {"c": c}
             losses, ok = [], []
             for s in SCALE_GRID + (1.0,):
-                num = (scores * s + c).square() * valid
-                den = num.sum(-1, keepdim=True)
-                q = num / den.clamp_min(1e-30)
+                q = two_quad_fn(scores * s, valid, **params)
                 row = (p * (logp - torch.log(q.clamp_min(1e-30)))).sum(-1) * live  # [b, h, s]
                 losses.append(row.sum((0, 2)))
-                r = den[..., 0] / scale
+                # the row sums as the range check sees them (softq.mpc.ranges), inside its safe range with its margin
+                (kind, r), = _softmax_internals("2quad", params, scores * s, valid)
+                (lo, hi), _ = SAFE_RANGES[kind]
                 inside = ((r >= lo * range_margin) & (r <= hi / range_margin)) | (live == 0)  # rows with a key only
                 ok.append(inside.all(-1).all(0))  # [heads]
             kl[layer] = torch.stack(losses) + kl.get(layer, 0)
@@ -265,7 +262,7 @@ def fit_surrogates(student: nn.Module, teacher: nn.Module, batches: Iterable[Map
             if layer not in query_of:
                 fit.skipped.append(f"layer {layer} 2Quad (cannot see the query projection)")
                 continue
-            proj, col = query_of[layer]
+            proj, col, head_dim = query_of[layer]
             if s_modules[proj].bias is None:
                 fit.skipped.append(f"layer {layer} 2Quad (query projection without bias)")
                 continue
@@ -280,14 +277,6 @@ def fit_surrogates(student: nn.Module, teacher: nn.Module, batches: Iterable[Map
                 fit.skipped.append(f"layer {layer} 2Quad heads {unfit.nonzero().flatten().tolist()} (no scale keeps "
                                    "the row sums in the encrypted division's range)")
             heads = scales.numel()
-            head_dim = None
-            points = points_by_layer[layer]
-            for m in probe.modules():
-                if getattr(m, "softq", None) is points:
-                    head_dim = int(getattr(m, "head_dim", 0) or getattr(m, "attention_head_size", 0))
-            if not head_dim:
-                fit.skipped.append(f"layer {layer} 2Quad (cannot tell the head size)")
-                continue
             per_col = scales.repeat_interleave(head_dim).to(s_modules[proj].weight.dtype)
             w = _out_rows(s_modules[proj])
             w[col:col + per_col.numel()].mul_(per_col[:, None])
