@@ -43,6 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_quant_options(p: argparse.ArgumentParser) -> None:
+    from softq.quant.config import EMBEDDING_MIN_ROWS
+
     p.add_argument("--softmax-bits", type=int, default=8, help="softmax output bits, 0 for float softmax (default 8)")
     p.add_argument("--weight-bits", type=int, default=8)
     p.add_argument("--act-bits", type=int, default=8)
@@ -72,8 +74,9 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                         "none")
     p.add_argument("--embedding-bits", type=int, default=8,
                    help="bits of the embedding tables (per row, weight only); 0 keeps them float (default 8)")
-    p.add_argument("--embedding-min-rows", type=int, default=16, metavar="N",
-                   help="tables of fewer rows stay float (default 16: BERT's 2-row token-type table stays float)")
+    p.add_argument("--embedding-min-rows", type=int, default=EMBEDDING_MIN_ROWS, metavar="N",
+                   help=f"tables of fewer rows stay float (default {EMBEDDING_MIN_ROWS}: BERT's 2-row token-type "
+                        "table stays float; 1 quantizes every table)")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="model directory: calibration texts, one per line or JSONL with a 'text' field "
                         "(default: paragraphs of Python's documentation)")

@@ -210,9 +210,9 @@ class QuantConfig:
             weights) at no measurable cost (docs/results/export_speed.md).
             Tables of fewer than ``embedding_min_rows`` rows stay float.
         embedding_min_rows: the smallest embedding table ``embedding_bits`` quantizes
-            (default 16; 1 quantizes every table).  BERT's token-type table has 2, and its row 0 is added to nearly every token, so
-            its rounding error is the same shift on every token instead of noise that
-            averages out; it weighs nothing (1.5k values).  Measured on a BERT-base
+            (default 16; 1 quantizes every table).  BERT's token-type table has 2,
+            and its row 0 is added to nearly every token, so its rounding error is the
+            same shift on every token instead of noise that averages out; it weighs nothing (1.5k values).  Measured on a BERT-base
             shape (random weights, pooled embeddings): quantizing that table alone costs
             a cosine distance of 4.0e-5, the 30522-row token table 2.8e-7, and the
             whole default model 1.98e-4 with it, 1.52e-4 without it (onnxruntime

@@ -26,7 +26,7 @@ import transformers
 from torch import nn
 
 from softq.attention import configure_from_config
-from softq.quant.config import QuantConfig
+from softq.quant.config import EMBEDDING_MIN_ROWS, QuantConfig
 from softq.quant.quantize import is_quantized, prepare, set_mode
 from softq.quant.quantizers import ActQuantizer, QLinear, SoftmaxOutputQuantizer
 
@@ -85,7 +85,7 @@ def load(path: str | os.PathLike) -> nn.Module:
     raw = meta["quant_config"]
     raw.setdefault("softmax_output", "edge")  # saved before the field existed: the uniform edge codes
     raw.setdefault("embedding_bits", None)  # saved before the field existed: float embedding tables
-    raw.setdefault("embedding_min_rows", 16)  # saved before the field existed: the module constant it replaced
+    raw.setdefault("embedding_min_rows", EMBEDDING_MIN_ROWS)  # saved before the field existed: the constant it replaced
     raw.setdefault("input_smoothing", None)  # saved before the field existed: no input smoothing
     raw.setdefault("residual_prefix", 0)  # saved before the field existed: no prefix-token scales
     if raw.get("quantize_residual") is False:  # the layout of a residual stream a file left float means nothing
