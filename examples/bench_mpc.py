@@ -376,6 +376,15 @@ def _distill_texts(window: int, source: str = "prose") -> list[str]:
 FIT_BATCHES = 8  # training batches softq.mpc.distill fits the surrogates on (its fit_batches)
 
 
+def _train_batches(args: argparse.Namespace, hm: Any) -> list[dict[str, torch.Tensor]]:
+    """The distillation batches in training order (shuffled with seed 0): distill fits on the first FIT_BATCHES."""
+    import random
+
+    train = hm.batches(_distill_texts(args.window, args.text), batch_size=args.batch_size, max_length=args.train_len)
+    random.Random(0).shuffle(train)
+    return train
+
+
 def _fits(args: argparse.Namespace) -> bool:
     """Whether the student is fitted before distillation: a fresh student with --fit (a continued one keeps its weights)."""
     return bool(args.fit) and not args.init
@@ -385,7 +394,6 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
     """The distilled 2Quad + Quad MiniLM student: from ~/.cache/softq/minilm-distill (keyed by every setting)
     or distilled now and cached there (atomically: state dict and metadata)."""
     import itertools
-    import random
 
     from softq.mpc.distill import distill
     from softq.mpc.surrogates import configure_surrogates
@@ -416,14 +424,14 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
             raise SystemExit(f"--init: no cached student {args.init!r} in {folder} (run its minilm-distill command first)")
         init, init_meta = load(folder / f"{args.init}.pt")
     texts = _distill_texts(args.window, args.text)
-    train = hm.batches(texts, batch_size=args.batch_size, max_length=args.train_len)
-    random.Random(0).shuffle(train)
+    train = _train_batches(args, hm)
     t0 = time.perf_counter()
     student, hist = distill(model, itertools.cycle(train), softmax="2quad", gelu="quad",
                             steps=(args.steps, steps2), lr=(args.lr, lr2), dropout=args.dropout,
                             stage2_hidden_weight=args.hidden_weight, student=init, fit=_fits(args),
                             fit_batches=FIT_BATCHES)
-    meta = {"fit": hist.fit.summary() if hist.fit is not None else None,"minutes": (time.perf_counter() - t0) / 60, "stage1": hist.stage1, "stage2": hist.stage2,
+    meta = {"fit": hist.fit.summary() if hist.fit is not None else None,
+            "minutes": (time.perf_counter() - t0) / 60, "stage1": hist.stage1, "stage2": hist.stage2,
             "init_minutes": init_meta["minutes"] + init_meta.get("init_minutes", 0.0) if init_meta else 0.0,
             "steps": (args.steps, steps2), "lr": (args.lr, lr2), "texts": len(texts), "words": sum(len(t.split()) for t in texts)}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -464,14 +472,10 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
     student, meta = _distilled_minilm(model, args, hm)
     fitted_note = ""
     if _fits(args):  # the same fit distill made, on the same first training batches, without the distillation
-        import random
-
         from softq.mpc.fit import fit_surrogates
 
         fitted = copy.deepcopy(undistilled)
-        train = hm.batches(_distill_texts(args.window, args.text), batch_size=args.batch_size, max_length=args.train_len)
-        random.Random(0).shuffle(train)
-        fit_surrogates(fitted, model, train[:FIT_BATCHES])
+        fit_surrogates(fitted, model, _train_batches(args, hm)[:FIT_BATCHES])
         cos_fitted = cosines(fitted)
         fitted_note = (f"; fitted (`softq.mpc.fit.fit_surrogates` on the first {FIT_BATCHES} training batches: "
                        f"{meta.get('fit') or '-'}), not distilled: mean {float(cos_fitted.mean()):.4f} "
