@@ -81,7 +81,41 @@ def evaluate(loaded: hf.HFModel, model: torch.nn.Module, data: dict, method: str
     r["q_recall"] = hf.recall_at_1(loaded.encode(data["qb"], qmodel), loaded.encode(data["cb"], qmodel))
     r["gates"] = gate_values(model, data["ev"][:2])
     r["tokens"] = token_outliers(model, data["ev"], loaded.tokenizer.sep_token_id)
+    r["cls_constant_cos"] = constant_cls_cosine(loaded, model, data)
     return r
+
+
+@torch.no_grad()
+def constant_cls_cosine(loaded: hf.HFModel, model: torch.nn.Module, data: dict) -> float:
+    """Is [CLS] a constant no-op sink? Mean cosine between ``model``'s embeddings and the same model's with the keys
+    and values of [CLS] in every layer replaced by their mean over the calibration paragraphs (1.0: what the other
+    tokens read from [CLS] does not depend on the text)."""
+    from softq.models import attention_modules
+
+    projections = [getattr(m, name) for _, m in attention_modules(model) for name in ("key", "value")]
+    seen: dict[int, list[torch.Tensor]] = {}
+    handles = [p.register_forward_hook(lambda _m, _i, out, i=i: seen.setdefault(i, []).append(out[:, 0]))
+               for i, p in enumerate(projections)]
+    try:
+        loaded.encode(data["calib"], model)
+    finally:
+        for h in handles:
+            h.remove()
+    means = {i: torch.cat(v).mean(0) for i, v in seen.items()}
+
+    def constant(_m, _i, out, i):
+        out = out.clone()
+        out[:, 0] = means[i]
+        return out
+
+    handles = [p.register_forward_hook(lambda m, inp, out, i=i: constant(m, inp, out, i)) for i, p in enumerate(projections)]
+    try:
+        fixed = loaded.encode(data["ev"], model)
+    finally:
+        for h in handles:
+            h.remove()
+    own = loaded.encode(data["ev"], model)
+    return torch.nn.functional.cosine_similarity(fixed.float(), own.float()).mean().item()
 
 
 @torch.no_grad()
@@ -161,7 +195,7 @@ def plot(results: dict[str, dict], path: Path) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=OutlierFinetuneConfig.steps)
     parser.add_argument("--seeds", default="0,1", help="comma list of seeds for the three main runs")
     parser.add_argument("--methods", default="none,gated,clipped")
     parser.add_argument("--no-ablation", action="store_true", help="skip 'clipped, no penalty'")
@@ -294,6 +328,12 @@ def main() -> int:
     for label, r in results.items():
         lines.append(f"| {label} | " + " | ".join(f"{t['cls']:.0f} / {t['sep']:.0f} / {t['other']:.0f}"
                                                   for t in r["tokens"]) + " |")
+    lines += ["", f"## Is [CLS] a constant sink? (seed {seeds[0]})", "",
+              "Mean cosine of each model's embeddings to the same model's with the keys and values of [CLS] in every "
+              "layer replaced by their mean over the calibration paragraphs: 1.0 means no other token reads anything "
+              "text-dependent from [CLS], only a fixed no-op key and value.", "",
+              "| model | cosine, [CLS] keys and values constant |", "|---|---|"]
+    lines += [f"| {label} | {r['cls_constant_cos']:.5f} |" for label, r in results.items()]
     gated = results.get("gated")
     if gated and gated["gates"]:
         lines += ["", f"## What the gates learned (seed {seeds[0]}; conversion opens every gate to pi = {args.pi})", "",
