@@ -66,7 +66,7 @@ class OutlierFinetuneConfig:
             5e-5 is measured on all-MiniLM-L6-v2 (docs/outliers.md section 6): at 3e-4 the student fits its
             training windows to cosine 0.99 but held-out text only to 0.977; at 5e-5 held-out stays at 0.99+.
         gate_lr: peak learning rate of the gate parameters (``method="gated"``).  At 1e-3 MiniLM's gates stay
-            within 0.45-0.50 of their 0.5 start over 250 steps; the 1e-2 default lets them close (means 0.32-0.50 in
+            between 0.45 and 0.50 (start 0.5) over 250 steps; the 1e-2 default lets them close (means 0.32-0.50 in
             layers 1-3) and is what the measured runs of docs/results/outlier_finetune_lr5e-5.md use.
         warmup: warmup steps.
         weight_decay: AdamW weight decay of the matrices.
