@@ -81,40 +81,39 @@ def evaluate(loaded: hf.HFModel, model: torch.nn.Module, data: dict, method: str
     r["q_recall"] = hf.recall_at_1(loaded.encode(data["qb"], qmodel), loaded.encode(data["cb"], qmodel))
     r["gates"] = gate_values(model, data["ev"][:2])
     r["tokens"] = token_outliers(model, data["ev"], loaded.tokenizer.sep_token_id)
-    r["cls_constant_cos"] = constant_cls_cosine(loaded, model, data)
+    r["cls_constant_cos"] = constant_cls_cosine(loaded, model, data, emb)
     return r
 
 
 @torch.no_grad()
-def constant_cls_cosine(loaded: hf.HFModel, model: torch.nn.Module, data: dict) -> float:
-    """Is [CLS] a constant no-op sink? Mean cosine between ``model``'s embeddings and the same model's with the keys
-    and values of [CLS] in every layer replaced by their mean over the calibration paragraphs (1.0: what the other
-    tokens read from [CLS] does not depend on the text)."""
+def constant_cls_cosine(loaded: hf.HFModel, model: torch.nn.Module, data: dict, own: torch.Tensor) -> float:
+    """Is [CLS] a constant no-op sink? Mean cosine between ``model``'s embeddings ``own`` (of ``data['ev']``) and the
+    same model's with the keys and values of [CLS] in every layer replaced by their mean over the calibration
+    paragraphs (1.0: what the other tokens read from [CLS] does not depend on the text)."""
     from softq.models import attention_modules
 
     projections = [getattr(m, name) for _, m in attention_modules(model) for name in ("key", "value")]
     seen: dict[int, list[torch.Tensor]] = {}
-    handles = [p.register_forward_hook(lambda _m, _i, out, i=i: seen.setdefault(i, []).append(out[:, 0]))
-               for i, p in enumerate(projections)]
-    try:
-        loaded.encode(data["calib"], model)
-    finally:
-        for h in handles:
-            h.remove()
-    means = {i: torch.cat(v).mean(0) for i, v in seen.items()}
 
-    def constant(_m, _i, out, i):
+    def record(i: int, out: torch.Tensor) -> None:
+        seen.setdefault(i, []).append(out[:, 0])
+
+    def constant(i: int, out: torch.Tensor) -> torch.Tensor:
         out = out.clone()
         out[:, 0] = means[i]
         return out
 
-    handles = [p.register_forward_hook(lambda m, inp, out, i=i: constant(m, inp, out, i)) for i, p in enumerate(projections)]
-    try:
-        fixed = loaded.encode(data["ev"], model)
-    finally:
-        for h in handles:
-            h.remove()
-    own = loaded.encode(data["ev"], model)
+    def encode_with(fn, batches: list[dict]) -> torch.Tensor:
+        handles = [p.register_forward_hook(lambda _m, _i, out, i=i: fn(i, out)) for i, p in enumerate(projections)]
+        try:
+            return loaded.encode(batches, model)
+        finally:
+            for h in handles:
+                h.remove()
+
+    encode_with(record, data["calib"])
+    means = {i: torch.cat(v).mean(0) for i, v in seen.items()}
+    fixed = encode_with(constant, data["ev"])
     return torch.nn.functional.cosine_similarity(fixed.float(), own.float()).mean().item()
 
 
