@@ -16,7 +16,7 @@ registers the eager mask builder under the same name.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -70,8 +70,46 @@ class AttentionGate(nn.Module):
         return torch.sigmoid(logits).unsqueeze(-1)
 
 
+class ConstantSink(nn.Module):
+    """The first position's keys and values as constants of the layer: an explicit attention sink.
+
+    A pretrained encoder's [CLS] (a decoder's first token) is an attention sink: heads
+    that have nothing to add park their attention on it, and what they read there hardly
+    depends on the text.  In all-MiniLM-L6-v2, replacing [CLS]'s keys and values in every
+    layer by their mean over calibration text changes the sentence embeddings by cosine
+    0.99994 (docs/outliers.md, section 6).  The model keeps that state constant with a
+    huge residual coordinate (|x| = 223), which is what breaks a per-tensor 8-bit residual
+    stream.  With the keys and values at position 0 replaced by these per-head constants
+    (``key``, ``value``: [heads, head_dim], trainable), no other token reads [CLS]'s
+    residual stream any more, and a fine-tune can remove its outliers without moving
+    what the other tokens compute (``OutlierFinetuneConfig(constant_sink=True)``).
+
+    ``recording()`` leaves keys and values unchanged and sums what arrives at position 0,
+    so :func:`init_constant_sinks` can start the constants at their calibration means.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.key = nn.Parameter(torch.zeros(num_heads, head_dim))
+        self.value = nn.Parameter(torch.zeros(num_heads, head_dim))
+        self._record: list[torch.Tensor] | None = None  # [sum of keys, sum of values, rows] while recording
+
+    def forward(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[b, heads, keys, head_dim] keys and values with position 0 replaced by the constants."""
+        if self._record is not None:
+            rec = self._record
+            rec[0] += key[:, :, 0].detach().double().sum(0).cpu()
+            rec[1] += value[:, :, 0].detach().double().sum(0).cpu()
+            rec[2] += float(key.shape[0])
+            return key, value
+        b = key.shape[0]
+        k0 = self.key.to(key.dtype)[None, :, None, :].expand(b, -1, 1, -1)
+        v0 = self.value.to(value.dtype)[None, :, None, :].expand(b, -1, 1, -1)
+        return torch.cat((k0, key[:, :, 1:]), dim=2), torch.cat((v0, value[:, :, 1:]), dim=2)
+
+
 class AttentionPoints(nn.Module):
-    """Per-layer softq state: softmax variant, quantization points and optional gate.
+    """Per-layer softq state: softmax variant, quantization points, optional gate and constant sink.
 
     Every point is an identity until a pass replaces it:
     ``q``/``k`` (inputs of the score matmul), ``scores`` (softmax input),
@@ -90,6 +128,7 @@ class AttentionPoints(nn.Module):
         self.v: nn.Module = nn.Identity()
         self.pv: nn.Module = ProbsTimesV()
         self.gate: AttentionGate | None = None
+        self.sink: ConstantSink | None = None
         # Set by :func:`fast_training` while a training loop runs: exact softmax goes through
         # PyTorch SDPA, other variants through their torch.compile'd form.
         self.fast_training = False
@@ -164,6 +203,11 @@ def softq_attention(
     key, value, valid, scaling = attention_inputs(module, query, key, value, attention_mask, scaling)
     if points is not None and points.prefix_rows and valid is not None:
         _check_prefix_rows(valid, points.prefix_rows)
+    if points is not None and points.sink is not None:
+        if valid is not None:
+            _check_prefix_rows(valid, 1, "has a constant attention sink at its first position (the [CLS] or first "
+                                        "token's keys and values)")
+        key, value = points.sink(key, value)
 
     if points is not None and points.fast_training and module.training and _points_are_identity(points):
         return _fast_training_attention(points, query, key, value, valid, scaling, dropout)
@@ -196,14 +240,15 @@ def _scores_point(points: AttentionPoints, scores: torch.Tensor, valid: torch.Te
     return points.scores(scores)
 
 
-def _check_prefix_rows(valid: torch.Tensor, rows: int) -> None:
+def _check_prefix_rows(valid: torch.Tensor, rows: int, why: str | None = None) -> None:
     """Refuse a batch whose special prefix tokens are not its first rows (left padding)."""
     keys = valid.reshape(-1, valid.shape[-1])
     padded_first = (keys[:, :rows] == 0).any(-1) & (keys[:, rows:] != 0).any(-1)
     if bool(padded_first.any()):
-        raise ValueError(f"a sequence of this batch is left-padded: the model was quantized with residual scales "
-                         f"of their own for its first {rows} position(s) (the special tokens, QuantConfig."
-                         f"residual_prefix), so pad on the right (tokenizer.padding_side='right')")
+        why = why or (f"was quantized with residual scales of their own for its first {rows} position(s) (the "
+                      f"special tokens, QuantConfig.residual_prefix)")
+        raise ValueError(f"a sequence of this batch is left-padded: the model {why}, so pad on the right "
+                         f"(tokenizer.padding_side='right')")
 
 
 def _gated(points: AttentionPoints, out: torch.Tensor) -> torch.Tensor:
@@ -315,14 +360,17 @@ def configure_attention(
     softmax: str | None = None,
     gated: bool = False,
     gate_pi_init: float = 0.5,
+    constant_sink: bool = False,
     **softmax_params: float,
 ) -> list[AttentionPoints]:
-    """Switch ``model`` to softq attention; optionally set its softmax variant and gates.
+    """Switch ``model`` to softq attention; optionally set its softmax variant, gates and constant sinks.
 
     Idempotent: state already attached (quantizers, trained gates) is kept and only
     what is asked for changes.  The choice is also written to ``model.config``
-    (``softq_softmax``, ``softq_softmax_params``, ``softq_gated``) so a saved config
-    records it and :func:`configure_from_config` can rebuild it.
+    (``softq_softmax``, ``softq_softmax_params``, ``softq_gated``, ``softq_constant_sink``)
+    so a saved config records it and :func:`configure_from_config` can rebuild it.
+    ``constant_sink=True`` attaches a :class:`ConstantSink` (zeros: start it with
+    :func:`init_constant_sinks`).
     """
     model_family(model)
     points_list: list[AttentionPoints] = []
@@ -333,11 +381,15 @@ def configure_attention(
             module.softq = points
         if softmax is not None:
             points.set_softmax(softmax, **softmax_params)
+        head_dim = int(getattr(module, "head_dim", 0) or getattr(module, "attention_head_size", 0))
+        ref = next(module.parameters())
+        if constant_sink and points.sink is None:
+            if not head_dim:
+                raise ValueError(f"cannot tell the head size of {type(module).__name__} for a constant sink")
+            points.sink = ConstantSink(points.num_heads, head_dim).to(ref.device, ref.dtype)
         if gated and points.gate is None:
-            head_dim = int(getattr(module, "head_dim", 0) or getattr(module, "attention_head_size", 0))
             if not head_dim:
                 raise ValueError(f"cannot tell the head size of {type(module).__name__} for gated attention")
-            ref = next(module.parameters())
             points.gate = AttentionGate(points.num_heads, head_dim, gate_pi_init).to(ref.device, ref.dtype)
             module.register_forward_pre_hook(_stash_hidden, with_kwargs=True)
         points_list.append(points)
@@ -346,7 +398,36 @@ def configure_attention(
     model.config.softq_softmax = first.softmax_name
     model.config.softq_softmax_params = dict(first.softmax_params)
     model.config.softq_gated = first.gate is not None
+    model.config.softq_constant_sink = first.sink is not None
     return points_list
+
+
+@torch.no_grad()
+def init_constant_sinks(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) -> int:
+    """Start every :class:`ConstantSink` of ``model`` at the mean key and value its layer computes at position 0
+    over ``batches`` (run with the sinks passing keys and values through).  Returns the rows seen per layer."""
+    sinks = [m.softq.sink for _, m in attention_modules(model)
+             if getattr(m, "softq", None) is not None and m.softq.sink is not None]
+    if not sinks:
+        raise ValueError("the model has no constant sinks; configure_attention(model, constant_sink=True) first")
+    was = model.training
+    model.eval()
+    for s in sinks:
+        s._record = [torch.zeros(s.key.shape, dtype=torch.float64), torch.zeros(s.value.shape, dtype=torch.float64), 0.0]
+    try:
+        for batch in batches:
+            model(**batch)
+        rows = int(sinks[0]._record[2])
+        if rows == 0:
+            raise ValueError("init_constant_sinks got no batches")
+        for s in sinks:
+            s.key.copy_((s._record[0] / s._record[2]).to(s.key.dtype))
+            s.value.copy_((s._record[1] / s._record[2]).to(s.value.dtype))
+    finally:
+        for s in sinks:
+            s._record = None
+        model.train(was)
+    return rows
 
 
 def configure_from_config(model: nn.Module) -> list[AttentionPoints] | None:
@@ -355,7 +436,8 @@ def configure_from_config(model: nn.Module) -> list[AttentionPoints] | None:
     if name is None:
         return None
     params = dict(getattr(model.config, "softq_softmax_params", {}) or {})
-    return configure_attention(model, name, gated=bool(getattr(model.config, "softq_gated", False)), **params)
+    return configure_attention(model, name, gated=bool(getattr(model.config, "softq_gated", False)),
+                               constant_sink=bool(getattr(model.config, "softq_constant_sink", False)), **params)
 
 
 def attention_points(model: nn.Module) -> list[tuple[str, AttentionPoints]]:

@@ -82,6 +82,12 @@ class OutlierFinetuneConfig:
             brings MiniLM's LayerNorm inputs and FFN outputs 4x down in ``steps=600`` at ``lr=5e-5``.
         penalty_threshold: |x| above which LayerNorm inputs and FFN outputs are penalised.
         pooling: sentence pooling of the embedding loss (``mean`` or ``cls``).
+        constant_sink: also make the keys and values of the first token ([CLS]) in every layer
+            per-head constants (:class:`softq.attention.ConstantSink`, started at their means on
+            ``SINK_INIT_BATCHES`` training batches), so the other tokens no longer read [CLS]'s
+            residual stream and its outliers can go without moving them.  On all-MiniLM-L6-v2
+            (1200 steps, docs/results/outlier_finetune_sink.md) it is what takes W8A8 with a
+            per-tensor residual stream past 0.99 of the original model.
         seed: data windows and any random initialisation.
     """
 
@@ -102,6 +108,7 @@ class OutlierFinetuneConfig:
     penalty_weight: float = 4.0
     penalty_threshold: float = 16.0
     pooling: str = "mean"
+    constant_sink: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -131,6 +138,8 @@ class OutlierFinetuneConfig:
         for name in ("weight_decay", "grad_clip", "clip_alpha", "embed_weight", "hidden_weight", "penalty_weight"):
             if getattr(self, name) < 0:
                 fail(f"{name} must be non-negative, got {getattr(self, name)}")
+        if not isinstance(self.constant_sink, bool):
+            fail(f"constant_sink must be True or False, got {self.constant_sink!r}")
         if not 0.0 < self.pi_init < 1.0:
             fail(f"pi_init must be in (0, 1), got {self.pi_init}")
         if self.embed_weight == 0 and self.hidden_weight == 0:
@@ -139,6 +148,8 @@ class OutlierFinetuneConfig:
     def describe(self) -> str:
         what = {"gated": f"gated (pi {self.pi_init})", "clipped": f"clipped (alpha {self.clip_alpha})",
                 "none": "no attention change"}[self.method]
+        if self.constant_sink:
+            what += " + constant [CLS] sink"
         penalty = (f"penalty {self.penalty_weight:g} above |x|={self.penalty_threshold:g}" if self.penalty_weight
                    else "no penalty")
         return f"{what}, {penalty}, {self.steps} steps x {self.batch_size} texts, lr {self.lr:g}"
@@ -170,18 +181,33 @@ def check_model(model: nn.Module) -> None:
         raise ValueError(f"finetune_outliers supports {', '.join(FAMILIES)} encoders, not {family or type(model).__name__}")
     if getattr(model.config, "softq_gated", False):
         raise ValueError("the model already has gated attention; pass the original (ungated) model as the teacher")
+    if getattr(model.config, "softq_constant_sink", False):
+        raise ValueError("the model already has a constant attention sink; pass the original model as the teacher")
     if getattr(model.config, "softq_softmax", "softmax") not in ("softmax", None):
         raise ValueError(f"the model already uses softmax variant '{model.config.softq_softmax}'; pass the original model")
 
 
-def make_student(model: nn.Module, config: OutlierFinetuneConfig) -> nn.Module:
-    """A copy of ``model`` with softq attention, converted as ``config.method`` says, dropout off."""
-    from softq.attention import configure_attention
+SINK_INIT_BATCHES = 8  # training batches whose mean [CLS] keys and values start the constant sinks
+
+
+def make_student(model: nn.Module, config: OutlierFinetuneConfig,
+                 sink_batches: Sequence[dict[str, torch.Tensor]] | None = None) -> nn.Module:
+    """A copy of ``model`` with softq attention, converted as ``config.method`` says, dropout off.
+
+    With ``config.constant_sink`` the sinks start at the mean [CLS] keys and values over
+    ``sink_batches`` (required then), computed before any other conversion.
+    """
+    from softq.attention import configure_attention, init_constant_sinks
     from softq.calib.train import convert_to_gated
 
     check_model(model)
     student = copy.deepcopy(model)
     configure_attention(student)
+    if config.constant_sink:
+        if not sink_batches:
+            raise ValueError("constant_sink=True needs sink_batches: text batches to start the sinks' keys and values")
+        configure_attention(student, constant_sink=True)
+        init_constant_sinks(student, sink_batches)
     if config.method == "gated":
         convert_to_gated(student, config.pi_init)
     elif config.method == "clipped":
@@ -376,7 +402,12 @@ def finetune_outliers(
     check_model(model)
     dev = resolve_device(device)
 
-    student = make_student(model, config)
+    sink_batches = None
+    if config.constant_sink:  # windows no training step draws (steps >= config.steps), on the CPU
+        sink_batches = [_tokenize(tokenizer, window_texts(texts, config.batch_size, config.min_words, config.seed,
+                                                          config.steps + i), config.max_length, torch.device("cpu"))
+                        for i in range(SINK_INIT_BATCHES)]
+    student = make_student(model, config, sink_batches)
     teacher = copy.deepcopy(model).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
@@ -390,6 +421,7 @@ def finetune_outliers(
         saved = payload["run"]
         if saved.get("kind") != RUN_KIND:
             raise ValueError(f"{checkpoint} is not a finetune_outliers checkpoint")
+        saved["config"].setdefault("constant_sink", False)  # saved before the field existed
         if saved["config"] != run["config"]:
             diff = [f.name for f in fields(config) if saved["config"].get(f.name) != run["config"][f.name]]
             raise ValueError(f"resume: checkpoint was made with a different config ({', '.join(diff)} differ)")

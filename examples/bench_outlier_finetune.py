@@ -157,8 +157,11 @@ def token_outliers(model: torch.nn.Module, batches: list[dict], sep_id: int) -> 
 
 
 def run_name(cfg: OutlierFinetuneConfig) -> str:
-    digest = hashlib.sha1(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:10]
-    return f"{cfg.method}-p{cfg.penalty_weight:g}-s{cfg.seed}-{cfg.steps}-{digest}"
+    fields = asdict(cfg)
+    if not fields["constant_sink"]:  # runs cached before the field existed keep their names
+        del fields["constant_sink"]
+    digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{cfg.method}{'-sink' if cfg.constant_sink else ''}-p{cfg.penalty_weight:g}-s{cfg.seed}-{cfg.steps}-{digest}"
 
 
 def pm(values: list[float], fmt: str) -> str:
@@ -207,6 +210,9 @@ def main() -> int:
     parser.add_argument("--gate-lr", type=float, default=OutlierFinetuneConfig.gate_lr)
     parser.add_argument("--pi", type=float, default=OutlierFinetuneConfig.pi_init)
     parser.add_argument("--alpha", type=float, default=OutlierFinetuneConfig.clip_alpha)
+    parser.add_argument("--constant-sink", action="store_true",
+                        help="every run also makes [CLS]'s keys and values per-layer constants "
+                             "(OutlierFinetuneConfig.constant_sink)")
     parser.add_argument("--eval-limit", type=int, default=128, help="eval paragraphs (default 128)")
     parser.add_argument("--calib-size", type=int, default=64, help="W8A8 calibration paragraphs")
     parser.add_argument("--text", choices=("calib", "recombined"), default="calib",
@@ -237,13 +243,14 @@ def main() -> int:
         return OutlierFinetuneConfig(method=method, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                                      gate_lr=args.gate_lr, embed_weight=args.embed_weight, hidden_weight=args.hidden_weight,
                                      penalty_weight=penalty, penalty_threshold=args.threshold, pi_init=args.pi,
-                                     clip_alpha=args.alpha, seed=seed)
+                                     clip_alpha=args.alpha, constant_sink=args.constant_sink, seed=seed)
 
     runs = [(m, seeds[0], args.penalty_weight) for m in methods]
     if not args.no_ablation and "clipped" in methods:
         runs.append(("clipped", seeds[0], 0.0))
     runs += [(m, s, args.penalty_weight) for s in seeds[1:] for m in methods]
-    label_of = {"none": "control (attention unchanged)", "gated": "gated", "clipped": "clipped"}
+    sink = " + constant sink" if args.constant_sink else ""
+    label_of = {"none": "control (no gates) + constant sink" if sink else "control (attention unchanged)", "gated": f"gated{sink}", "clipped": f"clipped{sink}"}
 
     results: dict[str, dict] = {"original": evaluate(loaded, original, data, "none")}
     print("original", {k: v for k, v in results["original"].items() if isinstance(v, float)}, flush=True)
@@ -333,7 +340,7 @@ def main() -> int:
               "text-dependent from [CLS], only a fixed no-op key and value.", "",
               "| model | cosine, [CLS] keys and values constant |", "|---|---|"]
     lines += [f"| {label} | {r['cls_constant_cos']:.5f} |" for label, r in results.items()]
-    gated = results.get("gated")
+    gated = results.get(label_of["gated"])
     if gated and gated["gates"]:
         lines += ["", f"## What the gates learned (seed {seeds[0]}; conversion opens every gate to pi = {args.pi})", "",
                   "Mean gate opening over valid tokens per head (h0..h11), and at the [CLS] token; "

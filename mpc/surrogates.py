@@ -281,10 +281,10 @@ def mpc_attention(
     points: AttentionPoints | None = getattr(module, "softq", None)
     if points is None:
         raise RuntimeError("MPC export needs softq attention state; call softq.mpc.configure_surrogates first")
-    if points.gate is not None or not all(
+    if points.gate is not None or points.sink is not None or not all(
         isinstance(getattr(points, n), nn.Identity) for n in ("q", "k", "scores", "v")
     ):
-        raise ValueError("softq.mpc does not run quantized or gated attention; pass the float model")
+        raise ValueError("softq.mpc does not run quantized, gated or constant-sink attention; pass the float model")
     key, value, valid, scaling = attention_inputs(module, query, key, value, attention_mask, scaling)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
     probs = torch.ops.softq_mpc.softmax(scores, valid, softmax_spec(points.softmax_name, points.softmax_params))
