@@ -210,9 +210,11 @@ def main() -> int:
     parser.add_argument("--gate-lr", type=float, default=OutlierFinetuneConfig.gate_lr)
     parser.add_argument("--pi", type=float, default=OutlierFinetuneConfig.pi_init)
     parser.add_argument("--alpha", type=float, default=OutlierFinetuneConfig.clip_alpha)
-    parser.add_argument("--constant-sink", action="store_true",
+    parser.add_argument("--constant-sink", action=argparse.BooleanOptionalAction,
+                        default=OutlierFinetuneConfig.constant_sink,
                         help="every run also makes [CLS]'s keys and values per-layer constants "
-                             "(OutlierFinetuneConfig.constant_sink)")
+                             "(OutlierFinetuneConfig.constant_sink, the default; --no-constant-sink: the runs "
+                             "before it)")
     parser.add_argument("--eval-limit", type=int, default=128, help="eval paragraphs (default 128)")
     parser.add_argument("--calib-size", type=int, default=64, help="W8A8 calibration paragraphs")
     parser.add_argument("--text", choices=("calib", "recombined"), default="calib",
