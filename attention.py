@@ -84,15 +84,15 @@ class ConstantSink(nn.Module):
     residual stream any more, and a fine-tune can remove its outliers without moving
     what the other tokens compute (``OutlierFinetuneConfig(constant_sink=True)``).
 
-    ``recording()`` leaves keys and values unchanged and sums what arrives at position 0,
-    so :func:`init_constant_sinks` can start the constants at their calibration means.
+    While :func:`init_constant_sinks` runs calibration batches, the sink leaves keys and values
+    unchanged and sums what arrives at position 0, to start the constants at those means.
     """
 
     def __init__(self, num_heads: int, head_dim: int) -> None:
         super().__init__()
         self.key = nn.Parameter(torch.zeros(num_heads, head_dim))
         self.value = nn.Parameter(torch.zeros(num_heads, head_dim))
-        self._record: list[torch.Tensor] | None = None  # [sum of keys, sum of values, rows] while recording
+        self._record: list | None = None  # [sum of keys, sum of values, rows] while init_constant_sinks runs
 
     def forward(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[b, heads, keys, head_dim] keys and values with position 0 replaced by the constants."""

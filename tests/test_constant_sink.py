@@ -151,3 +151,28 @@ def test_minilm_cls_is_a_constant_sink() -> None:
         torch.nn.init.zeros_(p.sink.key)
         torch.nn.init.zeros_(p.sink.value)
     assert torch.nn.functional.cosine_similarity(before, loaded.encode([batch], model)).min() < 0.99
+
+
+def test_saved_quantized_sink_model_keeps_its_sinks(tmp_path: Path) -> None:
+    from conftest import tiny_inputs, tiny_model
+
+    from softq.quant import io
+
+    model = tiny_model("bert")
+    x = tiny_inputs("bert")
+    configure_attention(model, constant_sink=True)
+    init_constant_sinks(model, [x])
+    with torch.no_grad():
+        for _, p in attention_points(model):
+            p.sink.value.add_(1.0)  # far from what position 0 computes, so a load that dropped them would show
+    qmodel = softq.quantize(model, [x], softq.QuantConfig())
+    io.save(qmodel, tmp_path / "q")
+    loaded = io.load(tmp_path / "q")
+    assert all(p.sink is not None for _, p in attention_points(loaded))
+    with torch.no_grad():
+        ref, again = qmodel(**x).logits, loaded(**x).logits
+        for _, p in attention_points(loaded):
+            p.sink = None
+        without = loaded(**x).logits
+    assert torch.allclose(again, ref, atol=1e-6)
+    assert (without - ref).abs().max() > 100 * max((again - ref).abs().max().item(), 1e-7)
