@@ -29,6 +29,7 @@ Finished fine-tunes are checkpointed under --checkpoint-dir and reused on a re-r
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import hashlib
 import json
@@ -89,32 +90,18 @@ def evaluate(loaded: hf.HFModel, model: torch.nn.Module, data: dict, method: str
 def constant_cls_cosine(loaded: hf.HFModel, model: torch.nn.Module, data: dict, own: torch.Tensor) -> float:
     """Is [CLS] a constant no-op sink? Mean cosine between ``model``'s embeddings ``own`` (of ``data['ev']``) and the
     same model's with the keys and values of [CLS] in every layer replaced by their mean over the calibration
-    paragraphs (1.0: what the other tokens read from [CLS] does not depend on the text)."""
+    paragraphs (1.0: what the other tokens read from [CLS] does not depend on the text): softq's
+    ``ConstantSink`` started by ``init_constant_sinks`` on a copy.  A model that has sinks already reads only
+    constants there: 1.0 by construction."""
+    from softq.attention import configure_attention, init_constant_sinks
     from softq.models import attention_modules
 
-    projections = [getattr(m, name) for _, m in attention_modules(model) for name in ("key", "value")]
-    seen: dict[int, list[torch.Tensor]] = {}
-
-    def record(i: int, out: torch.Tensor) -> None:
-        seen.setdefault(i, []).append(out[:, 0])
-
-    def constant(i: int, out: torch.Tensor) -> torch.Tensor:
-        out = out.clone()
-        out[:, 0] = means[i]
-        return out
-
-    def encode_with(fn, batches: list[dict]) -> torch.Tensor:
-        handles = [p.register_forward_hook(lambda _m, _i, out, i=i: fn(i, out)) for i, p in enumerate(projections)]
-        try:
-            return loaded.encode(batches, model)
-        finally:
-            for h in handles:
-                h.remove()
-
-    encode_with(record, data["calib"])
-    means = {i: torch.cat(v).mean(0) for i, v in seen.items()}
-    fixed = encode_with(constant, data["ev"])
-    return torch.nn.functional.cosine_similarity(fixed.float(), own.float()).mean().item()
+    if any(getattr(getattr(m, "softq", None), "sink", None) is not None for _, m in attention_modules(model)):
+        return 1.0
+    fixed = copy.deepcopy(model)
+    configure_attention(fixed, constant_sink=True)
+    init_constant_sinks(fixed, data["calib"])
+    return torch.nn.functional.cosine_similarity(loaded.encode(data["ev"], fixed).float(), own.float()).mean().item()
 
 
 @torch.no_grad()
