@@ -54,6 +54,9 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
         probs = {name: {"granularity": m.granularity, "causal_rows": m.causal_rows}
                  for name, m in qmodel.named_modules() if isinstance(m, SoftmaxOutputQuantizer)}
         meta = {"format": FORMAT_VERSION, "quant_config": dataclasses.asdict(qmodel.softq_quant_config), "softmax_outputs": probs}
+        init = _init_kwargs(qmodel)
+        if init:
+            meta["init_kwargs"] = init
         (tmp / "quant_config.json").write_text(json.dumps(meta, indent=2))
         torch.save(qmodel.state_dict(), tmp / "model.pt")
         if sidecars_from is not None:
@@ -71,6 +74,12 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
         if tmp.exists():
             shutil.rmtree(tmp)
     return target
+
+
+def _init_kwargs(model: nn.Module) -> dict:
+    """Constructor arguments the config does not hold: a BERT-style encoder built without its pooler
+    (``BertModel(config, add_pooling_layer=False)``, what sentence encoders use) must be rebuilt so."""
+    return {"add_pooling_layer": False} if hasattr(model, "pooler") and model.pooler is None else {}
 
 
 def load(path: str | os.PathLike) -> nn.Module:
@@ -97,7 +106,7 @@ def load(path: str | os.PathLike) -> nn.Module:
     model_class = getattr(transformers, arch, None) if arch else None
     if model_class is None:
         raise ValueError(f"{source}/config.json names no known Hugging Face architecture ({arch!r})")
-    model = model_class(hf_config).eval()
+    model = model_class(hf_config, **meta.get("init_kwargs", {})).eval()
     configure_from_config(model)
     prepare(model, config)
     state = torch.load(source / "model.pt", map_location="cpu", weights_only=True)

@@ -104,6 +104,24 @@ def test_save_and_load_round_trip(family: str, tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # no temp or backup left behind
 
 
+def test_encoder_without_pooler_round_trip(tmp_path) -> None:
+    # sentence encoders are BertModel(config, add_pooling_layer=False): load must rebuild it without the pooler
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=64, max_position_embeddings=128, num_hidden_layers=2,
+                                  num_attention_heads=4, hidden_size=32, intermediate_size=64)
+    model = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+    calib = [tiny_inputs("bert", seed=s) for s in range(2)]
+    q = softq.quantize(model, calib)
+    io.save(q, tmp_path / "q")
+    loaded = io.load(tmp_path / "q")
+    assert loaded.pooler is None
+    x = tiny_inputs("bert", seed=8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**x).last_hidden_state, q(**x).last_hidden_state, rtol=0, atol=0)
+
+
 def test_row_codes_round_trip_and_older_files_load_as_edge(tmp_path) -> None:
     import json
 
