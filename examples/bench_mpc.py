@@ -395,7 +395,7 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
     or distilled now and cached there (atomically: state dict and metadata)."""
     import itertools
 
-    from softq.mpc.distill import distill
+    from softq.mpc.distill import augment_tokens, distill
     from softq.mpc.surrogates import configure_surrogates
     from softq.workloads import cache_dir
 
@@ -403,7 +403,8 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
     lr2 = args.lr / 2 if args.stage2_lr is None else args.stage2_lr
     key = (f"minilm-2quad-quad-v2-s{args.steps}-lr{args.lr:g}-s{steps2}-lr{lr2:g}-b{args.batch_size}"
            f"-len{args.train_len}-w{args.window}{'' if args.text == 'prose' else '-' + args.text}-dropout{int(args.dropout)}"
-           f"{f'-hw{args.hidden_weight:g}' if args.hidden_weight else ''}{f'-from-{args.init}' if args.init else ''}"
+           f"{f'-hw{args.hidden_weight:g}' if args.hidden_weight else ''}{f'-aug{args.augment:g}' if args.augment else ''}"
+           f"{f'-from-{args.init}' if args.init else ''}"
            f"{'-fit' if _fits(args) else ''}-seed0")
     folder = cache_dir() / "minilm-distill"
     path = folder / f"{key}.pt"
@@ -425,8 +426,16 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
         init, init_meta = load(folder / f"{args.init}.pt")
     texts = _distill_texts(args.window, args.text)
     train = _train_batches(args, hm)
+    batches = itertools.cycle(train)
+    if args.augment:  # the unigram distribution of the training windows' words; special tokens stay
+        special = hm.tokenizer.all_special_ids
+        ids = torch.cat([b["input_ids"][b["attention_mask"].bool()] for b in train])
+        pool = ids[~torch.isin(ids, torch.tensor(special))]
+        skip = FIT_BATCHES if _fits(args) else 0  # the surrogates are fitted on the plain first batches
+        batches = itertools.chain(train[:skip], augment_tokens(itertools.islice(batches, skip, None), args.augment,
+                                                               seed=0, pool=pool, keep=special))
     t0 = time.perf_counter()
-    student, hist = distill(model, itertools.cycle(train), softmax="2quad", gelu="quad",
+    student, hist = distill(model, batches, softmax="2quad", gelu="quad",
                             steps=(args.steps, steps2), lr=(args.lr, lr2), dropout=args.dropout,
                             stage2_hidden_weight=args.hidden_weight, student=init, fit=_fits(args),
                             fit_batches=FIT_BATCHES)
@@ -496,6 +505,7 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
         f"Student: all-MiniLM-L6-v2 with 2Quad softmax and Quad GELU in every layer, distilled from the FP32 model "
         f"on {DISTILL_TEXTS[args.text]} outside the `eval` split ({meta['texts']} windows of <= {args.window} "
         f"words, {meta['words']} words; no labels; {args.train_len} tokens, batch {args.batch_size}, "
+        f"{f'{args.augment:g} of the words replaced by words drawn from the training text, new draws every step, ' if args.augment else ''}"
         f"{'no dropout' if not args.dropout else 'dropout on'}): stage 1 MSE on hidden states and attention maps "
         f"({steps1} steps, lr {lr1:g}), stage 2 1 - cosine of the pooled embeddings"
         f"{f' + {args.hidden_weight:g} x hidden-state MSE' if args.hidden_weight else ''} ({steps2} steps, lr {lr2:g}), "
@@ -677,6 +687,9 @@ def main() -> int:
                     help="run the encrypted comparison and write the results block (--no-encrypt: plaintext cosines only)")
     md.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=False,
                     help="keep dropout on while distilling (default off: fit the deterministic teacher)")
+    md.add_argument("--augment", type=float, default=0.0, metavar="RATE",
+                    help="replace this fraction of each training window's words (not [CLS]/[SEP]) by tokens drawn "
+                         "from the training text, new draws every step (softq.mpc.distill.augment_tokens)")
     md.add_argument("--force", action="store_true", help="distill again even if the student is cached")
     md.add_argument("--block", default=None, metavar="NAME",
                     help="the docs/results/mpc.md block to write (default: named after --text and --fit; a "
@@ -692,6 +705,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.what == "minilm-distill" and not args.hidden_weight >= 0:
         parser.error(f"--hidden-weight must be >= 0, got {args.hidden_weight}")
+    if args.what == "minilm-distill" and not 0 <= args.augment < 1:
+        parser.error(f"--augment must be in [0, 1), got {args.augment}")
     {"attention": bench_attention, "e2e": bench_e2e, "minilm": bench_minilm, "minilm-distill": bench_minilm_distill,
      "truncation": bench_truncation}[args.what](args)
     return 0

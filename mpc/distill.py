@@ -73,6 +73,36 @@ def prediction_loss(student_out: Any, teacher_out: Any, batch: Mapping[str, torc
     return (1.0 - nn.functional.cosine_similarity(s, t, dim=-1)).mean()
 
 
+def augment_tokens(batches: Iterator[Mapping[str, torch.Tensor]], rate: float, seed: int = 0,
+                   pool: torch.Tensor | None = None, keep: Sequence[int] = ()) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield the batches of ``batches`` with a fraction ``rate`` of their tokens replaced, fresh each time.
+
+    Unlabelled distillation can show the teacher inputs it never had: each attended token whose id is not
+    in ``keep`` (e.g. [CLS], [SEP]) is replaced with probability ``rate`` by an id drawn from ``pool``
+    (e.g. every token occurrence of the training text: its unigram distribution), new draws at every step,
+    so cycling a fixed set of windows keeps producing new contexts for the same words.  ``rate=0`` yields
+    the batches unchanged.  The teacher sees the same replaced ids as the student (no labels involved).
+    """
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"token replacement rate must be in [0, 1), got {rate}")
+    if rate > 0 and (pool is None or pool.numel() == 0 or pool.dtype not in (torch.int32, torch.int64)):
+        raise ValueError("token replacement needs a non-empty integer tensor of candidate ids (pool)")
+    g = torch.Generator().manual_seed(seed)
+    keep_ids = torch.tensor(sorted(set(int(k) for k in keep)), dtype=torch.long)
+    for batch in batches:
+        if rate == 0:
+            yield dict(batch)
+            continue
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        eligible = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        if keep_ids.numel():
+            eligible &= ~torch.isin(ids, keep_ids)
+        hit = eligible & (torch.rand(ids.shape, generator=g) < rate)
+        draws = pool.reshape(-1)[torch.randint(pool.numel(), ids.shape, generator=g)].to(ids.dtype)
+        yield {**batch, "input_ids": torch.where(hit, draws, ids)}
+
+
 def distill(
     teacher: nn.Module,
     batches: Iterator[Mapping[str, torch.Tensor]],

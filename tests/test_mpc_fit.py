@@ -135,3 +135,31 @@ def test_two_quad_scales_keep_the_encrypted_row_division_in_range():
     assert all(torch.equal(p, weights[n]) for n, p in strict.named_parameters())
     with pytest.raises(ValueError, match="range_margin must be >= 1"):
         fit_surrogates(strict, teacher, calib, range_margin=0.5)
+
+
+def test_augment_tokens_replaces_words_only_with_fresh_draws_each_step():
+    from softq.mpc.distill import augment_tokens
+
+    ids = torch.tensor([[101, 5, 6, 7, 8, 9, 10, 11, 102, 0, 0],
+                        [101, 12, 13, 14, 15, 16, 17, 18, 19, 20, 102]])
+    mask = (ids != 0).long()
+    batch = {"input_ids": ids, "attention_mask": mask}
+    pool = torch.tensor([1000, 1001, 1002])
+    special = [0, 101, 102]
+    plain = next(augment_tokens(iter([batch]), 0.0))
+    assert torch.equal(plain["input_ids"], ids)
+    out = [b["input_ids"] for b in augment_tokens(iter([batch] * 200), 0.3, seed=1, pool=pool, keep=special)]
+    words = mask.bool() & ~torch.isin(ids, torch.tensor(special))
+    for o in out:
+        assert torch.equal(o[~words], ids[~words])  # [CLS], [SEP] and padding never change
+        changed = o[words] != ids[words]
+        assert torch.isin(o[words][changed], pool).all()  # replacements come from the pool
+    rate = torch.stack([(o != ids)[words].float().mean() for o in out]).mean()
+    assert 0.25 < float(rate) < 0.35
+    assert not torch.equal(out[0], out[1])  # fresh draws at every step
+    again = [b["input_ids"] for b in augment_tokens(iter([batch] * 2), 0.3, seed=1, pool=pool, keep=special)]
+    assert torch.equal(again[0], out[0]) and torch.equal(again[1], out[1])  # seeded
+    with pytest.raises(ValueError, match="rate must be in"):
+        next(augment_tokens(iter([batch]), 1.0, pool=pool))
+    with pytest.raises(ValueError, match="candidate ids"):
+        next(augment_tokens(iter([batch]), 0.1))
