@@ -52,8 +52,9 @@ SEQ = 128
 QDQ = "softq INT8, fast, linears='qdq'"  # the export for OpenVINO (to_onnx(linears="qdq"))
 DYNAMIC = "softq INT8, fast, linears='dynamic'"  # Linear inputs quantized per call (to_onnx(linears="dynamic"))
 FP32_STATIC = "FP32, constant reshapes"  # the FP32 file after softq's static_reshapes pass (export/fuse.py)
-VARIANTS = ("FP32", FP32_STATIC, "softq INT8, fast", "softq INT8, int", QDQ, DYNAMIC, "ORT quantize_dynamic",
-            "ORT quantize_static (QDQ)")
+FLOAT_SOFTMAX = "softq INT8, float softmax"  # QuantConfig(softmax_bits=None): integer linears, float softmax and P.V
+VARIANTS = ("FP32", FP32_STATIC, "softq INT8, fast", "softq INT8, int", QDQ, DYNAMIC, FLOAT_SOFTMAX,
+            "ORT quantize_dynamic", "ORT quantize_static (QDQ)")
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "avx512_bf16")
 
 
@@ -101,7 +102,10 @@ class Bench:
         else:
             from softq.workloads.tasks import reference_task
 
-            self.task = reference_task(name, context=SEQ * 2 if name == "lm" else None, calib_size=16,
+            # the ViT: 16 images per calibration batch, as many images as MiniLM has texts (65 tokens each);
+            # the LM: 16 windows of 256 characters
+            self.task = reference_task(name, context=SEQ * 2 if name == "lm" else None,
+                                       calib_size=16 * args.calib_batches if name == "vit" else 16,
                                        eval_limit=16 if name == "lm" else None, progress=True)
             self.model = self.task.model
             self.calib = self.task.calib
@@ -139,7 +143,7 @@ class Bench:
         b = self.eval[0]
         return {n: b[n][:2] for n in self.names if n in b} if self.text else {"pixel_values": b["pixel_values"][:2]}
 
-    def export(self, workdir: Path, qmodel: torch.nn.Module) -> dict[str, Path]:
+    def export(self, workdir: Path, qmodel: torch.nn.Module, qfloat: torch.nn.Module) -> dict[str, Path]:
         pool = {} if self.pooling is None else {"pooling": self.pooling[0], "normalize": self.pooling[1]}
         paths = {"FP32": Path(to_onnx_float(self.model, workdir / f"{self.name}_fp32.onnx", self.example(),
                                             overwrite=True, **pool))}
@@ -153,6 +157,8 @@ class Bench:
                                   overwrite=True, linears="qdq", **pool))
         paths[DYNAMIC] = Path(to_onnx(qmodel, workdir / f"{self.name}_fast_dynamic.onnx", self.example(),
                                       softmax="fast", overwrite=True, linears="dynamic", **pool))
+        paths[FLOAT_SOFTMAX] = Path(to_onnx(qfloat, workdir / f"{self.name}_float_softmax.onnx", self.example(),
+                                            softmax="float", overwrite=True, **pool))
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         dyn = workdir / f"{self.name}_dynamic.onnx"
@@ -237,7 +243,8 @@ def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
     t0 = time.perf_counter()
     qmodel = softq.quantize(b.model, b.calib, softq.QuantConfig())
     print(f"[{name}] quantized in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    paths = b.export(workdir, qmodel)
+    qfloat = softq.quantize(b.model, b.calib, softq.QuantConfig(softmax_bits=None))
+    paths = b.export(workdir, qmodel, qfloat)
     ref = None if name in ("lm", "vit") else b.reference(b.model)
     result: dict[str, object] = {"name": name, "metric": b.metric, "rows": {}}
     fp32_rows = b.output_rows(paths["FP32"])
@@ -248,6 +255,7 @@ def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
                              "distance": float((1.0 - cos).mean())}
     result["torch_fp32"] = b.torch_accuracy(b.model, ref) if name in ("lm", "vit") else 1.0
     result["torch_int8"] = b.torch_accuracy(qmodel, ref)
+    result["torch_float_softmax"] = b.torch_accuracy(qfloat, ref)
     print(f"[{name}] accuracy {result}", file=sys.stderr, flush=True)
     lat: dict[tuple[int, int], dict[str, float]] = {}
     for threads in args.threads:
@@ -309,7 +317,10 @@ def write(results: list[dict[str, object]], args: argparse.Namespace, command: s
         "`linears='integer'`: MatMulInteger, which onnxruntime fuses with the bias); `fast` and `int` are its two "
         "attention cores; `linears='qdq'` is the `fast` file with DequantizeLinear -> MatMul linears (OpenVINO's "
         "int8 pattern); `linears='dynamic'` quantizes each Linear input per call on its own range "
-        "(DynamicQuantizeLinear, as quantize_dynamic does) instead of the calibrated grid. Every softq file went "
+        "(DynamicQuantizeLinear, as quantize_dynamic does) instead of the calibrated grid. `float softmax` is "
+        "`QuantConfig(softmax_bits=None)` exported with `softmax='float'`: the same integer linears and Q/K/V codes, "
+        "onnxruntime's float Softmax and a float P.V instead of an integer attention core (what onnxruntime's "
+        "quantizers keep float). Every softq file went "
         "through export/fuse.py: Q, K and V are one GEMM whose output is quantized once and split as codes, and "
         "Reshape targets built at run time from Shape/Gather/Concat are constants where shape inference shows "
         "them (`static_reshapes`). `FP32, constant reshapes` is the FP32 file after that pass alone (the FP32 "
@@ -342,7 +353,8 @@ def write(results: list[dict[str, object]], args: argparse.Namespace, command: s
                          + " | ".join(lat) + " |")
     lines += ["", "Accuracy: " + "; ".join(f"{r['name']}: {r['metric']}" for r in results) + ". "
               "softq's torch fake-quant model on the same data: "
-              + "; ".join(f"{r['name']} {r['torch_int8']:.4f}" for r in results) + " (FP32 torch: "
+              + "; ".join(f"{r['name']} {r['torch_int8']:.4f}" for r in results) + "; with the float softmax: "
+              + "; ".join(f"{r['name']} {r['torch_float_softmax']:.4f}" for r in results) + " (FP32 torch: "
               + "; ".join(f"{r['name']} {r['torch_fp32']:.4f}" for r in results) + ").", ""]
     lines += ["## Other runtimes (1 thread, batch 1)", "",
               "softq's `fast` files (both Linear forms) and the FP32 file, each run in the runtime itself (tract: shapes fixed per "
@@ -377,7 +389,8 @@ def main() -> None:
     p.add_argument("--batches", default="1,32")
     p.add_argument("--rounds", type=int, default=7, help="timed runs per variant at batch 1")
     p.add_argument("--rounds-large", type=int, default=3, help="timed runs per variant at larger batches")
-    p.add_argument("--calib-batches", type=int, default=4)
+    p.add_argument("--calib-batches", type=int, default=4,
+                   help="calibration batches: BERT-base 8 texts each, MiniLM and the ViT 16 texts or images each (the LM: 16 windows)")
     p.add_argument("--output", default="docs/results/export_speed.md",
                    help="where to write the table (relative to the repository root)")
     args = p.parse_args()

@@ -17,7 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "QDQ activations). Softmax codes relative to the row max (softmax_output row/row_exact, the default): "
             "attention core 'fast' (float exp inside Q/DQ, integer GEMM; default) or 'int' (exp table, integer "
             "only). Uniform edge codes: softmax 'qdq' (DequantizeLinear->Softmax->QuantizeLinear, portable; "
-            "default), 'ort' (com.microsoft.QLinearSoftmax) or 'int' (standard ops, integer arithmetic only). MODEL is a "
+            "default), 'ort' (com.microsoft.QLinearSoftmax) or 'int' (standard ops, integer arithmetic only). A model "
+            "quantized with a float softmax (--softmax-bits 0, QuantConfig(softmax_bits=None)) exports as 'float': "
+            "the same integer linears, onnxruntime's Softmax and a float P.V. MODEL is a "
             "directory written by `softq quantize --output` or a reference workload name ('lm', 'vit'), which is "
             "then quantized here first, or a Hugging Face model directory, quantized here first with the default "
             "QuantConfig on --calib texts. Headless encoders (BertModel...) output last_hidden_state; --pooled adds "
@@ -26,8 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", help="quantized model directory (softq quantize --output), Hugging Face model "
                                  "directory, or 'lm' / 'vit' (reference workload)")
-    p.add_argument("--softmax", choices=["fast", "int", "qdq", "ort"], default=None,
-                   help="softmax / attention-core form (default: fast for row codes, qdq for edge codes)")
+    p.add_argument("--softmax", choices=["fast", "int", "qdq", "ort", "float"], default=None,
+                   help="softmax / attention-core form (default: fast for row codes, qdq for edge codes, float for "
+                        "a float softmax)")
     p.add_argument("--output", "-o", type=Path, required=True, help="ONNX file to write")
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     p.add_argument("--linears", choices=["integer", "qdq", "dynamic"], default="integer",
@@ -57,7 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="softmax output codes when MODEL is quantized here (default %(default)s; bias correction "
                         "is exported for edge only)")
     p.add_argument("--softmax-bits", type=int, default=8,
-                   help="softmax output bits when MODEL is quantized here (default %(default)s; row_log takes 4)")
+                   help="softmax output bits when MODEL is quantized here (default %(default)s; row_log takes 4; "
+                        "0: a float softmax, exported as the 'float' form)")
     p.add_argument("--calib-size", type=int, default=16, help="calibration windows/images/texts (default 16)")
     g.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
     p.set_defaults(handler=_export)
@@ -76,7 +80,7 @@ def _config(args: argparse.Namespace):  # noqa: ANN202
     import softq
 
     return softq.QuantConfig(bias_correction=args.bias_correction, softmax_output=args.softmax_output,
-                             softmax_bits=args.softmax_bits)
+                             softmax_bits=args.softmax_bits or None)
 
 
 def load_quantized(args: argparse.Namespace):  # noqa: ANN201

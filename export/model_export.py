@@ -71,8 +71,9 @@ MARKER_DOMAIN = "softq"
 MARKER_OP = "QAttention"
 WEIGHT_MARKER_OP = "WeightOnly"
 EXPORTABLE_SOFTMAX = ("softmax",)
-# Softmax forms by softmax-output representation; the first is the default.
-FORMS_FOR = {"row": ROW_FORMS, "row_exact": ROW_FORMS, "row_log": ROW_FORMS, "edge": EDGE_FORMS}
+# Softmax forms by softmax-output representation; the first is the default.  "float": a model quantized with
+# softmax_bits=None (integer linears and Q/K/V codes, float softmax and P.V: onnxruntime's Softmax kernel)
+FORMS_FOR = {"row": ROW_FORMS, "row_exact": ROW_FORMS, "row_log": ROW_FORMS, "edge": EDGE_FORMS, "float": ("float",)}
 ALL_FORMS = tuple(dict.fromkeys(f for forms in FORMS_FOR.values() for f in forms))
 
 
@@ -423,10 +424,17 @@ def _softmax_params(name: str, points: nn.Module, key: int) -> dict[str, Any]:
             f"the integer softmax forms implement: {', '.join(EXPORTABLE_SOFTMAX)}"
         )
     scores, probs = points.scores, points.probs
+    if not _is_act_quantizer(scores) and not isinstance(probs, SoftmaxOutputQuantizer):
+        if not all(_is_act_quantizer(m) for m in (points.q, points.k, points.v)):
+            raise ExportError(f"attention layer '{name}' has float Q, K or V; the float-softmax core needs them "
+                              "quantized (softq.quantize does)")
+        return {"name": name, "representation": "float"}  # quantized with softmax_bits=None
     if not _is_act_quantizer(scores) or not isinstance(probs, SoftmaxOutputQuantizer):
         raise ExportError(
-            f"attention layer '{name}' has a float softmax (quantized with softmax_bits=None); "
-            "the ONNX export needs a quantized softmax input and output"
+            f"attention layer '{name}' has a float softmax {'input' if not _is_act_quantizer(scores) else 'output'} "
+            "and a quantized softmax "
+            f"{'output' if not _is_act_quantizer(scores) else 'input'}; the ONNX export takes both quantized "
+            "(softmax_bits=8) or both float (softmax_bits=None)"
         )
     if int(scores.bits) > 8:
         raise ExportError(f"attention layer '{name}': {scores.bits}-bit softmax inputs are not exportable (max 8)")
@@ -484,7 +492,7 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
         if info["representation"] == "edge":
             # longer inputs than calibrated: torch falls back to the per-head beta for them
             info["beta"] = _extend_rows(info["beta"], info["beta_head"], _max_positions(model))
-        else:
+        elif info["representation"] != "float":
             try:
                 info["rq"].check_keys(_max_positions(model))
             except ValueError as err:
@@ -746,10 +754,27 @@ def check_form_for(representation: str, form: str) -> None:
     if form not in ALL_FORMS:
         raise ValueError(f"unknown softmax form {form!r}; choose one of {', '.join(ALL_FORMS)}")
     if form not in FORMS_FOR[representation]:
+        other = next(r for r, fs in FORMS_FOR.items() if form in fs)
         raise ExportError(
-            f"softmax form {form!r} does not export softmax_output={representation!r}; use "
-            f"{' or '.join(repr(f) for f in FORMS_FOR[representation])} (or quantize with softmax_output="
-            f"{next(r for r, fs in FORMS_FOR.items() if form in fs)!r})")
+            f"softmax form {form!r} does not export "
+            f"{'a float softmax (softmax_bits=None)' if representation == 'float' else f'softmax_output={representation!r}'}; use "
+            f"{' or '.join(repr(f) for f in FORMS_FOR[representation])} (or quantize with "
+            f"{'softmax_bits=None' if other == 'float' else f'softmax_output={other!r}'})")
+
+
+def _float_core(p: str, scores: str, v: str, out: str, probs: str, valid_b: str | None,
+                valid: str | None) -> tuple[list[onnx.NodeProto], list[TensorProto]]:
+    """Float softmax core (softmax_bits=None): ``Softmax`` over the valid keys, exact zeros at masked ones
+    (``Where`` to the lowest float, ``* valid`` for a row with no valid key, as torch computes it), then
+    ``MatMul`` with the dequantized V."""
+    if valid_b is None:
+        return [helper.make_node("Softmax", [scores], [probs], name=f"{p}Softmax", axis=-1),
+                helper.make_node("MatMul", [probs, v], [out], name=f"{p}MatMulPV")], []
+    low = _init(f"{p}lowest", np.array(np.finfo(np.float32).min, np.float32))
+    return [helper.make_node("Where", [valid_b, scores, low.name], [f"{p}masked"], name=f"{p}Where"),
+            helper.make_node("Softmax", [f"{p}masked"], [f"{p}softmax"], name=f"{p}Softmax", axis=-1),
+            helper.make_node("Mul", [f"{p}softmax", valid], [probs], name=f"{p}MulValid"),
+            helper.make_node("MatMul", [probs, v], [out], name=f"{p}MatMulPV")], [low]
 
 
 def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], form: str,
@@ -774,7 +799,6 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
                           helper.make_node("Mul", [f"{p}float", f"{p}scale"], [node.output[0]], name=f"{p}Mul")]
             continue
         info = layers[key]
-        q: SoftmaxQuant = info["q"]
         p = f"softq/L{key}/"
         scores, v, out = node.input[0], node.input[1], node.output[0]
         probs = f"{p}probs"
@@ -783,6 +807,15 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
             valid_b = f"{p}valid"
             new_nodes.append(helper.make_node("Cast", [node.input[2]], [valid_b], name=f"{p}CastValid",
                                               to=TensorProto.BOOL))
+        if info["representation"] == "float":
+            nodes, inits = _float_core(p, scores, v, out, probs, valid_b, node.input[2] if valid_b else None)
+            new_nodes += nodes
+            extra_inits += inits
+            if probs_outputs:
+                extra_outputs.append(helper.make_tensor_value_info(probs, TensorProto.FLOAT, [None] * 4))
+            found += 1
+            continue
+        q: SoftmaxQuant = info["q"]
         if q.relative:  # codes of s - rowmax; masked keys get code 0, which every row core maps to E = 0
             b = _Builder(f"{p}input/", opset)
             build_relative_codes(b, scores, q, out=f"{p}codes", valid_float=node.input[2] if valid_b else None)
@@ -926,7 +959,11 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     float Exp inside Q/DQ, integer GEMM with the row sum from the same GEMM) or
     ``"int"`` (exp table, integer up to the int32 accumulators).  ``edge``:
     ``"qdq"`` (portable default), ``"ort"`` (com.microsoft.QLinearSoftmax) or
-    ``"int"`` (standard ops, integer arithmetic only).  Batch and sequence
+    ``"int"`` (standard ops, integer arithmetic only).  A model quantized with a float
+    softmax (``QuantConfig(softmax_bits=None)``): ``"float"``, the only form for it, with
+    the same integer Linear layers and Q/K/V codes and a float core (``Softmax`` over the
+    valid keys, masked keys exactly 0, float ``MatMul`` with the dequantized V): no integer
+    softmax, for runtimes with a fast float Softmax.  Batch and sequence
     length are dynamic.  The file is written atomically and only after
     ``onnx.checker.check_model(full_check=True)`` passed; an existing file is
     replaced only with ``overwrite=True``.  ``probs_outputs`` adds every layer's

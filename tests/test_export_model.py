@@ -296,7 +296,7 @@ def test_bad_inputs(quantized, tmp_path):
         to_onnx(wide, tmp_path / "a.onnx", good)
     float_softmax = copy.deepcopy(qmodel)
     attention_points(float_softmax)[0][1].scores = torch.nn.Identity()
-    with pytest.raises(ExportError, match="float softmax"):
+    with pytest.raises(ExportError, match="float softmax input and a quantized softmax output"):
         to_onnx(float_softmax, tmp_path / "a.onnx", good)
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 
@@ -611,3 +611,49 @@ def test_int8_weights_with_u8u8_conversion_match(quantized, tmp_path):
         outs.append(sess.run(None, feeds)[0])
         np.testing.assert_allclose(outs[-1], ref, atol=1e-4)
     np.testing.assert_array_equal(outs[0], outs[-1])
+
+
+# --- float softmax (QuantConfig(softmax_bits=None)): integer linears, onnxruntime's Softmax ----------------
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "vit"])
+def test_float_softmax_export_matches_torch(family, tmp_path):
+    """softmax_bits=None exports as the 'float' form: the Linear layers and Q/K/V keep their integer codes,
+    the softmax is one Softmax per layer and P.V a float MatMul; outputs equal the torch model's up to float
+    rounding, masked keys get exactly 0, and the integer forms are refused for it (and it for row codes)."""
+    qmodel = softq.quantize(tiny_model(family), _calib(family), softq.QuantConfig(softmax_bits=None))
+    path = tmp_path / "m.onnx"
+    to_onnx(qmodel, path, tiny_inputs(family), probs_outputs=True)
+    model = onnx.load(str(path))
+    ops = [n.op_type for n in model.graph.node]
+    layers = qmodel.config.num_hidden_layers
+    assert ops.count("Softmax") == layers and "Exp" not in ops
+    assert ops.count("MatMulInteger") >= 3 * layers  # QKV (shared), output, two MLP linears, Q.K^T
+    inputs = tiny_inputs(family, batch=3, seq=20, seed=11)
+    if family != "vit":  # right padding in one row
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        inputs["attention_mask"][1, 13:] = 0
+    ref_logits, ref_probs = _torch_run(qmodel, inputs)
+    for opt in ("disable", "all"):
+        outs = U.session(path, opt).run(None, _feeds(family, inputs))
+        err = np.abs(outs[0] - ref_logits).max() / np.abs(ref_logits).max()
+        assert err <= 1e-4, f"{opt}: relative logit error {err:.2e}"
+        assert len(outs) - 1 == len(ref_probs) == layers
+        for p, r in zip(outs[1:], ref_probs):
+            assert np.abs(p - r).max() <= 1e-5
+            if family != "vit":
+                assert (p[1, ..., 13:] == 0).all()  # padded keys: exactly zero
+            np.testing.assert_allclose(p.sum(-1)[p.sum(-1) > 0], 1.0, atol=1e-5)
+    with pytest.raises(ExportError, match=r"softmax form 'fast' does not export a float softmax \(softmax_bits=None\); use 'float'"):
+        build_onnx(qmodel, tiny_inputs(family), "fast")
+    if family == "vit":
+        with pytest.raises(ExportError, match=r"softmax form 'float' does not export softmax_output='row'; use 'fast' or 'int' \(or quantize with softmax_bits=None\)"):
+            build_onnx(softq.quantize(tiny_model(family), _calib(family)), tiny_inputs(family), "float")
+    if family == "gpt2":  # saved and loaded, then exported from the command line: the float form by default
+        from softq.cli import main
+        from softq.quant.io import save
+
+        out = tmp_path / "cli.onnx"
+        assert main(["export", str(save(qmodel, tmp_path / "q")), "-o", str(out)]) == 0
+        got = U.run(out, _feeds(family, inputs), "all")[0]
+        assert np.abs(got - ref_logits).max() / np.abs(ref_logits).max() <= 1e-4
