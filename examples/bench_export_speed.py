@@ -3,7 +3,7 @@
 For each model (a BERT-base-shaped encoder with random weights from a config,
 all-MiniLM-L6-v2 when its package is installed, softq's reference LM and ViT) it
 exports FP32, softq INT8 (default config; the ``fast`` and ``int`` attention
-cores) and runs onnxruntime's ``quantize_dynamic`` (per-channel int8 weights)
+cores; and ``QuantConfig(softmax_bits=None)``, the ``float`` form) and runs onnxruntime's ``quantize_dynamic`` (per-channel int8 weights)
 and ``quantize_static`` (QDQ, per-channel, the same calibration batches) on the
 FP32 file.  Then, in onnxruntime (ORT_ENABLE_ALL):
 
@@ -329,7 +329,9 @@ def write(results: list[dict[str, object]], args: argparse.Namespace, command: s
         "short tensor names and no node names (`to_onnx(names='short')`, the default); the FP32 file and "
         "onnxruntime's quantized files keep the exporter's names. "
         "ORT quantize_dynamic: per-channel int8 weights, dynamic uint8 activations. ORT quantize_static: QDQ, "
-        "per-channel, the same calibration batches as softq.",
+        "per-channel, the same calibration batches as softq. Calibration: BERT-base "
+        f"{8 * args.calib_batches} random texts, MiniLM {16 * args.calib_batches} `calib` paragraphs, the ViT "
+        f"{16 * args.calib_batches} training images, the LM 16 windows of {SEQ * 2} characters.",
         "",
     ]
     header = "| model | variant | accuracy | distance to FP32 | size MB | size / FP32 | " + " | ".join(
