@@ -32,6 +32,8 @@ def qmodels() -> dict[str, torch.nn.Module]:
         out[family] = softq.quantize(tiny_model(family), calib, softq.QuantConfig())
         if family == "bert":
             out["bert-edge"] = softq.quantize(tiny_model(family), calib, softq.QuantConfig(softmax_output="edge"))
+        if family in ("bert", "vit"):  # float softmax: the 'float' form
+            out[f"{family}-float"] = softq.quantize(tiny_model(family), calib, softq.QuantConfig(softmax_bits=None))
         if family in ("gpt2", "vit"):  # input smoothing folded into the LayerNorms (export/fuse.py)
             out[f"{family}-smooth"] = softq.quantize(tiny_model(family), calib, softq.QuantConfig(input_smoothing=0.8))
     return out
@@ -49,7 +51,7 @@ def _feeds(family: str, seed: int) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("runtime", OTHERS)
 @pytest.mark.parametrize("model_key,form", [("bert", "fast"), ("bert", "int"), ("gpt2", "fast"), ("vit", "fast"),
                                             ("bert-edge", "qdq"), ("bert-edge", "int"), ("gpt2-smooth", "fast"),
-                                            ("vit-smooth", "fast")])
+                                            ("vit-smooth", "fast"), ("bert-float", "float"), ("vit-float", "float")])
 def test_whole_model_matches_onnxruntime(qmodels, tmp_path, runtime, model_key, form):
     family = model_key.split("-")[0]
     feeds = _feeds(family, seed=5)
