@@ -121,7 +121,7 @@ def _pooling(args: argparse.Namespace) -> tuple[str | None, bool]:
 
 def _export(args: argparse.Namespace) -> int:
     from softq.export import onnx_utils
-    from softq.export.model_export import to_onnx
+    from softq.export.model_export import default_form, to_onnx
 
     onnx_utils.check_writable(args.output, args.overwrite)  # before any slow work
     qmodel = load_quantized(args)
@@ -132,6 +132,6 @@ def _export(args: argparse.Namespace) -> int:
                       names="full" if args.keep_names else "short")
     size = Path(written).stat().st_size
     outputs = "last_hidden_state, sentence_embedding" if pooling else None
-    print(f"wrote {written} ({size / 1e6:.2f} MB, softmax={args.softmax or 'default'}"
+    print(f"wrote {written} ({size / 1e6:.2f} MB, softmax={args.softmax or default_form(qmodel.softq_quant_config)}"
           + (f", outputs {outputs}" if outputs else "") + ")")
     return 0

@@ -749,6 +749,11 @@ def _edge_core(p: str, info: dict[str, Any], form: str, scores: str, valid_b: st
     return nodes, inits, g.opset_imports
 
 
+def default_form(config: Any) -> str:
+    """The softmax form ``to_onnx`` uses when given none, for a model quantized with ``config``."""
+    return FORMS_FOR["float" if config.softmax_bits is None else config.softmax_output][0]
+
+
 def check_form_for(representation: str, form: str) -> None:
     """Refuse a softmax form that does not implement the model's softmax-output representation."""
     if form not in ALL_FORMS:

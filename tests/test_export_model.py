@@ -337,7 +337,8 @@ def test_cli_export(quantized, tmp_path, capsys):
     before = out.read_bytes()
     assert main(["export", str(qdir), "-o", str(out)]) == 1  # exists, no --overwrite
     assert "already exists" in capsys.readouterr().err and out.read_bytes() == before
-    assert main(["export", str(qdir), "-o", str(out), "--overwrite", "--softmax", "qdq"]) == 0
+    assert main(["export", str(qdir), "-o", str(out), "--overwrite"]) == 0
+    assert "softmax=qdq" in capsys.readouterr().out  # the edge codes' default form, named
     assert main(["export", str(tmp_path / "nope"), "-o", str(tmp_path / "x.onnx")]) == 1
     assert "is neither a model directory nor one of lm, vit" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "q"]
@@ -617,7 +618,7 @@ def test_int8_weights_with_u8u8_conversion_match(quantized, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "bert", "vit"])
-def test_float_softmax_export_matches_torch(family, tmp_path):
+def test_float_softmax_export_matches_torch(family, tmp_path, capsys):
     """softmax_bits=None exports as the 'float' form: the Linear layers and Q/K/V keep their integer codes,
     the softmax is one Softmax per layer and P.V a float MatMul; outputs equal the torch model's up to float
     rounding, masked keys get exactly 0, and the integer forms are refused for it (and it for row codes)."""
@@ -655,5 +656,6 @@ def test_float_softmax_export_matches_torch(family, tmp_path):
 
         out = tmp_path / "cli.onnx"
         assert main(["export", str(save(qmodel, tmp_path / "q")), "-o", str(out)]) == 0
+        assert "softmax=float" in capsys.readouterr().out
         got = U.run(out, _feeds(family, inputs), "all")[0]
         assert np.abs(got - ref_logits).max() / np.abs(ref_logits).max() <= 1e-4
