@@ -648,6 +648,10 @@ def test_float_softmax_export_matches_torch(family, tmp_path, capsys):
     with pytest.raises(ExportError, match=r"softmax form 'fast' does not export a float softmax \(softmax_bits=None\); use 'float'"):
         build_onnx(qmodel, tiny_inputs(family), "fast")
     if family == "vit":
+        float_qk = copy.deepcopy(qmodel)
+        attention_points(float_qk)[1][1].k = torch.nn.Identity()
+        with pytest.raises(ExportError, match=r"attention layer 'vit.layers.1.attention' has float Q, K or V"):
+            build_onnx(float_qk, tiny_inputs(family))
         with pytest.raises(ExportError, match=r"softmax form 'float' does not export softmax_output='row'; use 'fast' or 'int' \(or quantize with softmax_bits=None\)"):
             build_onnx(softq.quantize(tiny_model(family), _calib(family)), tiny_inputs(family), "float")
     if family == "gpt2":  # saved and loaded, then exported from the command line: the float form by default
