@@ -4,8 +4,8 @@ For each model (a BERT-base-shaped encoder with random weights from a config,
 all-MiniLM-L6-v2 when its package is installed, softq's reference LM and ViT) it
 exports FP32, softq INT8 (default config; the ``fast`` and ``int`` attention
 cores; and ``QuantConfig(softmax_bits=None)``, the ``float`` form) and runs
-onnxruntime's ``quantize_dynamic`` (per-channel int8 weights) and ``quantize_static`` (QDQ, per-channel, the same calibration batches) on the
-FP32 file.  Then, in onnxruntime (ORT_ENABLE_ALL):
+onnxruntime's ``quantize_dynamic`` (per-channel int8 weights) and ``quantize_static``
+(QDQ, per-channel, the same calibration batches) on the FP32 file.  Then, in onnxruntime (ORT_ENABLE_ALL):
 
 * latency at 1 and 2 threads, batch 1 and 32 (text: 128 tokens), all variants of
   a model interleaved run by run, medians, as ratios to FP32 measured in the same run;
