@@ -782,6 +782,35 @@ def _float_core(p: str, scores: str, v: str, out: str, probs: str, valid_b: str 
             helper.make_node("MatMul", [probs, v], [out], name=f"{p}MatMulPV")], [low]
 
 
+def _quantized_core(p: str, info: dict[str, Any], form: str, scores: str, v: str, out: str, probs: str,
+                    valid_b: str | None, valid: str | None, probs_outputs: bool,
+                    opset: int) -> tuple[list[onnx.NodeProto], list[TensorProto], dict[str, int]]:
+    """Score codes, then the edge or row-code core of ``form`` up to P.V."""
+    q: SoftmaxQuant = info["q"]
+    if q.relative:  # codes of s - rowmax; masked keys get code 0, which every row core maps to E = 0
+        b = _Builder(f"{p}input/", opset)
+        build_relative_codes(b, scores, q, out=f"{p}codes", valid_float=valid)
+        nodes, inits = list(b.nodes), list(b.inits)
+    else:
+        inits = [_init(f"{p}s_scale", np.float32(q.scale)), _init(f"{p}s_zp", np.array(q.zero_point, q.in_dtype))]
+        nodes = [helper.make_node("QuantizeLinear", [scores, f"{p}s_scale", f"{p}s_zp"], [f"{p}codes"],
+                                  name=f"{p}QuantizeLinear")]
+    if info["representation"] == "edge":
+        core, core_inits, domains = _edge_core(p, info, form, scores, valid_b, probs, opset)
+        core.append(helper.make_node("MatMul", [probs, v], [out], name=f"{p}MatMulPV"))
+        return nodes + core, inits + core_inits, domains
+    rq: RowQuant = info["rq"]
+    # V arrives dequantized (its QDQ pair): QuantizeLinear gives back its codes, stored as uint8
+    nodes.append(helper.make_node("QuantizeLinear", [v, f"{p}v_scale", f"{p}v_zp"], [f"{p}vcodes"], name=f"{p}QuantizeV"))
+    inits += [_init(f"{p}v_scale", np.float32(rq.v_scale)), _init(f"{p}v_zp", np.array(rq.v_zero_point, np.uint8))]
+    # relative codes need no mask in the core, except row_exact's float sum of exp (fast form)
+    core_valid = None if q.relative and (rq.sums_codes or form == "int") else valid_b
+    core, core_inits = build_row_attention(form, f"{p}codes", f"{p}vcodes", out, rq, core_valid,
+                                           probs if probs_outputs else None, prefix=f"{p}core/", opset=opset,
+                                           empty_rows=valid_b is not None)
+    return nodes + core, inits + core_inits, {}
+
+
 def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], form: str,
                     probs_outputs: bool = False) -> onnx.ModelProto:
     """Swap every ``softq::QAttention`` marker for the quantized attention core of ``form``."""
@@ -812,41 +841,13 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
             valid_b = f"{p}valid"
             new_nodes.append(helper.make_node("Cast", [node.input[2]], [valid_b], name=f"{p}CastValid",
                                               to=TensorProto.BOOL))
+        valid = node.input[2] if valid_b else None
         if info["representation"] == "float":
-            nodes, inits = _float_core(p, scores, v, out, probs, valid_b, node.input[2] if valid_b else None)
-            new_nodes += nodes
-            extra_inits += inits
-            if probs_outputs:
-                extra_outputs.append(helper.make_tensor_value_info(probs, TensorProto.FLOAT, [None] * 4))
-            found += 1
-            continue
-        q: SoftmaxQuant = info["q"]
-        if q.relative:  # codes of s - rowmax; masked keys get code 0, which every row core maps to E = 0
-            b = _Builder(f"{p}input/", opset)
-            build_relative_codes(b, scores, q, out=f"{p}codes", valid_float=node.input[2] if valid_b else None)
-            new_nodes += b.nodes
-            extra_inits += b.inits
+            nodes, inits = _float_core(p, scores, v, out, probs, valid_b, valid)
+            domains: dict[str, int] = {}
         else:
-            extra_inits += [_init(f"{p}s_scale", np.float32(q.scale)), _init(f"{p}s_zp", np.array(q.zero_point, q.in_dtype))]
-            new_nodes.append(helper.make_node("QuantizeLinear", [scores, f"{p}s_scale", f"{p}s_zp"], [f"{p}codes"],
-                                              name=f"{p}QuantizeLinear"))
-        if info["representation"] == "edge":
-            nodes, inits, domains = _edge_core(p, info, form, scores, valid_b, probs, opset)
-            nodes.append(helper.make_node("MatMul", [probs, v], [out], name=f"{p}MatMulPV"))
-        else:
-            rq: RowQuant = info["rq"]
-            # V arrives dequantized (its QDQ pair): QuantizeLinear gives back its codes, stored as uint8
-            nodes = [helper.make_node("QuantizeLinear", [v, f"{p}v_scale", f"{p}v_zp"], [f"{p}vcodes"],
-                                      name=f"{p}QuantizeV")]
-            inits = [_init(f"{p}v_scale", np.float32(rq.v_scale)), _init(f"{p}v_zp", np.array(rq.v_zero_point, np.uint8))]
-            # relative codes need no mask in the core, except row_exact's float sum of exp (fast form)
-            core_valid = None if q.relative and (rq.sums_codes or form == "int") else valid_b
-            core, core_inits = build_row_attention(form, f"{p}codes", f"{p}vcodes", out, rq, core_valid,
-                                                   probs if probs_outputs else None, prefix=f"{p}core/", opset=opset,
-                                                   empty_rows=valid_b is not None)
-            nodes += core
-            inits += core_inits
-            domains = {}
+            nodes, inits, domains = _quantized_core(p, info, form, scores, v, out, probs, valid_b, valid,
+                                                    probs_outputs, opset)
         new_nodes += nodes
         extra_inits += inits
         if probs_outputs:
