@@ -14,6 +14,7 @@ network time ``rounds x RTT + bytes / bandwidth`` (1 Gbit/s, 0.5 ms / 100 Mbit/s
     python examples/bench_mpc.py minilm-distill --steps 0 --stage2-steps 800 --text recombined --hidden-weight 0.5 \
         --init KEY   # continue the cached student KEY (see the minilm-distill-recombined* blocks)
     python examples/bench_mpc.py minilm-distill ... --no-fit   # MPCFormer's plain copy as the start (earlier blocks)
+    python examples/bench_mpc.py minilm-distill ... --text recombined-wide   # all pydoc prose but the held-out paragraphs
     python examples/bench_mpc.py truncation --exact-elements 1000000000
 
 Results replace their marked blocks in docs/results/mpc.md (atomically).
@@ -336,24 +337,29 @@ DISTILL_TEXTS = {
              "library, numpy, torch and transformers",
     "recombined": "windows of random sentences of the `pydoc_data.topics` prose paragraphs (seed 0; no sentence that "
                   "occurs in an `eval` paragraph)",
+    "recombined-wide": "windows of random sentences of the `pydoc_data.topics` prose paragraphs, the `eval` split's "
+                       "included except its first --eval-texts paragraphs, the held-out ones (seed 0; no sentence that "
+                       "occurs in a held-out paragraph)",
 }
 RECOMBINED_WINDOWS = 20_000
 
 
 @functools.lru_cache(maxsize=2)
-def _distill_texts(window: int, source: str = "prose") -> list[str]:
+def _distill_texts(window: int, source: str = "prose", held_out_texts: int = 64) -> list[str]:
     """Distillation text, cut into windows of ``window`` words, none from the ``eval`` split: the
     ``pydoc_data.topics`` paragraphs outside it, either prose only (>= 100 characters: the calibration paragraphs,
     short and long ones) or ``all`` blocks (also code listings and tables); or ``docstrings``: the prose paragraphs
     of installed code's docstrings (:func:`softq.hf.docstring_paragraphs`), none sharing 12 words with ``eval``;
     or ``mixed``: the pydoc prose and the docstrings; or ``recombined``: ``RECOMBINED_WINDOWS`` windows of random
-    sentences of the pydoc prose (new contexts for the same words), leaving out every sentence found in ``eval``."""
+    sentences of the pydoc prose (new contexts for the same words), leaving out every sentence found in ``eval``;
+    or ``recombined-wide``: the same from all pydoc prose except the first ``held_out_texts`` ``eval`` paragraphs (what
+    the benchmark evaluates on), leaving out every sentence found in those (twice the words of ``recombined``)."""
     from pydoc_data.topics import topics
 
     from softq.hf import docstring_paragraphs, pydoc_paragraphs, recombined_windows, text_split
 
-    held_out = set(text_split("eval"))
-    if source in ("prose", "recombined"):
+    held_out = set(text_split("eval", held_out_texts if source == "recombined-wide" else None))
+    if source in ("prose", "recombined", "recombined-wide"):
         paragraphs = pydoc_paragraphs(min_chars=100, max_chars=10**9)
     elif source in ("docstrings", "mixed"):
         paragraphs = docstring_paragraphs(exclude=held_out)
@@ -361,7 +367,7 @@ def _distill_texts(window: int, source: str = "prose") -> list[str]:
             paragraphs = pydoc_paragraphs(min_chars=100, max_chars=10**9) + paragraphs
     else:
         paragraphs = list(dict.fromkeys(" ".join(b.split()) for name in sorted(topics) for b in topics[name].split("\n\n")))
-    if source == "recombined":
+    if source in ("recombined", "recombined-wide"):
         return recombined_windows([p for p in paragraphs if p not in held_out], window, RECOMBINED_WINDOWS,
                                   exclude=held_out)
     texts = []
@@ -380,7 +386,7 @@ def _train_batches(args: argparse.Namespace, hm: Any) -> list[dict[str, torch.Te
     """The distillation batches in training order (shuffled with seed 0): distill fits on the first FIT_BATCHES."""
     import random
 
-    train = hm.batches(_distill_texts(args.window, args.text), batch_size=args.batch_size, max_length=args.train_len)
+    train = hm.batches(_distill_texts(args.window, args.text, args.eval_texts), batch_size=args.batch_size, max_length=args.train_len)
     random.Random(0).shuffle(train)
     return train
 
@@ -402,7 +408,7 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
     steps2 = args.steps if args.stage2_steps is None else args.stage2_steps
     lr2 = args.lr / 2 if args.stage2_lr is None else args.stage2_lr
     key = (f"minilm-2quad-quad-v2-s{args.steps}-lr{args.lr:g}-s{steps2}-lr{lr2:g}-b{args.batch_size}"
-           f"-len{args.train_len}-w{args.window}{'' if args.text == 'prose' else '-' + args.text}-dropout{int(args.dropout)}"
+           f"-len{args.train_len}-w{args.window}{'' if args.text == 'prose' else '-' + args.text}{f'{args.eval_texts}' if args.text == 'recombined-wide' else ''}-dropout{int(args.dropout)}"
            f"{f'-hw{args.hidden_weight:g}' if args.hidden_weight else ''}{f'-aug{args.augment:g}' if args.augment else ''}"
            f"{f'-from-{args.init}' if args.init else ''}"
            f"{'-fit' if _fits(args) else ''}-seed0")
@@ -424,7 +430,7 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
         if not (folder / f"{args.init}.pt").exists():
             raise SystemExit(f"--init: no cached student {args.init!r} in {folder} (run its minilm-distill command first)")
         init, init_meta = load(folder / f"{args.init}.pt")
-    texts = _distill_texts(args.window, args.text)
+    texts = _distill_texts(args.window, args.text, args.eval_texts)
     train = _train_batches(args, hm)
     batches = itertools.cycle(train)
     if args.augment:  # the unigram distribution of the training windows' words; special tokens stay
@@ -491,7 +497,7 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
                        f"(min {float(cos_fitted.min()):.4f})")
     (steps1, steps2), (lr1, lr2), hist1, hist2 = meta["steps"], meta["lr"], meta["stage1"], meta["stage2"]
     cos_before, cos_after = cosines(undistilled), cosines(student)
-    texts = _distill_texts(args.window, args.text)
+    texts = _distill_texts(args.window, args.text, args.eval_texts)
     seen = hm.batches(texts[::max(1, len(texts) // args.eval_texts)][:args.eval_texts], batch_size=32,
                       max_length=args.train_len)
     cos_seen = torch.nn.functional.cosine_similarity(hm.encode(seen, student), hm.encode(seen, model))
@@ -503,7 +509,8 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
         f"Command: `{command_line()}`",
         "",
         f"Student: all-MiniLM-L6-v2 with 2Quad softmax and Quad GELU in every layer, distilled from the FP32 model "
-        f"on {DISTILL_TEXTS[args.text]} outside the `eval` split ({meta['texts']} windows of <= {args.window} "
+        f"on {DISTILL_TEXTS[args.text].replace('--eval-texts', str(args.eval_texts))}"
+        f"{'' if args.text == 'recombined-wide' else ' outside the `eval` split'} ({meta['texts']} windows of <= {args.window} "
         f"words, {meta['words']} words; no labels; {args.train_len} tokens, batch {args.batch_size}, "
         f"{f'{args.augment:g} of the words replaced by words drawn from the training text, new draws every step, ' if args.augment else ''}"
         f"{'no dropout' if not args.dropout else 'dropout on'}): stage 1 MSE on hidden states and attention maps "
