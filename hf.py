@@ -395,18 +395,18 @@ def recall_at_1(queries: torch.Tensor, corpus: torch.Tensor) -> float:
     return hits.float().mean().item()
 
 
-def read_text_file(path: str | os.PathLike) -> list[str]:
-    """Calibration texts from a file: one text per line, or JSONL with a ``text`` field per line."""
+def read_text_file(path: str | os.PathLike, what: str = "calibration file") -> list[str]:
+    """Texts from a file: one text per line, or JSONL with a ``text`` field per line (``what`` names the file in errors)."""
     path = Path(path)
     if not path.is_file():
-        raise ModelDirError(f"calibration file {path} does not exist")
+        raise ModelDirError(f"{what} {path} does not exist")
     try:
         raw = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise ModelDirError(f"calibration file {path} is not UTF-8 text (byte {err.start})") from None
+        raise ModelDirError(f"{what} {path} is not UTF-8 text (byte {err.start})") from None
     lines = [line.strip() for line in raw.splitlines() if line.strip()]
     if not lines:
-        raise ModelDirError(f"calibration file {path} is empty")
+        raise ModelDirError(f"{what} {path} is empty")
     if path.suffix == ".jsonl" or all(line.startswith("{") for line in lines):
         texts = []
         for number, line in enumerate(lines, 1):
@@ -419,5 +419,5 @@ def read_text_file(path: str | os.PathLike) -> list[str]:
             texts.append(record["text"])
         lines = [t for t in texts if t.strip()]
         if not lines:
-            raise ModelDirError(f"calibration file {path} has no non-empty 'text'")
+            raise ModelDirError(f"{what} {path} has no non-empty 'text'")
     return lines

@@ -28,7 +28,12 @@ def _load_any(model: str) -> Any:
 
     config = transformers.AutoConfig.from_pretrained(path)
     cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
-    return cls.from_pretrained(path).eval()
+    model = cls.from_pretrained(path).eval()
+    from softq.hf import sentence_pooling
+
+    if sentence_pooling(path)[0] is not None and getattr(model, "pooler", None) is not None:
+        model.pooler = None  # a sentence encoder never uses BERT's pooler (see load_text_model)
+    return model
 
 
 def _has_surrogates(path: Path) -> bool:
@@ -61,10 +66,13 @@ def _run(args: argparse.Namespace) -> int:
         model, inputs = task.model, task.inputs
         if args.student:
             model = load_student(args.student)
+    elif args.text:
+        return _run_text(args)
     else:
-        model = _load_any(args.model)
+        model = _load_any(args.student or args.model)
         if not args.inputs:
-            raise ValueError("a model directory needs --inputs (a torch.save'd dict of input tensors)")
+            raise ValueError("a model directory needs --inputs (a torch.save'd dict of input tensors) or, for a text "
+                             "model, --text FILE")
         inputs = torch.load(args.inputs, weights_only=True)
     softmax, gelu = _per_layer(args.softmax), _per_layer(args.gelu)
     if args.student:
@@ -104,6 +112,102 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_text_model(path: str | Path, max_length: int | None = None) -> Any:
+    """A Hugging Face headless text encoder's directory as a :class:`softq.hf.HFModel`, ready for ``softq.mpc``
+    (a model with a head is refused: ``--text`` and text distillation work on sentence embeddings).
+
+    A sentence encoder (a sentence-transformers folder: its embedding is pooled from the hidden states)
+    runs without BERT's pooler, which it never uses and which would cost a dense layer and a tanh under
+    MPC.  A student written by ``softq mpc distill`` gets its surrogates back from its config.
+    """
+    import torch
+    import transformers
+
+    from softq import hf
+    from softq.mpc.surrogates import SurrogateSpec, configure_surrogates
+
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()  # a student saved without the pooler: no 'newly initialized' noise
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        loaded = hf.load_model_dir(path, max_length=max_length)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+    if not loaded.is_text:
+        raise hf.ModelDirError(f"{path} is not a text model; --text and distillation from a text file need one")
+    if loaded.pooling is not None and getattr(loaded.model, "pooler", None) is not None:
+        loaded.model.pooler = None
+    probe = loaded.tokenize(["a"], max_length=8)
+    with torch.no_grad():
+        if getattr(loaded.model(**probe), "last_hidden_state", None) is None:
+            raise hf.ModelDirError(f"{path} has a head ({type(loaded.model).__name__}); --text works with a headless "
+                                   "encoder's sentence embeddings (use --inputs for other models)")
+    spec = getattr(loaded.model.config, "softq_mpc_surrogates", None)
+    if spec:
+        spec = SurrogateSpec.from_json(spec)
+        configure_surrogates(loaded.model, softmax=spec.softmax, gelu=spec.gelu, softmax_params=spec.softmax_params)
+    return loaded
+
+
+def _run_text(args: argparse.Namespace) -> int:
+    """``softq mpc run --model DIR [--student DIR] --text FILE``: encrypted sentence embeddings of a text model."""
+    import torch
+
+    from softq import hf
+    from softq.mpc.runner import run
+    from softq.mpc.surrogates import SurrogateSpec
+
+    torch.set_num_threads(1)
+    if args.inputs:
+        raise ValueError("give --inputs or --text, not both")
+    owner = load_text_model(args.model, args.seq_len)
+    target = load_text_model(args.student, args.seq_len) if args.student else owner
+    spec = getattr(target.model.config, "softq_mpc_surrogates", None)
+    if spec:  # a student: its own surrogates
+        spec = SurrogateSpec.from_json(spec)
+        softmax, gelu = spec.softmax, spec.gelu
+    else:
+        softmax, gelu = _per_layer(args.softmax), _per_layer(args.gelu)
+    texts = hf.read_text_file(args.text, "--text file")[:args.samples]
+    inputs = target.tokenize(texts, max_length=args.seq_len)
+    result = run(target.model, inputs, softmax=softmax, gelu=gelu, world_size=args.world_size,
+                 provider=args.provider, timeout=args.timeout, truncation=args.truncation,
+                 range_margin=args.range_margin)
+    print(result.report.table("kind"))
+    mask = inputs["attention_mask"]
+    hidden = result.outputs[0]
+    with torch.no_grad():
+        plain = target.model(**inputs).last_hidden_state
+    mode = owner.pooling or "mean"
+    emb = hf.pool(hidden, mask, mode)
+    cos_plain = torch.nn.functional.cosine_similarity(emb, hf.pool(plain, mask, mode))
+    summary: dict[str, Any] = {
+        "texts": len(texts), "tokens": int(mask.sum()), "rounds": result.report.rounds, "bytes": result.report.bytes,
+        "wall_seconds": result.wall_seconds,
+        "max_abs_error": float((hidden - plain).abs()[mask.bool()].max()),
+        "min_cosine_to_plaintext": float(cos_plain.min()),
+    }
+    what = "the student in plaintext" if args.student else "the model in plaintext"
+    line = (f"\n{len(texts)} texts, {summary['tokens']} tokens: max |hidden-state error| {summary['max_abs_error']:.2e} and "
+            f"min embedding cosine {summary['min_cosine_to_plaintext']:.6f} to {what}")
+    if args.student:
+        with torch.no_grad():
+            ref = owner.model(**inputs).last_hidden_state
+        cos_teacher = torch.nn.functional.cosine_similarity(emb, hf.pool(ref, mask, mode))
+        summary["mean_cosine_to_model"] = float(cos_teacher.mean())
+        summary["min_cosine_to_model"] = float(cos_teacher.min())
+        line += (f"; embedding cosine to {args.model} (the model it was distilled from): mean "
+                 f"{summary['mean_cosine_to_model']:.4f}, min {summary['min_cosine_to_model']:.4f}")
+    print(line)
+    if args.output:
+        torch.save({"outputs": result.outputs, "report": result.report.to_dict(), "summary": summary}, args.output)
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
 def _party(args: argparse.Namespace) -> int:
     from softq.mpc.party import run_party, settings_from_args
 
@@ -117,8 +221,134 @@ def _party(args: argparse.Namespace) -> int:
     return 0
 
 
+def text_windows(paragraphs: list[str], window: int) -> list[str]:
+    """Texts of at most ``window`` words: each paragraph cut into consecutive windows (a last piece of fewer
+    than 8 words is dropped unless it is the whole paragraph)."""
+    out = []
+    for paragraph in paragraphs:
+        words = paragraph.split()
+        out += [" ".join(words[i:i + window]) for i in range(0, len(words), window)
+                if len(words[i:i + window]) >= min(8, len(words))]
+    return out
+
+
+def _distill_dir(args: argparse.Namespace) -> int:
+    """``softq mpc distill --model DIR --text FILE``: a surrogate student of a text model, no labels needed.
+
+    The teacher's own outputs are the targets (stage 2: ``1 - cosine`` of the pooled embeddings for a headless
+    encoder, plus ``--hidden-weight`` x the hidden-state MSE).  Every 10th line of ``--text`` is held out (or
+    ``--eval-text``); the student never sees those lines or any sentence in them, and the cosine of its
+    embeddings to the teacher's on them is reported before and after.  Defaults are the recipe measured on
+    all-MiniLM-L6-v2 (docs/results/mpc.md): fitted surrogates, windows of random sentences, hidden-state
+    term 0.5, no dropout, lr 2e-4 / 1e-4.
+    """
+    import copy
+    import itertools
+    import random
+
+    import torch
+
+    from softq import hf
+    from softq.mpc.distill import distill
+    from softq.mpc.surrogates import configure_surrogates
+
+    if not args.text:
+        raise ValueError("a model directory needs --text FILE: the distillation text (one paragraph per line, or JSONL "
+                         "with a 'text' field)")
+    for flag, value in (("--window", args.window), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    torch.manual_seed(args.seed)
+    loaded = load_text_model(args.model, args.seq_len)
+    if getattr(loaded.model.config, "softq_mpc_surrogates", None):
+        raise ValueError(f"{args.model} is already a surrogate student; distill from the model it came from")
+    lines = hf.read_text_file(args.text, "--text file")
+    if args.eval_text:
+        held, train = hf.read_text_file(args.eval_text, "--eval-text file"), lines
+    else:
+        if len(lines) < 2:
+            raise ValueError(f"{args.text}: one line; give at least 2 (every 10th is held out) or --eval-text")
+        held, train = lines[::10], [t for i, t in enumerate(lines) if i % 10]
+    held_set = set(held)
+    train = [t for t in train if t not in held_set]
+    if not train:
+        raise ValueError(f"{args.text}: no training line is left outside the held-out text")
+    steps = (args.steps1, args.steps2)
+    if args.recombine:  # the same words in new contexts: the lever that helped most on a small corpus
+        windows = hf.recombined_windows(train, args.window, max(1, sum(steps)) * args.batch_size, exclude=held,
+                                        seed=args.seed)
+    else:
+        windows = text_windows(train, args.window)
+    batches = loaded.batches(windows, batch_size=args.batch_size, max_length=args.seq_len)
+    random.Random(args.seed).shuffle(batches)
+    lr = args.lr if args.lr is not None else 2e-4
+    student, history = distill(loaded.model, itertools.cycle(batches), softmax=_per_layer(args.softmax),
+                               gelu=_per_layer(args.gelu), steps=steps, lr=(lr, lr / 2), dropout=False,
+                               stage2_hidden_weight=0.5 if args.hidden_weight is None else args.hidden_weight,
+                               fit=args.fit is not False, progress=True)
+    if history.fit is not None:
+        print(f"fitted the surrogates to the teacher before distilling: {history.fit.summary()}")
+    plain = copy.deepcopy(loaded.model)
+    configure_surrogates(plain, softmax=_per_layer(args.softmax), gelu=_per_layer(args.gelu))
+    evals = loaded.batches(held, batch_size=32, max_length=args.seq_len)
+    ref = loaded.encode(evals)
+
+    def cosine(model: Any) -> torch.Tensor:
+        return torch.nn.functional.cosine_similarity(loaded.encode(evals, model), ref)
+
+    before, after = cosine(plain), cosine(student)
+    print(f"embedding cosine to the teacher on {len(held)} held-out texts: surrogates not distilled mean "
+          f"{float(before.mean()):.4f} (min {float(before.min()):.4f}); distilled mean {float(after.mean()):.4f} "
+          f"(min {float(after.min()):.4f})")
+    meta = {"kind": "mpc-student", "teacher": str(args.model), "softmax": args.softmax, "gelu": args.gelu,
+            "steps": list(steps), "lr": [lr, lr / 2], "fit": history.fit is not None, "text": str(args.text),
+            "windows": len(windows), "recombine": args.recombine, "held_out_texts": len(held),
+            "cosine_before": float(before.mean()), "cosine_after": float(after.mean()),
+            "cosine_after_min": float(after.min())}
+    save_student_dir(student, args.out, args.model, meta)
+    print(f"student saved to {args.out}; run it with: softq mpc run --model {args.model} --student {args.out} "
+          f"--text FILE")
+    return 0
+
+
+def save_student_dir(student: Any, path: str | Path, source: str | Path, meta: dict[str, Any]) -> Path:
+    """Write a distilled Hugging Face student as a model directory (weights, config with its surrogates, the
+    teacher's tokenizer and sentence-transformers files, ``softq_student.json``), atomically."""
+    import os
+    import shutil
+    import tempfile
+
+    from softq import hf
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        student.config.architectures = [type(student).__name__]
+        student.save_pretrained(tmp)
+        hf.copy_sidecars(source, tmp)
+        (tmp / "softq_student.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        if target.exists():
+            old = target.with_name(f".{target.name}.old")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return target
+
+
 def _distill(args: argparse.Namespace) -> int:
     import torch
+
+    if args.model not in ("lm", "vit"):
+        return _distill_dir(args)
+    for flag, value in (("--text", args.text), ("--eval-text", args.eval_text)):
+        if value:
+            raise ValueError(f"{flag} is for a model directory; the reference {args.model} distils on its own data")
 
     from softq.mpc.distill import distill
     from softq.workloads.tasks import mpc_task
@@ -126,9 +356,11 @@ def _distill(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     task = mpc_task(args.model, n=args.samples, seq_len=args.seq_len)
+    lr = (1e-3, 3e-4) if args.lr is None else (args.lr, args.lr / 2)
     student, history = distill(task.model, task.train_batches(args.batch_size, args.seed),
                                softmax=_per_layer(args.softmax), gelu=_per_layer(args.gelu),
-                               steps=(args.steps1, args.steps2), fit=args.fit)
+                               steps=(args.steps1, args.steps2), fit=bool(args.fit), lr=lr,
+                               stage2_hidden_weight=args.hidden_weight or 0.0)
     if history.fit is not None:
         print(f"fitted the surrogates to the teacher before distilling: {history.fit.summary()}")
     with torch.no_grad():
@@ -165,8 +397,12 @@ def register(subparsers: Any) -> None:
     r.add_argument("--model", required=True, help="lm, vit (the reference models) or a model directory")
     r.add_argument("--inputs", help="torch.save'd dict of inputs (for a model directory)")
     r.add_argument("--student", help="a distilled student from `softq mpc distill` (uses its surrogates)")
-    r.add_argument("--samples", type=int, default=32, help="held-out images / text windows (reference models)")
-    r.add_argument("--seq-len", type=int, default=64, help="text window length (lm)")
+    r.add_argument("--text", help="a text model directory: encrypt the embeddings of these texts (one per line, or "
+                                  "JSONL with 'text'); reports the error to the plaintext model (and, with --student, "
+                                  "the cosine to --model's embeddings)")
+    r.add_argument("--samples", type=int, default=32,
+                   help="held-out images / text windows (reference models); the first N texts of --text")
+    r.add_argument("--seq-len", type=int, default=64, help="text window length (lm) / tokens per text (--text)")
     _add_surrogate_args(r)
     r.add_argument("--world-size", type=int, default=2, help="number of parties (processes)")
     r.add_argument("--provider", choices=("TFP", "TTP"), default="TFP",
@@ -187,7 +423,8 @@ def register(subparsers: Any) -> None:
     p.set_defaults(handler=_party)
 
     d = sub.add_parser("distill", help="MPCFormer two-stage distillation of a surrogate student")
-    d.add_argument("--model", required=True, choices=("lm", "vit"))
+    d.add_argument("--model", required=True,
+                   help="lm or vit (the reference models) or a Hugging Face text-model directory (with --text)")
     _add_surrogate_args(d)
     d.add_argument("--steps1", type=int, default=300, help="stage 1 steps (hidden states + attention maps, MSE)")
     d.add_argument("--steps2", type=int, default=300, help="stage 2 steps (logits, soft cross-entropy)")
@@ -195,9 +432,22 @@ def register(subparsers: Any) -> None:
     d.add_argument("--samples", type=int, default=360, help="held-out samples for the before/after accuracy")
     d.add_argument("--seq-len", type=int, default=64)
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--fit", action=argparse.BooleanOptionalAction, default=False,
+    d.add_argument("--fit", action=argparse.BooleanOptionalAction, default=None,
                    help="fit Quad GELU per channel and 2Quad per head to the teacher's activations first "
-                        "(exact weight rewrites, same encrypted cost; default off, see docs/results/mpc.md)")
+                        "(exact weight rewrites, same encrypted cost; default on for a model directory, off for "
+                        "lm/vit, whose fitted students leave the encrypted division's range: docs/results/mpc.md)")
+    d.add_argument("--text", help="model directory: distillation text, one paragraph per line (or JSONL with 'text'); "
+                                  "every 10th line is held out for the before/after cosine")
+    d.add_argument("--eval-text", help="model directory: held-out texts instead of every 10th line of --text")
+    d.add_argument("--window", type=int, default=48, help="model directory: words per training window")
+    d.add_argument("--recombine", action=argparse.BooleanOptionalAction, default=True,
+                   help="model directory: train on windows of random sentences of --text (default; new contexts for "
+                        "the same words) instead of its consecutive windows")
+    d.add_argument("--lr", type=float, default=None,
+                   help="stage-1 learning rate, stage 2 half of it (default 2e-4 for a model directory, 1e-3 for lm/vit)")
+    d.add_argument("--hidden-weight", type=float, default=None,
+                   help="stage 2 also minimises this multiple of the hidden-state MSE (default 0.5 for a model "
+                        "directory, 0 for lm/vit)")
     d.add_argument("--out", required=True, help="directory for the student")
     d.set_defaults(handler=_distill)
 
