@@ -314,30 +314,15 @@ def _distill_dir(args: argparse.Namespace) -> int:
 def save_student_dir(student: Any, path: str | Path, source: str | Path, meta: dict[str, Any]) -> Path:
     """Write a distilled Hugging Face student as a model directory (weights, config with its surrogates, the
     teacher's tokenizer and sentence-transformers files, ``softq_student.json``), atomically."""
-    import os
-    import shutil
-    import tempfile
-
     from softq import hf
+    from softq._files import atomic_directory
 
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with atomic_directory(target) as tmp:
         student.config.architectures = [type(student).__name__]
         student.save_pretrained(tmp)
         hf.copy_sidecars(source, tmp)
         (tmp / "softq_student.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return target
 
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import transformers
 from torch import nn
 
+from softq._files import atomic_directory
 from softq.attention import configure_from_config
 from softq.quant.config import EMBEDDING_MIN_ROWS, QuantConfig
 from softq.quant.quantize import is_quantized, prepare, set_mode
@@ -46,9 +45,7 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
     target = Path(path)
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists; pass overwrite=True (CLI: --overwrite) to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with atomic_directory(target) as tmp:
         qmodel.config.architectures = [type(qmodel).__name__]
         qmodel.config.save_pretrained(tmp)
         probs = {name: {"granularity": m.granularity, "causal_rows": m.causal_rows}
@@ -63,16 +60,6 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
             from softq.hf import copy_sidecars
 
             copy_sidecars(sidecars_from, tmp)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return target
 
 
