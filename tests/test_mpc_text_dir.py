@@ -93,7 +93,15 @@ def test_encrypted_student_from_a_text_file(distilled, capsys, tmp_path):
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["texts"] == 2 and summary["rounds"] > 0 and summary["bytes"] > 0
     assert summary["max_abs_error"] < 2e-2 and summary["min_cosine_to_plaintext"] > 0.9999
-    assert 0.5 < summary["mean_cosine_to_model"] <= 1.0
+    # the reported cosine to the teacher is the plaintext student's, up to fixed point
+    from softq.mpc.cli import load_text_model
+
+    t, st = load_text_model(teacher, 16), load_text_model(student, 16)
+    batch = [st.tokenize(texts.read_text().splitlines(), max_length=16)]
+    cos = torch.nn.functional.cosine_similarity(st.encode(batch), t.encode(batch))
+    # (the tiny student is within ~4e-6 of its teacher: compare the distances 1 - cosine, to 30 %)
+    assert 1 - summary["mean_cosine_to_model"] == pytest.approx(1 - float(cos.mean()), rel=0.3)
+    assert 1 - summary["min_cosine_to_model"] == pytest.approx(1 - float(cos.min()), rel=0.3)
     assert "cosine to" in out and str(teacher) in out
 
 
