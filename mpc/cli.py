@@ -412,7 +412,8 @@ def register(subparsers: Any) -> None:
                    help="lm or vit (the reference models) or a Hugging Face text-model directory (with --text)")
     _add_surrogate_args(d)
     d.add_argument("--steps1", type=int, default=300, help="stage 1 steps (hidden states + attention maps, MSE)")
-    d.add_argument("--steps2", type=int, default=300, help="stage 2 steps (logits, soft cross-entropy)")
+    d.add_argument("--steps2", type=int, default=300,
+                   help="stage 2 steps (logits: soft cross-entropy; a headless encoder: 1 - cosine of its embeddings)")
     d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--samples", type=int, default=360, help="held-out samples for the before/after accuracy")
     d.add_argument("--seq-len", type=int, default=64)
@@ -429,7 +430,8 @@ def register(subparsers: Any) -> None:
                    help="model directory: train on windows of random sentences of --text (default; new contexts for "
                         "the same words) instead of its consecutive windows")
     d.add_argument("--lr", type=float, default=None,
-                   help="stage-1 learning rate, stage 2 half of it (default 2e-4 for a model directory, 1e-3 for lm/vit)")
+                   help="stage-1 learning rate, stage 2 half of it (default: 2e-4 / 1e-4 for a model directory, "
+                        "1e-3 / 3e-4 for lm/vit)")
     d.add_argument("--hidden-weight", type=float, default=None,
                    help="stage 2 also minimises this multiple of the hidden-state MSE (default 0.5 for a model "
                         "directory, 0 for lm/vit)")
