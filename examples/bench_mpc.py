@@ -407,7 +407,7 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
 
     steps2 = args.steps if args.stage2_steps is None else args.stage2_steps
     lr2 = args.lr / 2 if args.stage2_lr is None else args.stage2_lr
-    key = (f"minilm-2quad-quad-v2-s{args.steps}-lr{args.lr:g}-s{steps2}-lr{lr2:g}-b{args.batch_size}"
+    key = (f"minilm-2quad-quad-v3-s{args.steps}-lr{args.lr:g}-s{steps2}-lr{lr2:g}-b{args.batch_size}"
            f"-len{args.train_len}-w{args.window}{'' if args.text == 'prose' else '-' + args.text}{f'{args.eval_texts}' if args.text == 'recombined-wide' else ''}-dropout{int(args.dropout)}"
            f"{f'-hw{args.hidden_weight:g}' if args.hidden_weight else ''}{f'-aug{args.augment:g}' if args.augment else ''}"
            f"{f'-from-{args.init}' if args.init else ''}"

@@ -18,6 +18,7 @@ encrypted run computes (up to fixed point), so the student is then run with
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,10 +49,30 @@ def _layer_loss(student_out: Any, teacher_out: Any) -> torch.Tensor:
     loss = torch.zeros(())
     for s, t in zip(student_out.hidden_states, teacher_out.hidden_states):
         loss = loss + nn.functional.mse_loss(s, t)
-    if getattr(student_out, "attentions", None) is not None and getattr(teacher_out, "attentions", None) is not None:
-        for s, t in zip(student_out.attentions, teacher_out.attentions):
+    s_maps, t_maps = getattr(student_out, "attentions", None), getattr(teacher_out, "attentions", None)
+    if s_maps is not None and t_maps is not None:
+        if len(s_maps) != len(t_maps):  # zip would silently drop the attention term
+            raise RuntimeError(f"the teacher returned {len(t_maps)} attention maps and the student {len(s_maps)}")
+        for s, t in zip(s_maps, t_maps):
             loss = loss + nn.functional.mse_loss(s, t)
     return loss
+
+
+@contextlib.contextmanager
+def _eager_attention(model: nn.Module) -> Iterator[None]:
+    """The model computes its attention maps while the block runs: Hugging Face's SDPA attention (the default of
+    a loaded BERT such as all-MiniLM-L6-v2) returns none for ``output_attentions=True``, which left stage 1
+    without its attention term.  The implementation is switched to eager and back (the same function)."""
+    config = getattr(model, "config", None)
+    before = getattr(config, "_attn_implementation", None)
+    if before not in ("sdpa", "flash_attention_2") or not hasattr(model, "set_attn_implementation"):
+        yield
+        return
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
 
 
 def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -153,6 +174,18 @@ def distill(
     history = DistillHistory()
     if fit and fresh:
         history.fit = fit_surrogates(student, teacher, [next(batches) for _ in range(fit_batches)])
+    with _eager_attention(teacher):
+        _train(student, teacher, batches, steps, lr, temperature, stage2_hidden_weight, progress, history)
+    student.eval()
+    for p in teacher.parameters():
+        p.requires_grad_(True)
+    return student, history
+
+
+def _train(student: nn.Module, teacher: nn.Module, batches: Iterator[Mapping[str, torch.Tensor]],
+           steps: tuple[int, int], lr: tuple[float, float], temperature: float, stage2_hidden_weight: float,
+           progress: bool, history: DistillHistory) -> None:
+    """The two stages' optimisation loops (see :func:`distill`)."""
     for stage, (n_steps, stage_lr) in enumerate(zip(steps, lr), start=1):
         if n_steps == 0:
             continue
@@ -179,7 +212,3 @@ def distill(
             value = float(loss.detach())
             (history.stage1 if stage == 1 else history.stage2).append(value)
             bar.set_postfix(loss=f"{value:.4f}")
-    student.eval()
-    for p in teacher.parameters():
-        p.requires_grad_(True)
-    return student, history

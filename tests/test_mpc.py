@@ -338,6 +338,37 @@ def test_two_stage_distillation_brings_the_surrogate_student_closer_to_the_teach
     assert teacher.config._attn_implementation != "softq_mpc"
 
 
+def test_stage_one_distils_attention_maps_of_an_sdpa_teacher():
+    """A loaded Hugging Face BERT runs SDPA attention, which returns no attention maps: stage 1 must still
+    have its attention term (the teacher computes them eagerly while distilling) and give the teacher back
+    with its own attention implementation."""
+    import transformers
+
+    from softq.mpc.distill import distill
+
+    torch.manual_seed(3)
+    config = transformers.BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=32, attn_implementation="sdpa")
+    teacher = transformers.BertModel(config, add_pooling_layer=False).eval()
+    assert teacher.config._attn_implementation == "sdpa"
+    batch = {"input_ids": torch.randint(0, 40, (4, 8), generator=torch.Generator().manual_seed(4)),
+             "attention_mask": torch.ones(4, 8, dtype=torch.long)}
+    student = copy.deepcopy(teacher)
+    configure_surrogates(student, softmax="2quad", gelu="quad")
+    eager = copy.deepcopy(teacher)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        s_out = student(**batch, output_hidden_states=True, output_attentions=True)
+        t_out = eager(**batch, output_hidden_states=True, output_attentions=True)
+    hidden = sum(torch.nn.functional.mse_loss(a, b) for a, b in zip(s_out.hidden_states, t_out.hidden_states))
+    maps = sum(torch.nn.functional.mse_loss(a, b) for a, b in zip(s_out.attentions, t_out.attentions))
+    assert len(t_out.attentions) == 2 and float(maps) > 1e-6
+    _, history = distill(teacher, iter([batch]), softmax="2quad", gelu="quad", steps=(1, 0), lr=(0.0, 0.0),
+                         progress=False, dropout=False)
+    assert history.stage1[0] == pytest.approx(float(hidden + maps), rel=1e-5)
+    assert teacher.config._attn_implementation == "sdpa"
+
+
 def test_per_layer_surrogates_and_bad_arguments():
     model = tiny_bert()
     spec = configure_surrogates(model, softmax=["softmax", "2quad"], gelu={1: "relu"})
