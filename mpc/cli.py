@@ -31,8 +31,25 @@ def _load_any(model: str) -> Any:
     model = cls.from_pretrained(path).eval()
     from softq.hf import sentence_pooling
 
-    if sentence_pooling(path)[0] is not None and getattr(model, "pooler", None) is not None:
-        model.pooler = None  # a sentence encoder never uses BERT's pooler (see load_text_model)
+    _drop_unused_pooler(model, sentence_pooling(path)[0])
+    return model
+
+
+def _drop_unused_pooler(model: Any, pooling: str | None) -> None:
+    """A sentence encoder (``pooling`` from its sentence-transformers files) never uses BERT's pooler, which
+    would cost a dense layer and a tanh under MPC: it runs without it."""
+    if pooling is not None and getattr(model, "pooler", None) is not None:
+        model.pooler = None
+
+
+def _restore_surrogates(model: Any) -> Any:
+    """Switch a student back to the surrogates its config records (``softq_mpc_surrogates``), if any."""
+    from softq.mpc.surrogates import SurrogateSpec, configure_surrogates
+
+    spec = getattr(model.config, "softq_mpc_surrogates", None)
+    if spec:
+        spec = SurrogateSpec.from_json(spec)
+        configure_surrogates(model, softmax=spec.softmax, gelu=spec.gelu, softmax_params=spec.softmax_params)
     return model
 
 
@@ -42,13 +59,9 @@ def _has_surrogates(path: Path) -> bool:
 
 def load_student(path: str | Path) -> Any:
     """Load a distilled student saved by ``softq mpc distill`` with its surrogates restored."""
-    from softq.mpc.surrogates import SurrogateSpec, configure_surrogates
     from softq.workloads import load_model
 
-    model = load_model(path)
-    spec = SurrogateSpec.from_json(model.config.softq_mpc_surrogates)
-    configure_surrogates(model, softmax=spec.softmax, gelu=spec.gelu, softmax_params=spec.softmax_params)
-    return model
+    return _restore_surrogates(load_model(path))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -118,13 +131,12 @@ def load_text_model(path: str | Path, max_length: int | None = None) -> Any:
 
     A sentence encoder (a sentence-transformers folder: its embedding is pooled from the hidden states)
     runs without BERT's pooler, which it never uses and which would cost a dense layer and a tanh under
-    MPC.  A student written by ``softq mpc distill`` gets its surrogates back from its config.
+    MPC (:func:`_drop_unused_pooler`).  A student written by ``softq mpc distill`` gets its surrogates back.
     """
     import torch
     import transformers
 
     from softq import hf
-    from softq.mpc.surrogates import SurrogateSpec, configure_surrogates
 
     verbosity, bars = transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
     transformers.logging.set_verbosity_error()  # a student saved without the pooler: no 'newly initialized' noise
@@ -137,17 +149,13 @@ def load_text_model(path: str | Path, max_length: int | None = None) -> Any:
             transformers.utils.logging.enable_progress_bar()
     if not loaded.is_text:
         raise hf.ModelDirError(f"{path} is not a text model; --text and distillation from a text file need one")
-    if loaded.pooling is not None and getattr(loaded.model, "pooler", None) is not None:
-        loaded.model.pooler = None
+    _drop_unused_pooler(loaded.model, loaded.pooling)
     probe = loaded.tokenize(["a"], max_length=8)
     with torch.no_grad():
         if getattr(loaded.model(**probe), "last_hidden_state", None) is None:
             raise hf.ModelDirError(f"{path} has a head ({type(loaded.model).__name__}); --text works with a headless "
                                    "encoder's sentence embeddings (use --inputs for other models)")
-    spec = getattr(loaded.model.config, "softq_mpc_surrogates", None)
-    if spec:
-        spec = SurrogateSpec.from_json(spec)
-        configure_surrogates(loaded.model, softmax=spec.softmax, gelu=spec.gelu, softmax_params=spec.softmax_params)
+    _restore_surrogates(loaded.model)
     return loaded
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from softq._files import atomic_directory
 from softq.workloads.data import (CharTokenizer, check_choice, digits_data, lm_eval_inputs, perplexity, top1,
                                   vit_eval_inputs)
 from softq.workloads.models import LM_SIZES, VIT_SIZES, build_model, variant_name
@@ -43,20 +42,12 @@ def save_model(model: nn.Module, path: str | Path, tokenizer: CharTokenizer | No
     ``*.softq.gate.*`` parameters of gated attention.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    try:
+    with atomic_directory(path) as tmp:
         model.config.save_pretrained(tmp)
         torch.save(model.state_dict(), tmp / "weights.pt")
         if tokenizer is not None:
             tokenizer.save(tmp / "tokenizer.json")
         (tmp / "meta.json").write_text(json.dumps(meta or {}, indent=2, sort_keys=True))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 
