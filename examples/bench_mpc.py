@@ -329,6 +329,7 @@ def bench_minilm(args: argparse.Namespace) -> None:
         _write("minilm", "\n".join(lines) + "\n" + detail)
 
 
+NORMALIZED_NOTE = " (each channel divided by the teacher's standard deviation on the first {} training batches)"
 DISTILL_TEXTS = {
     "prose": "the `pydoc_data.topics` prose paragraphs",
     "all": "the `pydoc_data.topics` blocks (prose, code, tables)",
@@ -410,7 +411,7 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
     key = (f"minilm-2quad-quad-v3-s{args.steps}-lr{args.lr:g}-s{steps2}-lr{lr2:g}-b{args.batch_size}"
            f"-len{args.train_len}-w{args.window}{'' if args.text == 'prose' else '-' + args.text}{f'{args.eval_texts}' if args.text == 'recombined-wide' else ''}-dropout{int(args.dropout)}"
            f"{f'-hw{args.hidden_weight:g}' if args.hidden_weight else ''}{f'-aug{args.augment:g}' if args.augment else ''}"
-           f"{f'-from-{args.init}' if args.init else ''}"
+           f"{'-nh' if args.normalize_hidden else ''}{f'-from-{args.init}' if args.init else ''}"
            f"{'-fit' if _fits(args) else ''}-seed0")
     folder = cache_dir() / "minilm-distill"
     path = folder / f"{key}.pt"
@@ -444,7 +445,7 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
     student, hist = distill(model, batches, softmax="2quad", gelu="quad",
                             steps=(args.steps, steps2), lr=(args.lr, lr2), dropout=args.dropout,
                             stage2_hidden_weight=args.hidden_weight, student=init, fit=_fits(args),
-                            fit_batches=FIT_BATCHES)
+                            fit_batches=FIT_BATCHES, normalize_hidden=args.normalize_hidden)
     meta = {"fit": hist.fit.summary() if hist.fit is not None else None,
             "minutes": (time.perf_counter() - t0) / 60, "stage1": hist.stage1, "stage2": hist.stage2,
             "init_minutes": init_meta["minutes"] + init_meta.get("init_minutes", 0.0) if init_meta else 0.0,
@@ -470,6 +471,7 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
     from softq.hf import load_minilm, text_split
     from softq.mpc import run
     from softq.mpc.demo import embedding_errors, minilm_task
+    from softq.mpc.distill import NORM_BATCHES
     from softq.mpc.surrogates import configure_surrogates
 
     from bench_quant import command_line  # noqa: PLC0415 - examples/ helper
@@ -513,9 +515,11 @@ def bench_minilm_distill(args: argparse.Namespace) -> None:
         f"{'' if args.text == 'recombined-wide' else ' outside the `eval` split'} ({meta['texts']} windows of <= {args.window} "
         f"words, {meta['words']} words; no labels; {args.train_len} tokens, batch {args.batch_size}, "
         f"{f'{args.augment:g} of the words replaced by words drawn from the training text, new draws every step, ' if args.augment else ''}"
-        f"{'no dropout' if not args.dropout else 'dropout on'}): stage 1 MSE on hidden states and attention maps "
+        f"{'no dropout' if not args.dropout else 'dropout on'}): stage 1 MSE on hidden states"
+        f"{NORMALIZED_NOTE.format(NORM_BATCHES) if args.normalize_hidden else ''} and attention maps "
         f"({steps1} steps, lr {lr1:g}), stage 2 1 - cosine of the pooled embeddings"
-        f"{f' + {args.hidden_weight:g} x hidden-state MSE' if args.hidden_weight else ''} ({steps2} steps, lr {lr2:g}), "
+        f"{f' + {args.hidden_weight:g} x hidden-state MSE' if args.hidden_weight else ''}"
+        f"{' (normalised the same way)' if args.normalize_hidden and args.hidden_weight else ''} ({steps2} steps, lr {lr2:g}), "
         f"AdamW, cosine schedule; {meta['minutes']:.1f} min on {args.threads} thread(s) (cached afterwards)"
         f"{continued}. "
         f"Plaintext cosine to the FP32 embeddings on {args.eval_texts} `eval` paragraphs: not distilled mean "
@@ -688,6 +692,9 @@ def main() -> int:
                     help="distillation text outside the eval split: " + "; ".join(f"{k}: {v}" for k, v in DISTILL_TEXTS.items()))
     md.add_argument("--hidden-weight", type=float, default=0.0,
                     help="stage 2 also minimises this multiple of the hidden-state MSE")
+    md.add_argument("--normalize-hidden", action=argparse.BooleanOptionalAction, default=False,
+                    help="divide each hidden-state channel by the teacher's standard deviation in the MSE terms "
+                         "(softq.mpc.distill(normalize_hidden=True))")
     md.add_argument("--init", default=None, metavar="KEY",
                     help="continue from the cached student KEY (a file stem in ~/.cache/softq/minilm-distill)")
     md.add_argument("--encrypt", action=argparse.BooleanOptionalAction, default=True,

@@ -369,6 +369,52 @@ def test_stage_one_distils_attention_maps_of_an_sdpa_teacher():
     assert teacher.config._attn_implementation == "sdpa"
 
 
+def test_normalized_hidden_loss_weighs_each_channel_by_the_teachers_spread():
+    """normalize_hidden: each hidden-state channel's error counts relative to the teacher's spread of that
+    channel over valid tokens (padding excluded), measured on the first NORM_BATCHES batches, which are
+    then trained on in their original order."""
+    import transformers
+
+    from softq.mpc.distill import NORM_BATCHES, distill, hidden_scales
+
+    torch.manual_seed(5)
+    config = transformers.BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=32, attn_implementation="eager")
+    teacher = transformers.BertModel(config, add_pooling_layer=False).eval()
+    gen = torch.Generator().manual_seed(6)
+    batches = []
+    for i in range(NORM_BATCHES + 1):
+        mask = torch.ones(4, 8, dtype=torch.long)
+        mask[:, 8 - 1 - i % 3:] = 0  # padding at the end of every row
+        batches.append({"input_ids": torch.randint(0, 40, (4, 8), generator=gen), "attention_mask": mask})
+    scales = hidden_scales(teacher, batches[:NORM_BATCHES])
+    with torch.no_grad():
+        outs = [teacher(**b, output_hidden_states=True).hidden_states for b in batches[:NORM_BATCHES]]
+    assert len(scales) == config.num_hidden_layers + 1
+    for layer, scale in enumerate(scales):
+        rows = torch.cat([h[layer][b["attention_mask"].bool()] for h, b in zip(outs, batches)])
+        assert torch.allclose(scale, rows.var(0, unbiased=False).clamp_min(1e-3).rsqrt(), rtol=1e-4)
+        padded = torch.cat([h[layer].reshape(-1, 32) for h in outs])
+        assert not torch.allclose(scale, padded.var(0, unbiased=False).clamp_min(1e-3).rsqrt(), rtol=1e-2)
+
+    student = copy.deepcopy(teacher)
+    configure_surrogates(student, softmax="2quad", gelu="quad")
+    with torch.no_grad():
+        s_out = student(**batches[0], output_hidden_states=True, output_attentions=True)
+        t_out = teacher(**batches[0], output_hidden_states=True, output_attentions=True)
+    weighted = sum(torch.nn.functional.mse_loss(a * w, b * w)
+                   for a, b, w in zip(s_out.hidden_states, t_out.hidden_states, scales))
+    plain = sum(torch.nn.functional.mse_loss(a, b) for a, b in zip(s_out.hidden_states, t_out.hidden_states))
+    maps = sum(torch.nn.functional.mse_loss(a, b) for a, b in zip(s_out.attentions, t_out.attentions))
+    assert abs(float(weighted) - float(plain)) > 0.1 * float(plain)
+    for normalize, expected in ((True, weighted + maps), (False, plain + maps)):
+        _, history = distill(teacher, iter(batches), softmax="2quad", gelu="quad", steps=(1, 0), lr=(0.0, 0.0),
+                             progress=False, dropout=False, normalize_hidden=normalize)
+        assert history.stage1[0] == pytest.approx(float(expected), rel=1e-5)
+    with pytest.raises(ValueError, match="at least one batch"):
+        hidden_scales(teacher, [])
+
+
 def test_per_layer_surrogates_and_bad_arguments():
     model = tiny_bert()
     spec = configure_surrogates(model, softmax=["softmax", "2quad"], gelu={1: "relu"})
