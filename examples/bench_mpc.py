@@ -397,6 +397,14 @@ def _fits(args: argparse.Namespace) -> bool:
     return bool(args.fit) and not args.init
 
 
+def _short_key(key: str, limit: int = 96) -> str:
+    """A cached student's key as part of another key: a chain of continuations would pass the file-name limit
+    (255 bytes), so a long key is cut and tagged with a hash of the whole."""
+    import hashlib
+
+    return key if len(key) <= limit else f"{key[:limit - 13]}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
 def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The distilled 2Quad + Quad MiniLM student: from ~/.cache/softq/minilm-distill (keyed by every setting)
     or distilled now and cached there (atomically: state dict and metadata)."""
@@ -411,7 +419,7 @@ def _distilled_minilm(model: torch.nn.Module, args: argparse.Namespace, hm: Any)
     key = (f"minilm-2quad-quad-v3-s{args.steps}-lr{args.lr:g}-s{steps2}-lr{lr2:g}-b{args.batch_size}"
            f"-len{args.train_len}-w{args.window}{'' if args.text == 'prose' else '-' + args.text}{f'{args.eval_texts}' if args.text == 'recombined-wide' else ''}-dropout{int(args.dropout)}"
            f"{f'-hw{args.hidden_weight:g}' if args.hidden_weight else ''}{f'-aug{args.augment:g}' if args.augment else ''}"
-           f"{'-nh' if args.normalize_hidden else ''}{f'-from-{args.init}' if args.init else ''}"
+           f"{'-nh' if args.normalize_hidden else ''}{f'-from-{_short_key(args.init)}' if args.init else ''}"
            f"{'-fit' if _fits(args) else ''}-seed0")
     folder = cache_dir() / "minilm-distill"
     path = folder / f"{key}.pt"
