@@ -448,8 +448,8 @@ def register(subparsers: Any) -> None:
                         "directory, 0 for lm/vit)")
     d.add_argument("--normalize-hidden", action=argparse.BooleanOptionalAction, default=None,
                    help="weigh each hidden-state channel of the MSE terms by 1 / the teacher's standard deviation "
-                        "(default on for a model directory, where it measured better on all-MiniLM-L6-v2; off for "
-                        "lm/vit: docs/results/mpc.md)")
+                        "(default on for a model directory: better on all-MiniLM-L6-v2, docs/results/mpc.md; off for "
+                        "lm/vit, where it has not been measured)")
     d.add_argument("--out", required=True, help="directory for the student")
     d.set_defaults(handler=_distill)
 
