@@ -25,7 +25,7 @@ from transformers import (
     ViTForImageClassification,
 )
 
-from softq.mpc import MPCError, load_crypten, run
+from softq.mpc import load_crypten, run
 from softq.mpc.graph import ConversionError, GraphInterpreter, SecretOneHot, export_model
 from softq.mpc.party import PartySettings, configure_crypten
 from softq.mpc.runner import free_port, launch_parties
