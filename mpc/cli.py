@@ -270,6 +270,8 @@ def _distill_dir(args: argparse.Namespace) -> int:
     loaded = load_text_model(args.model, args.seq_len)
     if getattr(loaded.model.config, "softq_mpc_surrogates", None):
         raise ValueError(f"{args.model} is already a surrogate student; distill from the model it came from")
+    init, init_meta = _init_student(args.init, loaded.model) if args.init else (None, {})
+    start = copy.deepcopy(init) if init is not None else None  # distill trains the student in place
     lines = hf.read_text_file(args.text, "--text file")
     if args.eval_text:
         held, train = hf.read_text_file(args.eval_text, "--eval-text file"), lines
@@ -293,23 +295,28 @@ def _distill_dir(args: argparse.Namespace) -> int:
     student, history = distill(loaded.model, itertools.cycle(batches), softmax=_per_layer(args.softmax),
                                gelu=_per_layer(args.gelu), steps=steps, lr=(lr, lr / 2), dropout=False,
                                stage2_hidden_weight=0.5 if args.hidden_weight is None else args.hidden_weight,
-                               fit=args.fit is not False, normalize_hidden=args.normalize_hidden is not False,
-                               progress=True)
+                               fit=args.fit is not False and init is None,
+                               normalize_hidden=args.normalize_hidden is not False,
+                               student=init, progress=True)
     if history.fit is not None:
         print(f"fitted the surrogates to the teacher before distilling: {history.fit.summary()}")
-    plain = copy.deepcopy(loaded.model)
-    configure_surrogates(plain, softmax=_per_layer(args.softmax), gelu=_per_layer(args.gelu))
+    if start is None:
+        start = copy.deepcopy(loaded.model)
+        configure_surrogates(start, softmax=_per_layer(args.softmax), gelu=_per_layer(args.gelu))
     evals = loaded.batches(held, batch_size=32, max_length=args.seq_len)
     ref = loaded.encode(evals)
 
     def cosine(model: Any) -> torch.Tensor:
         return torch.nn.functional.cosine_similarity(loaded.encode(evals, model), ref)
 
-    before, after = cosine(plain), cosine(student)
-    print(f"embedding cosine to the teacher on {len(held)} held-out texts: surrogates not distilled mean "
+    before, after = cosine(start), cosine(student)
+    print(f"embedding cosine to the teacher on {len(held)} held-out texts: "
+          f"{f'the student from {args.init}' if init is not None else 'surrogates not distilled'} mean "
           f"{float(before.mean()):.4f} (min {float(before.min()):.4f}); distilled mean {float(after.mean()):.4f} "
           f"(min {float(after.min()):.4f})")
-    meta = {"kind": "mpc-student", "teacher": str(args.model), "softmax": args.softmax, "gelu": args.gelu,
+    meta = {"kind": "mpc-student", "teacher": str(args.model), "softmax": init_meta.get("softmax", args.softmax),
+            "gelu": init_meta.get("gelu", args.gelu), "init": str(args.init) if args.init else None,
+            "earlier_steps": [*init_meta.get("earlier_steps", []), init_meta["steps"]] if "steps" in init_meta else [],
             "steps": list(steps), "lr": [lr, lr / 2], "fit": history.fit is not None, "text": str(args.text),
             "normalize_hidden": args.normalize_hidden is not False,
             "windows": len(windows), "recombine": args.recombine, "held_out_texts": len(held),
@@ -319,6 +326,27 @@ def _distill_dir(args: argparse.Namespace) -> int:
     print(f"student saved to {args.out}; run it with: softq mpc run --model {args.model} --student {args.out} "
           f"--text FILE")
     return 0
+
+
+def _init_student(path: str | Path, teacher: Any) -> tuple[Any, dict[str, Any]]:
+    """``--init DIR``: a student written by ``softq mpc distill`` from this teacher, to distil further, and its
+    ``softq_student.json``."""
+    folder = Path(path)
+    meta_file = folder / "softq_student.json"
+    if not meta_file.is_file():
+        raise ValueError(f"--init {path}: not a student written by softq mpc distill (no softq_student.json)")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except ValueError:
+        raise ValueError(f"--init {path}: softq_student.json is not valid JSON") from None
+    student = load_text_model(folder).model
+    if not getattr(student.config, "softq_mpc_surrogates", None):
+        raise ValueError(f"--init {path}: its config records no surrogates; not a student written by softq mpc distill")
+    theirs = student.state_dict()
+    for name, value in teacher.state_dict().items():
+        if name not in theirs or theirs[name].shape != value.shape:
+            raise ValueError(f"--init {path}: its weights do not fit --model's ({name}); a student of another model?")
+    return student, meta
 
 
 def save_student_dir(student: Any, path: str | Path, source: str | Path, meta: dict[str, Any]) -> Path:
@@ -341,7 +369,7 @@ def _distill(args: argparse.Namespace) -> int:
 
     if args.model not in ("lm", "vit"):
         return _distill_dir(args)
-    for flag, value in (("--text", args.text), ("--eval-text", args.eval_text)):
+    for flag, value in (("--text", args.text), ("--eval-text", args.eval_text), ("--init", args.init)):
         if value:
             raise ValueError(f"{flag} is for a model directory; the reference {args.model} distils on its own data")
 
@@ -450,6 +478,10 @@ def register(subparsers: Any) -> None:
                    help="weigh each hidden-state channel of the MSE terms by 1 / the teacher's standard deviation "
                         "(default on for a model directory: better on all-MiniLM-L6-v2, docs/results/mpc.md; off for "
                         "lm/vit, where it has not been measured)")
+    d.add_argument("--init", metavar="DIR",
+                   help="model directory: continue distilling this student (written by `softq mpc distill` from "
+                        "--model; its surrogates are kept, --softmax/--gelu/--fit do not apply), e.g. --steps1 0 "
+                        "--steps2 1200 for more stage-2 steps (how the 0.98 MiniLM student was trained: docs/results/mpc.md)")
     d.add_argument("--out", required=True, help="directory for the student")
     d.set_defaults(handler=_distill)
 

@@ -81,6 +81,28 @@ def test_distilled_student_is_a_model_directory_with_its_surrogates(distilled, c
     assert float(cos.mean()) == pytest.approx(meta["cosine_after"], abs=1e-5)
 
 
+def test_distillation_continues_from_a_student_directory(distilled, tmp_path):
+    """--init DIR: distil a saved student further; it starts where that student ended (its held-out cosine is
+    the new run's 'before'), keeps its surrogates, records its lineage, and is not changed on disk."""
+    root, teacher, corpus, student = distilled
+    first = json.loads((student / "softq_student.json").read_text())
+    weights_before = (student / "model.safetensors").read_bytes()
+    out = tmp_path / "more"
+    code = main(["mpc", "distill", "--model", str(teacher), "--text", str(corpus), "--init", str(student),
+                 "--steps1", "0", "--steps2", "20", "--batch-size", "8", "--seq-len", "32", "--window", "16",
+                 "--lr", "1e-3", "--out", str(out)])
+    assert code == 0
+    meta = json.loads((out / "softq_student.json").read_text())
+    assert meta["cosine_before"] == pytest.approx(first["cosine_after"], abs=1e-5)
+    assert meta["init"] == str(student) and meta["earlier_steps"] == [first["steps"]] and meta["fit"] is False
+    assert meta["steps"] == [0, 20] and meta["cosine_after"] != meta["cosine_before"]
+    assert (student / "model.safetensors").read_bytes() == weights_before
+    from softq.mpc.cli import load_text_model
+
+    spec = json.loads(load_text_model(out).model.config.softq_mpc_surrogates)
+    assert spec["softmax"] == ["2quad", "2quad"] and spec["gelu"] == ["quad", "quad"]
+
+
 def test_encrypted_student_from_a_text_file(distilled, capsys, tmp_path):
     root, teacher, corpus, student = distilled
     texts = root / "eval.txt"
@@ -118,6 +140,9 @@ def test_bad_text_distillation_input_gets_one_line(distilled, capsys, tmp_path):
         (["--model", str(teacher), "--text", str(corpus), "--window", "0", "--out", str(tmp_path / "s")], "--window"),
         (["--model", str(student), "--text", str(corpus), "--out", str(tmp_path / "s")], "already a surrogate student"),
         (["--model", "lm", "--text", str(corpus), "--out", str(tmp_path / "s")], "--text is for a model directory"),
+        (["--model", str(teacher), "--text", str(corpus), "--init", str(teacher), "--out", str(tmp_path / "s")],
+         "not a student written by softq mpc distill"),
+        (["--model", "lm", "--init", str(student), "--out", str(tmp_path / "s")], "--init is for a model directory"),
     ]
     for argv, expected in cases:
         capsys.readouterr()
