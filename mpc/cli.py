@@ -271,7 +271,6 @@ def _distill_dir(args: argparse.Namespace) -> int:
     if getattr(loaded.model.config, "softq_mpc_surrogates", None):
         raise ValueError(f"{args.model} is already a surrogate student; distill from the model it came from")
     init, init_meta = _init_student(args.init, loaded.model) if args.init else (None, {})
-    start = copy.deepcopy(init) if init is not None else None  # distill trains the student in place
     lines = hf.read_text_file(args.text, "--text file")
     if args.eval_text:
         held, train = hf.read_text_file(args.eval_text, "--eval-text file"), lines
@@ -291,6 +290,19 @@ def _distill_dir(args: argparse.Namespace) -> int:
         windows = text_windows(train, args.window)
     batches = loaded.batches(windows, batch_size=args.batch_size, max_length=args.seq_len)
     random.Random(args.seed).shuffle(batches)
+    evals = loaded.batches(held, batch_size=32, max_length=args.seq_len)
+    ref = loaded.encode(evals)
+
+    def cosine(model: Any) -> torch.Tensor:
+        return torch.nn.functional.cosine_similarity(loaded.encode(evals, model), ref)
+
+    if init is None:  # where distillation starts: the teacher with the surrogates, or the student to continue
+        start = copy.deepcopy(loaded.model)
+        configure_surrogates(start, softmax=_per_layer(args.softmax), gelu=_per_layer(args.gelu))
+        before = cosine(start)
+        del start
+    else:
+        before = cosine(init)  # before distill trains it in place
     lr = args.lr if args.lr is not None else 2e-4
     student, history = distill(loaded.model, itertools.cycle(batches), softmax=_per_layer(args.softmax),
                                gelu=_per_layer(args.gelu), steps=steps, lr=(lr, lr / 2), dropout=False,
@@ -300,16 +312,7 @@ def _distill_dir(args: argparse.Namespace) -> int:
                                student=init, progress=True)
     if history.fit is not None:
         print(f"fitted the surrogates to the teacher before distilling: {history.fit.summary()}")
-    if start is None:
-        start = copy.deepcopy(loaded.model)
-        configure_surrogates(start, softmax=_per_layer(args.softmax), gelu=_per_layer(args.gelu))
-    evals = loaded.batches(held, batch_size=32, max_length=args.seq_len)
-    ref = loaded.encode(evals)
-
-    def cosine(model: Any) -> torch.Tensor:
-        return torch.nn.functional.cosine_similarity(loaded.encode(evals, model), ref)
-
-    before, after = cosine(start), cosine(student)
+    after = cosine(student)
     print(f"embedding cosine to the teacher on {len(held)} held-out texts: "
           f"{f'the student from {args.init}' if init is not None else 'surrogates not distilled'} mean "
           f"{float(before.mean()):.4f} (min {float(before.min()):.4f}); distilled mean {float(after.mean()):.4f} "
