@@ -324,7 +324,7 @@ def build_row_attention(
             e = b.op("Min", [e, _cap(b, valid, np.uint8, 0, "e")])
         if rq.representation == "row_exact":
             exm = ex if valid is None else b.op("Mul", [ex, b.op("Cast", [valid], to=TensorProto.FLOAT)])
-            den_f = b.op("Max", [b.reduce("ReduceSum", exm, -1), b.const("one_f", 1.0, np.float32)])
+            den_f = b.at_least(b.reduce("ReduceSum", exm, -1), "one_f", 1.0, np.float32)
     else:
         xi = b.op("Cast", [x], to=TensorProto.INT32)
         if valid is not None:
@@ -340,7 +340,7 @@ def build_row_attention(
         e = b.op("Gather", [b.const("code_table", codes, np.uint8), d], axis=0)
         if rq.representation == "row_exact":
             e16 = b.op("Gather", [b.const("sum_table", sums, np.int32), d], axis=0)
-            den_i = b.op("Max", [b.reduce("ReduceSum", e16, -1), b.const("one", 1, np.int32)])
+            den_i = b.at_least(b.reduce("ReduceSum", e16, -1), "one", 1, np.int32)
             den_f = b.op("Cast", [den_i], to=TensorProto.FLOAT)
     v_zp = b.const("v_zp", rq.v_zero_point, np.uint8)
     if rq.sums_codes:
@@ -358,7 +358,7 @@ def build_row_attention(
         if sign < 0:
             den_f = b.op("Neg", [den_f])
         if empty_rows:  # a fully masked row: all E = 0, so 0 / 1 = 0
-            den_f = b.op("Max", [den_f, b.const("one_f", 1.0, np.float32)])
+            den_f = b.at_least(den_f, "one_f", 1.0, np.float32)
     else:
         num_f = b.op("Cast", [b.op("MatMulInteger", [e, v, b.const("e_zp0", 0, np.uint8), v_zp])],
                      to=TensorProto.FLOAT)
