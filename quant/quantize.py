@@ -37,7 +37,7 @@ from softq.calib.observers import MinMaxObserver
 from softq.calib.smoothquant import (InputGroup, InputRecorder, post_ln, skipped, smooth, smooth_inputs,
                                      smoothable_linears, smoothing_scales)
 from softq.models import conv1d_to_linear, model_family
-from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN, AUTO_SMOOTHING_RATIO, PREFIX_TOKENS, QuantConfig, softmax_input_span
+from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN, AUTO_SMOOTHING_RATIO, AUTO_SMOOTHING_TIE, PREFIX_TOKENS, QuantConfig, softmax_input_span
 from softq.quant.quantizers import (ActQuantizer, QEmbedding, QLinear, RowScoresQuantizer, SoftmaxOutputQuantizer,
                                     quantize_weight_only)
 
@@ -315,7 +315,8 @@ def _search_smoothing(observed: nn.Module, recorder: InputRecorder, alphas: tupl
 
 def pick_smoothing(errors: dict[float | None, float], folded: dict[float, float] | None = None,
                    ) -> tuple[float | None, bool]:
-    """"auto"'s rule, as (alpha, folded only): the every-input alpha with the lowest error if it is at least
+    """"auto"'s rule, as (alpha, folded only); "the lowest error" of a set of candidates means the smallest alpha
+    within ``AUTO_SMOOTHING_TIE`` of the lowest.  The every-input alpha with the lowest error if it is at least
     ``AUTO_SMOOTHING_MIN_GAIN`` below no smoothing's (``errors[None]``: at run time it costs a Mul at each input
     that does not follow a LayerNorm, a GELU output or the attention output, whose scale takes the place of the
     row core's factor that export/fuse.py otherwise folds away) and below every LayerNorm-folded candidate's;
@@ -323,16 +324,22 @@ def pick_smoothing(errors: dict[float | None, float], folded: dict[float, float]
     nothing at run time); else no smoothing."""
     if None not in errors:
         return None, False
-    best_folded = min(folded, key=folded.get) if folded else None
+    best_folded = _smallest_near_best(folded) if folded else None
     smoothed = {a: e for a, e in errors.items() if a is not None}
     if smoothed:
-        best = min(smoothed, key=smoothed.get)
+        best = _smallest_near_best(smoothed)
         if (smoothed[best] <= (1.0 - AUTO_SMOOTHING_MIN_GAIN) * errors[None]
                 and (best_folded is None or smoothed[best] < folded[best_folded])):
             return best, False
     if best_folded is not None and folded[best_folded] < errors[None]:
         return best_folded, True
     return None, False
+
+
+def _smallest_near_best(errors: dict[float, float]) -> float:
+    """The smallest alpha whose error is within ``AUTO_SMOOTHING_TIE`` of the lowest (ties go to the milder scales)."""
+    low = min(errors.values())
+    return min(a for a, e in errors.items() if e <= (1.0 + AUTO_SMOOTHING_TIE) * low)
 
 
 def _smooth_observed(groups: list[InputGroup], alpha: float, min_ratio: float, skip: tuple[str, ...]) -> int:
