@@ -220,7 +220,8 @@ def smoothing_report(qmodel: nn.Module) -> str:
             text += ("; at LayerNorm-folded inputs only (no run-time cost, kept if below none): "
                      + ", ".join(f"{name(a)} {e:.3g}" for a, e in folded.items()))
         text += (f"; every input, which costs a Mul where one cannot fold, only if {AUTO_SMOOTHING_MIN_GAIN:.0%} "
-                 "below none" + (" and below the folded ones" if folded else "") + ")")
+                 "below none" + (" and below the folded ones" if folded else "")
+                 + f"; alphas within {AUTO_SMOOTHING_TIE:.0%} of the lowest are ties, the smallest kept)")
     return text
 
 
@@ -339,7 +340,8 @@ def pick_smoothing(errors: dict[float | None, float], folded: dict[float, float]
 def _smallest_near_best(errors: dict[float, float]) -> float:
     """The smallest alpha whose error is within ``AUTO_SMOOTHING_TIE`` of the lowest (ties go to the milder scales)."""
     low = min(errors.values())
-    return min(a for a, e in errors.items() if e <= (1.0 + AUTO_SMOOTHING_TIE) * low)
+    # |low|: a distance of a near-float model can round to a tiny negative number
+    return min(a for a, e in errors.items() if e <= low + AUTO_SMOOTHING_TIE * abs(low))
 
 
 def _smooth_observed(groups: list[InputGroup], alpha: float, min_ratio: float, skip: tuple[str, ...]) -> int:

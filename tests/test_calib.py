@@ -243,6 +243,9 @@ def test_auto_input_smoothing_needs_a_20_percent_gain() -> None:
     assert pick_smoothing({None: 1.0, 0.6: 0.7, 0.8: 0.5, 1.0: 0.4975}) == (0.8, False)  # 1.0 is 0.5% better
     assert pick_smoothing({None: 1.0, 0.6: 0.7, 0.8: 0.5, 1.0: 0.48}) == (1.0, False)  # 4% better
     assert pick_smoothing({None: 1.0, 0.6: 0.9}, {0.6: 0.701, 0.8: 0.7, 1.0: 0.69}) == (0.6, True)
+    # distances of a near-float model can round below 0 (a tiny random model's): still a choice, not a crash
+    assert pick_smoothing({None: 1e-8, 0.6: -5.4e-9, 0.8: -2.0e-9, 1.0: 1.1e-8}) == (0.6, False)
+    assert pick_smoothing({None: 1e-8, 0.6: -5.4e-9, 0.8: -5.45e-9}) == (0.6, False)
 
 
 @pytest.mark.parametrize("family", ("vit", "gpt2"))
