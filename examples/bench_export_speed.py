@@ -45,6 +45,7 @@ from softq.export import fuse  # noqa: E402
 from softq.export import onnx_utils as U  # noqa: E402
 from softq.export import runtimes  # noqa: E402
 from softq.export.model_export import to_onnx, to_onnx_float  # noqa: E402
+from softq.quant.quantize import smoothing_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("bert-base", "minilm", "lm", "vit")
@@ -256,6 +257,8 @@ def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
     result["torch_fp32"] = b.torch_accuracy(b.model, ref) if name in ("lm", "vit") else 1.0
     result["torch_int8"] = b.torch_accuracy(qmodel, ref)
     result["torch_float_softmax"] = b.torch_accuracy(qfloat, ref)
+    # "auto"'s input smoothing decides how many Muls run before Linear inputs: the tables say what it chose
+    result["smoothing"] = {"default": smoothing_report(qmodel), "float softmax": smoothing_report(qfloat)}
     print(f"[{name}] accuracy {result}", file=sys.stderr, flush=True)
     lat: dict[tuple[int, int], dict[str, float]] = {}
     for threads in args.threads:
@@ -357,7 +360,10 @@ def write(results: list[dict[str, object]], args: argparse.Namespace, command: s
               "softq's torch fake-quant model on the same data: "
               + "; ".join(f"{r['name']} {r['torch_int8']:.4f}" for r in results) + "; with the float softmax: "
               + "; ".join(f"{r['name']} {r['torch_float_softmax']:.4f}" for r in results) + " (FP32 torch: "
-              + "; ".join(f"{r['name']} {r['torch_fp32']:.4f}" for r in results) + ").", ""]
+              + "; ".join(f"{r['name']} {r['torch_fp32']:.4f}" for r in results) + ").", "",
+              "Input smoothing (`input_smoothing=\"auto\"`), softq INT8 and the float-softmax model:", ""]
+    lines += [f"- {r['name']}: {r['smoothing']['default']}. Float softmax: "
+              f"{r['smoothing']['float softmax'].removeprefix('input smoothing: ')}." for r in results] + [""]
     lines += ["## Other runtimes (1 thread, batch 1)", "",
               "softq's `fast` files (both Linear forms) and the FP32 file, each run in the runtime itself (tract: shapes fixed per "
               "runner; OpenVINO: CPU plugin, INFERENCE_PRECISION_HINT=f32). Compared with onnxruntime's output "
