@@ -446,8 +446,8 @@ class _Builder:
 
     def at_least(self, x: str, base: str, value: int | float, dtype: type) -> str:
         """``max(x, value)`` for a scalar ``value``, as ``Clip(x, value)``: the same values as ``Max`` with a
-        scalar, and cheaper in onnxruntime, whose variadic Max broadcasts the scalar (the row floors of the
-        attention core, docs/results/export_speed.md)."""
+        scalar constant, and a little faster in onnxruntime in side-by-side trials of the reference LM's file
+        (no repo benchmark isolates it; the row floors of the attention core are where it runs)."""
         return self.op("Clip", [x, self.const(base, value, dtype)])
 
     def reduce(self, op_type: str, x: str, axis: int) -> str:
