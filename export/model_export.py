@@ -274,7 +274,8 @@ class _ExportLinear(nn.Module):
             zp = np.full(scale_np.shape, 128, np.uint8)
         _STATE.weights[key] = (codes_t, scale_np.astype(np.float32), zp, 1)
         self.key = key
-        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
+        bias = layer.effective_bias()  # with the weight bias correction
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.input_act = layer.input_act
         self.register_buffer("input_scale", layer.input_scale.detach().clone())
 

@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 import transformers
 from torch import nn
+from torch.nn.utils import parametrize
 
 from softq._files import atomic_directory
 from softq.attention import configure_from_config
 from softq.quant.config import EMBEDDING_MIN_ROWS, QuantConfig
 from softq.quant.quantize import is_quantized, prepare, set_mode
-from softq.quant.quantizers import ActQuantizer, QLinear, SoftmaxOutputQuantizer
+from softq.quant.quantizers import ActQuantizer, BiasShift, QLinear, SoftmaxOutputQuantizer
 
 FORMAT_VERSION = 1
 
@@ -87,6 +88,7 @@ def load(path: str | os.PathLike) -> nn.Module:
     if raw.get("quantize_residual") is False:  # the layout of a residual stream a file left float means nothing
         raw["residual_groups"] = raw["residual_prefix"] = "auto"
     raw.setdefault("softmax_input", "tensor")  # saved before the field existed: one calibrated grid per tensor
+    raw.setdefault("weight_bias_correction", False)  # saved before the field existed: biases as trained
     config = QuantConfig(**{**raw, "exclude": tuple(raw.get("exclude", ()))})
     hf_config = transformers.AutoConfig.from_pretrained(source)
     arch = (hf_config.architectures or [None])[0]
@@ -103,9 +105,13 @@ def load(path: str | os.PathLike) -> nn.Module:
             saved = state.get(f"{name}.{buffer}")
             if isinstance(module, ActQuantizer) and saved is not None and saved.shape != getattr(module, buffer).shape:
                 setattr(module, buffer, torch.zeros_like(saved))
-        saved = state.get(f"{name}.input_scale")  # smoothed Linear inputs
-        if isinstance(module, QLinear) and saved is not None and saved.shape != module.input_scale.shape:
-            module.input_scale = torch.zeros_like(saved)
+        for buffer in ("input_scale", "bias_shift"):  # smoothed Linear inputs, weight bias correction
+            saved = state.get(f"{name}.{buffer}")
+            if isinstance(module, QLinear) and saved is not None and saved.shape != getattr(module, buffer).shape:
+                setattr(module, buffer, torch.zeros_like(saved))
+        saved = state.get(f"{name}.parametrizations.bias.0.shift")  # a weight-only conv's bias correction
+        if saved is not None and isinstance(module, nn.Conv2d) and not parametrize.is_parametrized(module, "bias"):
+            parametrize.register_parametrization(module, "bias", BiasShift(torch.zeros_like(saved)))
     for name, info in meta["softmax_outputs"].items():
         quantizer = modules[name]
         for buffer in ("beta", "beta_head"):

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from softq.attention import AttentionPoints, attention_points
 from softq.calib.data import Batch, as_batches, run_batches
@@ -38,8 +39,8 @@ from softq.calib.smoothquant import (InputGroup, InputRecorder, post_ln, skipped
                                      smoothable_linears, smoothing_scales)
 from softq.models import conv1d_to_linear, model_family
 from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN, AUTO_SMOOTHING_RATIO, AUTO_SMOOTHING_TIE, PREFIX_TOKENS, QuantConfig, softmax_input_span
-from softq.quant.quantizers import (ActQuantizer, QEmbedding, QLinear, RowScoresQuantizer, SoftmaxOutputQuantizer,
-                                    quantize_weight_only)
+from softq.quant.quantizers import (ActQuantizer, BiasShift, QEmbedding, QLinear, RowScoresQuantizer,
+                                    SoftmaxOutputQuantizer, WeightOnly, quantize_weight_only)
 
 
 class QLayerNorm(nn.LayerNorm):
@@ -195,6 +196,8 @@ def quantize(
     qmodel.softq_smoothing_folded_only = folded and alpha is not None
     qmodel.softq_folded_smoothing_errors = folded_errors
 
+    if config.weight_bias_correction:
+        correct_weight_bias(qmodel, batches)
     if config.bias_correction is not None:
         correct_softmax_bias(qmodel, batches, config.bias_correction)
     return qmodel
@@ -380,6 +383,78 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
         points.prefix_rows = prefix
     model.softq_quant_config = config
     return model
+
+
+def _weight_only_convs(qmodel: nn.Module) -> dict[str, nn.Conv2d]:
+    return {name: m for name, m in qmodel.named_modules() if isinstance(m, nn.Conv2d)
+            and parametrize.is_parametrized(m, "weight") and isinstance(m.parametrizations.weight[0], WeightOnly)}
+
+
+@torch.no_grad()
+def correct_weight_bias(qmodel: nn.Module, batches: list[Batch]) -> int:
+    """Weight bias correction (``QuantConfig.weight_bias_correction``); returns how many layers it corrected.
+
+    Rounding a layer's weights to codes moves the mean of its outputs by ``(W_q - W) E[x]``, ``E[x]`` the mean
+    input the quantized layer sees on the calibration batches (tokens a batch's ``attention_mask`` marks valid;
+    a weight-only ``Conv2d``: over images and positions).  That shift is taken off the bias (Nagel et al. 2019,
+    data-free quantization's bias correction, here with the calibration data's mean): ``QLinear.bias_shift``, a
+    :class:`~softq.quant.quantizers.BiasShift` on a conv's bias.  One pass over the batches, all layers at once
+    (the means the quantized model sees before any correction); free at run time, it is the bias.
+    """
+    linears = {name: m for name, m in qmodel.named_modules() if isinstance(m, QLinear)}
+    convs = {name: m for name, m in _weight_only_convs(qmodel).items() if m.bias is not None}
+    sums: dict[str, list] = {}
+    current: dict[str, torch.Tensor | None] = {"mask": None}
+
+    def add(name: str, total: torch.Tensor, count: float) -> None:
+        acc = sums.setdefault(name, [0.0, 0.0])
+        acc[0], acc[1] = acc[0] + total, acc[1] + count
+
+    def linear_hook(name: str):  # noqa: ANN202 - on the layer's input quantizer: its output is what W_q reads
+        def hook(_q: nn.Module, _inp: tuple, out: torch.Tensor) -> None:
+            x = out.detach().double()
+            mask = current["mask"]
+            flat = x.reshape(-1, x.shape[-1])
+            if mask is not None and tuple(mask.shape) == tuple(x.shape[:-1]):
+                w = mask.reshape(-1, 1).to(flat.dtype)
+                add(name, (flat * w).sum(0), float(w.sum()))
+            else:
+                add(name, flat.sum(0), float(flat.shape[0]))
+        return hook
+
+    errors = {name: (m.weight - m.parametrizations.weight.original).double() for name, m in convs.items()}
+
+    def conv_hook(name: str):  # noqa: ANN202 - the convolution is linear: E[conv(x, dW)] = conv(E_batch[x], dW)
+        def hook(m: nn.Conv2d, inp: tuple) -> None:
+            x = inp[0].detach().double()
+            y = nn.functional.conv2d(x.mean(0, keepdim=True), errors[name], None, m.stride, m.padding, m.dilation,
+                                     m.groups)
+            add(name, y.mean(dim=(0, 2, 3)) * x.shape[0], float(x.shape[0]))
+        return hook
+
+    def batch_mask(_m: nn.Module, _args: tuple, kwargs: dict) -> None:
+        current["mask"] = kwargs.get("attention_mask")
+
+    handles = [qmodel.register_forward_pre_hook(batch_mask, with_kwargs=True)]
+    handles += [m.input_act.register_forward_hook(linear_hook(n)) for n, m in linears.items()]
+    handles += [m.register_forward_pre_hook(conv_hook(n)) for n, m in convs.items()]
+    try:
+        run_batches(qmodel, batches, desc="weight bias correction")
+    finally:
+        for h in handles:
+            h.remove()
+    done = 0
+    for name, m in linears.items():
+        if name in sums and sums[name][1] > 0:
+            mean = sums[name][0] / sums[name][1]
+            shift = -((m.dequantized_weight().double() - m.weight.double()) @ mean)
+            m.bias_shift = shift.to(m.weight.dtype)
+            done += 1
+    for name, m in convs.items():
+        if name in sums and sums[name][1] > 0:
+            parametrize.register_parametrization(m, "bias", BiasShift(-(sums[name][0] / sums[name][1])))
+            done += 1
+    return done
 
 
 def correct_softmax_bias(qmodel: nn.Module, batches: list[Batch], granularity: str) -> None:

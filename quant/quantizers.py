@@ -454,6 +454,20 @@ class WeightOnly(nn.Module):
         return f"bits={self.bits}, axis={self.axis}"
 
 
+class BiasShift(nn.Module):
+    """Parametrization of a weight-only ``Conv2d``'s bias: ``bias + shift``, the weight bias correction
+    (:func:`softq.quant.quantize.correct_weight_bias`), while ``enabled`` (``softq.quant.sensitivity``
+    switches it with the weight's :class:`WeightOnly`)."""
+
+    def __init__(self, shift: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("shift", shift.detach().clone().float())
+        self.enabled = True
+
+    def forward(self, b: torch.Tensor) -> torch.Tensor:
+        return b + self.shift.to(b.dtype) if self.enabled else b
+
+
 def quantize_weight_only(model: nn.Module, weight_bits: int, table_bits: int | None,
                          exclude: tuple[str, ...] = ()) -> None:
     """Weight-only codes for the parameters no quantized module holds, in place: every ``Conv2d``
@@ -491,6 +505,9 @@ class QLinear(_CopiedWeights, QuantLinear):
         # per-input-channel 1/s of input smoothing (softq.calib.smoothquant.smooth_inputs); empty: none
         scale = getattr(linear, "softq_input_scale", None)
         self.register_buffer("input_scale", torch.ones(0) if scale is None else scale.detach().clone().float())
+        # weight bias correction (softq.quant.quantize.correct_weight_bias): added to the bias while the weights
+        # are quantized, so switching weight quantization off (softq.quant.sensitivity) gives the float layer back
+        self.register_buffer("bias_shift", torch.zeros(0))
 
         self._cache: tuple[tuple[int, int], torch.Tensor] | None = None
 
@@ -499,10 +516,18 @@ class QLinear(_CopiedWeights, QuantLinear):
             x = x * self.input_scale
         x = self.input_act(x)
         if self.training or torch.is_grad_enabled() or self.weight_quant.disable_quant:
-            return super().forward(x)
+            y = super().forward(x)
+            return y + self.bias_shift if self.bias_shift.numel() and not self.weight_quant.disable_quant else y
         # inference: the same product on the dequantized weight, computed once per weight version
         # (Brevitas re-quantizes the weight on every call; tests check the outputs are equal)
-        return nn.functional.linear(x, self.dequantized_weight(), self.bias)
+        return nn.functional.linear(x, self.dequantized_weight(), self.effective_bias())
+
+    def effective_bias(self) -> torch.Tensor | None:
+        """The bias the quantized layer adds: ``bias + bias_shift`` (weight bias correction) while its
+        weights are quantized; what the ONNX export stores."""
+        if not self.bias_shift.numel() or self.weight_quant.disable_quant:
+            return self.bias
+        return self.bias_shift if self.bias is None else self.bias + self.bias_shift
 
     def dequantized_weight(self) -> torch.Tensor:
         key = (self.weight._version, self.weight.data_ptr())

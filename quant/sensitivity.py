@@ -19,7 +19,7 @@ from softq.attention import attention_points
 from softq.calib.diagnostics import save_figure
 from softq.models import transformer_blocks
 from softq.quant.quantize import QLayerNorm
-from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, SoftmaxOutputQuantizer, WeightOnly
+from softq.quant.quantizers import ActQuantizer, BiasShift, QEmbedding, QLinear, SoftmaxOutputQuantizer, WeightOnly
 
 
 def enable_only(qmodel: nn.Module, chosen: set[int]) -> None:
@@ -32,6 +32,10 @@ def enable_only(qmodel: nn.Module, chosen: set[int]) -> None:
             m.weight_quant.disable_quant = id(m) not in chosen
         if isinstance(m, WeightOnly):
             m.enabled = id(m) in chosen
+    for m in qmodel.modules():  # a weight-only conv's bias correction goes with its weight codes
+        plists = getattr(m, "parametrizations", {})
+        if "bias" in plists and isinstance(plists["bias"][0], BiasShift) and "weight" in plists:
+            plists["bias"][0].enabled = plists["weight"][0].enabled
 
 
 def quant_parts(qmodel: nn.Module) -> dict[str, set[int]]:

@@ -60,7 +60,8 @@ def _readers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
 
 
 def _n_linear(qmodel: torch.nn.Module, biased: bool = False) -> int:
-    return sum(type(m).__name__ == "QLinear" and (m.bias is not None or not biased) for m in qmodel.modules())
+    # biased: the exported bias, the weight bias correction's included (it gives GPT-2's lm_head one)
+    return sum(type(m).__name__ == "QLinear" and (m.effective_bias() is not None or not biased) for m in qmodel.modules())
 
 
 SHARED = ("q_proj", "k_proj", "v_proj", "query", "key", "value")  # Linear layers reading one input: one GEMM

@@ -352,3 +352,98 @@ def test_residual_stream_quantized_only_with_the_edge_softmax_by_default() -> No
         with pytest.raises(ValueError, match="lay out a quantized residual stream.*set quantize_residual=True"):
             softq.QuantConfig(**layout)
         assert softq.QuantConfig(softmax_output="edge", **layout).residual_quantized
+
+
+def _padded_calib(n: int = 3) -> list[dict[str, torch.Tensor]]:
+    batches = []
+    for i in range(n):
+        x = tiny_inputs("bert", seed=30 + i)
+        mask = torch.ones_like(x["input_ids"])
+        mask[1, 10:] = 0  # the second text padded
+        batches.append({**x, "attention_mask": mask})
+    return batches
+
+
+def test_weight_bias_correction_takes_the_rounding_shift_of_each_linear_off_its_bias() -> None:
+    """On the calibration batches' valid tokens, each corrected Linear's mean output with its int weights equals
+    the mean with its float weights on the same quantized inputs (those the uncorrected model feeds it: the
+    correction is measured in one pass before any bias changes); padded tokens do not count."""
+    model = tiny_model("bert")
+    calib = _padded_calib()
+    cfg = softq.QuantConfig(weight_bits=4)  # coarse weights: shifts well above float noise
+    fixed = softq.quantize(model, calib, cfg)
+    plain = softq.quantize(model, calib, softq.QuantConfig(weight_bits=4, weight_bias_correction=False))
+    seen: dict[str, list[torch.Tensor]] = {}
+    hooks = [m.input_act.register_forward_hook(lambda _q, _i, out, n=n: seen.setdefault(n, []).append(out.detach()))
+             for n, m in plain.named_modules() if isinstance(m, QLinear)]
+    with torch.no_grad():
+        for b in calib:
+            plain(**b)
+    for h in hooks:
+        h.remove()
+    layers = dict(fixed.named_modules())
+    assert set(seen) == {n for n, m in fixed.named_modules() if isinstance(m, QLinear)}
+    worst_before = worst_after = 0.0
+    for name, inputs in seen.items():
+        layer, twin = layers[name], dict(plain.named_modules())[name]
+        assert twin.bias_shift.numel() == 0 and torch.equal(twin.bias, layer.bias)  # the float bias stays as trained
+        assert layer.bias_shift.shape == (layer.out_features,)
+        valid = [b["attention_mask"].bool() for b in calib]
+        with torch.no_grad():
+            def mean(weight: torch.Tensor, bias: torch.Tensor, masked: bool = True) -> torch.Tensor:
+                rows = [torch.nn.functional.linear(x, weight, bias) for x in inputs]  # (a head reads [batch, features])
+                rows = [y[v] if masked and y.shape[:-1] == v.shape else y.reshape(-1, y.shape[-1])
+                        for y, v in zip(rows, valid)]
+                return torch.cat(rows).double().mean(0)
+            target = mean(layer.weight, layer.bias)
+            before = (mean(layer.dequantized_weight(), layer.bias) - target).abs().max().item()
+            after = (mean(layer.dequantized_weight(), layer.effective_bias()) - target).abs().max().item()
+            unmasked = (mean(layer.dequantized_weight(), layer.effective_bias(), masked=False)
+                        - mean(layer.weight, layer.bias, masked=False)).abs().max().item()
+        assert after < 1e-5 * max(1.0, target.abs().max().item())
+        worst_before, worst_after = max(worst_before, before), max(worst_after, after)
+        if inputs[0].shape[:-1] == valid[0].shape:
+            assert unmasked > after  # the padded tokens are left out of the mean
+    assert worst_before > 100 * worst_after
+    x = tiny_inputs("bert", seed=3)
+    with torch.no_grad():  # the correction is the only difference between the two models
+        assert not torch.equal(fixed(**x).logits, plain(**x).logits)
+        for layer in (m for m in fixed.modules() if isinstance(m, QLinear)):
+            layer.bias_shift = torch.zeros(0)
+        torch.testing.assert_close(fixed(**x).logits, plain(**x).logits, rtol=0, atol=0)
+
+
+def test_weight_bias_correction_of_a_weight_only_patch_convolution() -> None:
+    """A ViT's patch convolution (weight-only int8 codes): its bias gets the mean shift of the rounded kernel over
+    the calibration images and patch positions; switching the weight codes off (sensitivity) drops it too."""
+    from softq.quant.quantizers import BiasShift
+    from softq.quant.sensitivity import enable_only
+
+    model = tiny_model("vit")
+    calib = calib_for("vit", 3)
+    q = softq.quantize(model, calib, softq.QuantConfig(weight_bits=4))
+    conv = next(m for m in q.modules() if isinstance(m, torch.nn.Conv2d))
+    assert isinstance(conv.parametrizations.bias[0], BiasShift)
+    original = conv.parametrizations.weight.original
+    images = torch.cat([b["pixel_values"] for b in calib])
+    with torch.no_grad():
+        def mean(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.conv2d(images, weight, bias, conv.stride, conv.padding).double().mean((0, 2, 3))
+        target = mean(original, conv.parametrizations.bias.original)
+        before = (mean(conv.weight, conv.parametrizations.bias.original) - target).abs().max().item()
+        after = (mean(conv.weight, conv.bias) - target).abs().max().item()
+    assert after < 1e-6 and before > 100 * after
+    enable_only(q, set())
+    assert torch.equal(conv.bias, conv.parametrizations.bias.original) and torch.equal(conv.weight, original)
+    x = tiny_inputs("vit", seed=4)
+    with torch.no_grad():
+        float_out = model(**x).logits
+        assert (q(**x).logits - float_out).abs().max() < 1e-5  # every correction off with its quantizer
+    plain = softq.quantize(model, calib, softq.QuantConfig(weight_bits=4, weight_bias_correction=False))
+    conv_plain = next(m for m in plain.modules() if isinstance(m, torch.nn.Conv2d))
+    assert "bias" not in conv_plain.parametrizations
+
+
+def test_weight_bias_correction_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="weight_bias_correction must be True or False, got 'yes'"):
+        softq.QuantConfig(weight_bias_correction="yes")
