@@ -72,6 +72,9 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                         "observation; in pre-LN models also applied only where it folds into a LayerNorm, free at "
                         "run time; smoothing every input only if 20%% closer than none and closer than those) or "
                         "none")
+    p.add_argument("--no-weight-bias-correction", dest="weight_bias_correction", action="store_false",
+                   help="keep the trained biases (default: each quantized layer's bias takes off the mean output "
+                        "shift of its rounded weights on the calibration data)")
     p.add_argument("--embedding-bits", type=int, default=8,
                    help="bits of the embedding tables (per row, weight only); 0 keeps them float (default 8)")
     p.add_argument("--embedding-min-rows", type=int, default=EMBEDDING_MIN_ROWS, metavar="N",
@@ -124,7 +127,7 @@ def _config(args: argparse.Namespace):
         softmax_output=args.softmax_output,
         smoothquant_alpha=args.smoothquant, observer=args.observer, quantize_residual=args.residual,
         embedding_bits=args.embedding_bits or None, embedding_min_rows=args.embedding_min_rows,
-        input_smoothing=args.input_smoothing, **extra,
+        input_smoothing=args.input_smoothing, weight_bias_correction=args.weight_bias_correction, **extra,
     )
 
 

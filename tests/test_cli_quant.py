@@ -75,3 +75,14 @@ def test_import_softq_exposes_its_parts_lazily() -> None:
 
     with pytest.raises(AttributeError, match="module 'softq' has no attribute 'nope'"):
         softq.nope  # noqa: B018
+
+
+def test_quantize_cli_can_keep_the_trained_biases() -> None:
+    import argparse
+
+    from softq.quant.cli import _add_quant_options, _config
+
+    parser = argparse.ArgumentParser()
+    _add_quant_options(parser)
+    assert _config(parser.parse_args([])).weight_bias_correction is True
+    assert _config(parser.parse_args(["--no-weight-bias-correction"])).weight_bias_correction is False
