@@ -452,7 +452,11 @@ def correct_weight_bias(qmodel: nn.Module, batches: list[Batch]) -> int:
             done += 1
     for name, m in convs.items():
         if name in sums and sums[name][1] > 0:
-            parametrize.register_parametrization(m, "bias", BiasShift(-(sums[name][0] / sums[name][1])))
+            shift = -(sums[name][0] / sums[name][1])
+            if parametrize.is_parametrized(m, "bias"):  # corrected before (a second call): a new shift, not two
+                m.parametrizations.bias[0].shift = shift.float()
+            else:
+                parametrize.register_parametrization(m, "bias", BiasShift(shift))
             done += 1
     return done
 

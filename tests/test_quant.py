@@ -433,6 +433,12 @@ def test_weight_bias_correction_of_a_weight_only_patch_convolution() -> None:
         before = (mean(conv.weight, conv.parametrizations.bias.original) - target).abs().max().item()
         after = (mean(conv.weight, conv.bias) - target).abs().max().item()
     assert after < 1e-6 and before > 100 * after
+    from softq.quant.quantize import correct_weight_bias
+
+    shift = conv.parametrizations.bias[0].shift.clone()
+    assert correct_weight_bias(q, calib) == 1 + sum(isinstance(m, QLinear) for m in q.modules())
+    assert len(conv.parametrizations.bias) == 1  # measured again: the same shift, not a second one on top
+    torch.testing.assert_close(conv.parametrizations.bias[0].shift, shift, rtol=0, atol=1e-7)
     enable_only(q, set())
     assert torch.equal(conv.bias, conv.parametrizations.bias.original) and torch.equal(conv.weight, original)
     x = tiny_inputs("vit", seed=4)
