@@ -412,14 +412,11 @@ def correct_weight_bias(qmodel: nn.Module, batches: list[Batch]) -> int:
 
     def linear_hook(name: str):  # noqa: ANN202 - on the layer's input quantizer: its output is what W_q reads
         def hook(_q: nn.Module, _inp: tuple, out: torch.Tensor) -> None:
-            x = out.detach().double()
             mask = current["mask"]
-            flat = x.reshape(-1, x.shape[-1])
-            if mask is not None and tuple(mask.shape) == tuple(x.shape[:-1]):
-                w = mask.reshape(-1, 1).to(flat.dtype)
-                add(name, (flat * w).sum(0), float(w.sum()))
-            else:
-                add(name, flat.sum(0), float(flat.shape[0]))
+            rows = out.detach().reshape(-1, out.shape[-1])
+            if mask is not None and tuple(mask.shape) == tuple(out.shape[:-1]):
+                rows = rows[mask.reshape(-1).bool()]
+            add(name, rows.sum(0, dtype=torch.float64), float(rows.shape[0]))
         return hook
 
     errors = {name: (m.weight - m.parametrizations.weight.original).double() for name, m in convs.items()}
