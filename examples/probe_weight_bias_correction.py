@@ -49,8 +49,8 @@ def distance(a: np.ndarray, b: np.ndarray) -> float:
 
 def model_rows(name: str) -> list[str]:
     bench = Bench(name, argparse.Namespace(calib_batches=4))
-    reference = output_rows(bench, bench.model)
-    ref = None if name in ("lm", "vit") else bench.reference(bench.model)
+    ref = None if name in ("lm", "vit") else bench.reference(bench.model)  # the text encoders' float embeddings
+    reference = output_rows(bench, bench.model) if ref is None else np.concatenate(ref).astype(np.float64)
     lines = []
     for softmax, bits in (("integer (default)", 8), ("float (`softmax_bits=None`)", None)):
         cells = {}
