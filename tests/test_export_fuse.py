@@ -474,13 +474,26 @@ def test_query_key_value_codes_come_from_one_quantizer(smoothed, graphs, family)
     quantized once and split as codes (the unfused graph quantizes Q, K and V one by one)."""
     fused, plain = graphs[family]
     layers = smoothed[family].config.num_hidden_layers
-    made = {o: n for n in fused.graph.node for o in n.output}
-    splits = [n for n in fused.graph.node if n.op_type == "Split" and made[n.input[0]].op_type == "QuantizeLinear"]
+    splits = [split for split, _ in _qkv_splits(fused)]
     assert len(splits) == layers and all(len(n.output) == 3 for n in splits)
     value_types = U.value_types(fused)
     assert all(value_types.get(o) == TensorProto.UINT8 for n in splits for o in n.output)
     count = [sum(n.op_type == "QuantizeLinear" for n in m.graph.node) for m in (fused, plain)]
     assert count[0] == count[1] - 2 * layers
+
+
+def _qkv_splits(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, onnx.NodeProto]]:
+    """(Split, QuantizeLinear) where a Split reads a QuantizeLinear's codes, directly or through the heads'
+    Reshape/Transpose (merge_head_splits)."""
+    made = {o: n for n in model.graph.node for o in n.output}
+    out = []
+    for split in (n for n in model.graph.node if n.op_type == "Split"):
+        node = made.get(split.input[0])
+        while node is not None and node.op_type in ("Reshape", "Transpose"):
+            node = made.get(node.input[0])
+        if node is not None and node.op_type == "QuantizeLinear":
+            out.append((split, node))
+    return out
 
 
 def _core_pads(model: onnx.ModelProto) -> list[onnx.NodeProto]:
@@ -498,13 +511,14 @@ def test_the_query_key_value_gemm_writes_the_row_sum_column(smoothed, graphs, fa
     assert len(_core_pads(plain)) == layers and _core_pads(fused) == []
     consts = {i.name: numpy_helper.to_array(i) for i in fused.graph.initializer}
     made = {o: n for n in fused.graph.node for o in n.output}
-    gemms = [made[made[s.input[0]].input[0]] for s in fused.graph.node
-             if s.op_type == "Split" and made[s.input[0]].op_type == "QuantizeLinear"]
+    gemms = [made[ql.input[0]] for _, ql in _qkv_splits(fused)]
     for add in gemms:  # QuantizeLinear(Add(Mul(Cast(MatMulInteger)), bias)): 3 x hidden + one column per head
-        mm = made[made[made[add.input[0]].input[0]].input[0]]
+        mm = made[made[made[add.input[0]].input[0]].input[0]]  # each, Q and K too (merge_head_splits), ...
         w = consts[mm.input[1]]
-        assert w.shape == (cfg.hidden_size, 3 * cfg.hidden_size + heads)
-        assert (w == 0).all(axis=0).sum() >= heads
+        assert w.shape == (cfg.hidden_size, 3 * cfg.hidden_size + 3 * heads)
+        assert (w == 0).all(axis=0).sum() >= 3 * heads
+        bias = consts[add.input[1]].reshape(3, heads, -1)[:, :, -1]  # ... one more column per head
+        assert (bias[2] == bias[2, 0]).all()  # V's: the code z + 1
     assert len(gemms) == layers
 
 
@@ -565,3 +579,54 @@ def test_sum_column_and_row_scale_stay_where_something_else_reads_the_tensors(un
     assert done["row_scales"] == layers - 1
     made = {o: n for n in model.graph.node for o in n.output}
     assert made[div.input[1]].op_type == "Mul"
+
+
+@pytest.fixture(scope="module")
+def unmerged(smoothed) -> dict[str, onnx.ModelProto]:
+    """family -> the export with every fuse pass but merge_head_splits."""
+    out = {}
+    for family, qmodel in smoothed.items():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fuse, "merge_head_splits", lambda model: 0)
+            out[family] = build_onnx(qmodel, tiny_inputs(family), "fast")
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_heads_of_query_key_value_move_in_one_transpose_with_the_same_outputs(smoothed, graphs, unmerged, family):
+    """merge_head_splits: per layer one Reshape -> Transpose -> Reshape -> Split of the Q/K/V codes instead of a
+    Split and a Reshape and Transpose per part (3 nodes fewer), Q and K one zero-point column wider per head;
+    the scores gain exact zeros only, so onnxruntime's outputs are the unmerged graph's, bit for bit, at other
+    batch sizes and lengths than the example's."""
+    fused, merged_off = graphs[family][0], unmerged[family]
+    layers = smoothed[family].config.num_hidden_layers
+    assert len(fused.graph.node) == len(merged_off.graph.node) - 3 * layers
+    count = {op: [sum(n.op_type == op for n in m.graph.node) for m in (fused, merged_off)] for op in ("Transpose", "Reshape")}
+    assert count["Transpose"][0] == count["Transpose"][1] - 2 * layers
+    assert count["Reshape"][0] == count["Reshape"][1] - layers
+    for seed in (5, 6):
+        inputs, feeds = _feeds(family, seed)
+        got, ref = (U.session(m, "all").run(None, feeds)[0] for m in (fused, merged_off))
+        assert np.array_equal(got, ref)
+        got, ref = (U.session(m, "disable").run(None, feeds)[0] for m in (fused, merged_off))
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_heads_stay_apart_where_a_padded_part_has_another_reader(unmerged):
+    """A layer whose query codes something else reads too (here a graph output) keeps its per-part Reshape and
+    Transpose and its GEMM width; the other layers merge."""
+    model = onnx.ModelProto()
+    model.CopyFrom(unmerged["vit"])
+    layers = sum(1 for _ in _qkv_splits(model))
+    split = _qkv_splits(model)[0][0]
+    readers = _readers(model)
+    query = readers[readers[split.output[0]][0].output[0]][0]  # Split -> Reshape -> Transpose
+    assert query.op_type == "Transpose"
+    model.graph.output.extend([helper.make_tensor_value_info(query.output[0], TensorProto.UINT8, None)])
+    feeds = _feeds("vit", 7)[1]
+    before = U.session(model, "all").run(None, feeds)
+    assert fuse.merge_head_splits(model) == layers - 1
+    kept = list(split.output)
+    assert any(n.op_type == "Split" and list(n.output) == kept for n in model.graph.node)
+    after = U.session(model, "all").run(None, feeds)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
