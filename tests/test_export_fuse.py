@@ -249,7 +249,10 @@ def test_tied_lm_head_is_smoothed_and_folds_into_the_final_layernorm(smoothed, g
     for model, muls in ((plain, 1), (fused, 0)):
         readers = _readers(model)
         ln_f = [n for n in model.graph.node if n.op_type == "LayerNormalization"][-1]
-        views = [r for r in readers[ln_f.output[0]] if r.op_type == "Reshape"]
+        # the view, then the Mul; fused: no Mul, the lm_head's QuantizeLinear before the view (quantize_before_layout)
+        first = readers[ln_f.output[0]]
+        views = [r for r in first if r.op_type == "Reshape"] or [
+            r for q in first if q.op_type == "QuantizeLinear" for r in readers[q.output[0]] if r.op_type == "Reshape"]
         assert views and sum(r.op_type == "Mul" for v in views for r in readers.get(v.output[0], [])) == muls
 
 
@@ -327,7 +330,7 @@ def test_dynamic_linears_fuse_into_dynamic_quantize_matmul(smoothed, graphs, tmp
     dynamic = build_onnx(qmodel, tiny_inputs(family), "fast", linears="dynamic")
     layers = qmodel.config.num_hidden_layers
     dql = [n for n in dynamic.graph.node if n.op_type == "DynamicQuantizeLinear"]
-    static = graphs[family][0]
+    static = _export_without(qmodel, family, "quantize_before_layout")  # each Linear's float input by name
     made = {o: n for n in static.graph.node for o in n.output}
     inputs = {made[n.input[0]].input[0] for n in static.graph.node if n.op_type == "MatMulInteger" and "/core/" not in n.name}
     assert len(dql) == len(inputs) and {d.input[0] for d in dql} == inputs  # (Q, K and V share one)
@@ -581,15 +584,17 @@ def test_sum_column_and_row_scale_stay_where_something_else_reads_the_tensors(un
     assert made[div.input[1]].op_type == "Mul"
 
 
+def _export_without(qmodel: torch.nn.Module, family: str, fuse_pass: str) -> onnx.ModelProto:
+    """The export with every fuse pass but ``fuse_pass``."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fuse, fuse_pass, lambda model: 0)
+        return build_onnx(qmodel, tiny_inputs(family), "fast")
+
+
 @pytest.fixture(scope="module")
 def unmerged(smoothed) -> dict[str, onnx.ModelProto]:
     """family -> the export with every fuse pass but merge_head_splits."""
-    out = {}
-    for family, qmodel in smoothed.items():
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(fuse, "merge_head_splits", lambda model: 0)
-            out[family] = build_onnx(qmodel, tiny_inputs(family), "fast")
-    return out
+    return {family: _export_without(qmodel, family, "merge_head_splits") for family, qmodel in smoothed.items()}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -630,3 +635,28 @@ def test_heads_stay_apart_where_a_padded_part_has_another_reader(unmerged):
     assert any(n.op_type == "Split" and list(n.output) == kept for n in model.graph.node)
     after = U.session(model, "all").run(None, feeds)
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attention_output_is_quantized_before_the_heads_merge(smoothed, graphs, family):
+    """quantize_before_layout: the output projection's QuantizeLinear reads the core's division itself and the
+    heads' Transpose/Reshape move its uint8 codes; the outputs are bit for bit those without the pass."""
+    fused = graphs[family][0]
+    layers = smoothed[family].config.num_hidden_layers
+    without = _export_without(smoothed[family], family, "quantize_before_layout")
+    made = {o: n for n in fused.graph.node for o in n.output}
+    cores = [n for n in fused.graph.node if n.op_type == "Div" and n.name.startswith("softq/L")]
+    assert len(cores) == layers
+    readers = _readers(fused)
+    for div in cores:
+        (ql,) = readers[div.output[0]]
+        assert ql.op_type == "QuantizeLinear"
+        (transpose,) = readers[ql.output[0]]
+        assert transpose.op_type == "Transpose" and readers[transpose.output[0]][0].op_type == "Reshape"
+    value_types = U.value_types(fused)
+    assert all(value_types.get(readers[made[d.output[0]].output[0]][0].output[0]) in (None, TensorProto.UINT8)
+               for d in cores if d.output[0] in made)
+    for seed in (8, 9):
+        feeds = _feeds(family, seed)[1]
+        got, ref = (U.session(m, "all").run(None, feeds)[0] for m in (fused, without))
+        assert np.array_equal(got, ref)
