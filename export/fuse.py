@@ -885,7 +885,8 @@ def merge_head_splits(model: onnx.ModelProto) -> int:
         for reshape, _, transpose in chains:
             replaced[id(reshape)] = []
             replaced[id(transpose)] = []
-        stale.update([*(n.output[0] for n in part["nodes"]), codes])
+        stale.update([*(n.output[0] for n in part["nodes"]), codes, *split.output,
+                      *(r.output[0] for r, _, _ in chains)])  # wider now, or gone
         for j in pads:
             t = chains[j][2].output[0]
             stale.add(t)
