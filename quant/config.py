@@ -239,8 +239,8 @@ class QuantConfig:
             same shift on every token instead of noise that averages out; it weighs nothing (1.5k values).  Measured on a BERT-base
             shape (random weights, pooled embeddings): quantizing that table alone costs
             a cosine distance of 4.0e-5, the 30522-row token table 2.8e-7, and the
-            whole default model 1.98e-4 with it, 1.52e-4 without it (onnxruntime
-            quantize_dynamic: 1.87e-4); all-MiniLM-L6-v2 2.21e-3 -> 2.12e-3
+            whole default model 5.2e-5 with it, 8.6e-6 without it (onnxruntime
+            quantize_dynamic: 1.87e-4); all-MiniLM-L6-v2 1.87e-3 -> 1.71e-3
             (docs/results/embedding_tables.md).
         exclude: substrings of module names whose Linear layers and embeddings stay float
             (e.g. ``("lm_head",)``).
