@@ -795,12 +795,12 @@ def merge_head_splits(model: onnx.ModelProto) -> int:
 
     After :func:`fold_split_quantizers` (and :func:`fold_sum_columns`), a GEMM's codes ``[batch, tokens, n * heads
     * size_j]`` are split into n parts, each ``Reshape``-d to ``[batch, tokens, heads, size_j]`` and
-    ``Transpose``-d to ``[batch, heads, tokens, size_j]``: 3n nodes.  Where every part has the same heads and
+    ``Transpose``-d to ``[batch, heads, tokens, size_j]``: 2n + 1 nodes with the Split.  Where every part has the same heads and
     the narrower parts only feed MatMuls that contract over their last axis (Q and K, one column narrower than
     V with the row core's sum column), those parts get extra columns of their dequantization's zero point
     (zero weights, the code as bias, as :func:`fold_sum_columns`), which add exactly 0 to Q.K, and the
     codes go ``Reshape [batch, tokens, n, heads, size] -> Transpose [batch, n, heads, tokens, size] ->
-    Reshape [batch, n * heads, tokens, size] -> Split`` into the same parts: 4 nodes instead of 3n, the
+    Reshape [batch, n * heads, tokens, size] -> Split`` into the same parts: 4 nodes instead of 2n + 1, the
     same products.
     """
     g = _Graph(model, "heads")
