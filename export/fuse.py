@@ -22,6 +22,8 @@ onnxruntime's CPU fusions absorb:
   division's denominator (``Div(N, Mul(rowsum, k / c))``).
 * :func:`fold_matmul_scales`: ``Mul(MatMul(DQ(q codes, s), k), c)`` (the attention's
   ``1/sqrt(d)``) becomes ``MatMul(DQ(q codes, s * c), k)``; the ``QuantizeLinear`` keeps ``s``.
+* :func:`fold_quantizer_input_scales`: ``QuantizeLinear(Mul(x, c), s)`` with a scalar ``c`` (OPT's query
+  scaling before the query's quantizer) becomes ``QuantizeLinear(x, s / c)``.
 * :func:`fuse_shared_linears`: integer Linear layers that read the same codes (an attention's Q, K
   and V projections) become one ``MatMulInteger`` over the concatenated weights and a ``Split``:
   one GEMM call instead of three.
@@ -325,11 +327,48 @@ def fold_matmul_scales(model: onnx.ModelProto) -> int:
     return len(replaced)
 
 
+def fold_quantizer_input_scales(model: onnx.ModelProto) -> int:
+    """Fold ``QuantizeLinear(Mul(x, c), s)`` (scalar ``c > 0``, directly or through Reshape/Transpose) into
+    ``QuantizeLinear(x, s / c)``; returns how many.
+
+    Only where ``x`` is a Linear's output (``MatMul``, or its bias ``Add``): OPT multiplies the query
+    projection's output by ``1/sqrt(d)`` before the query's quantizer; without the Mul the Q/K/V GEMM's
+    parts are each only quantized, so :func:`fold_split_quantizers` and :func:`merge_head_splits` apply.
+    A scalar Mul elsewhere stays (GELU's final ``* 0.5`` before fc2's quantizer is part of onnxruntime's
+    Gelu fusion).  The same codes up to float rounding at ties (``x c / s`` and ``x / (s / c)`` round
+    apart only there), as :func:`fold_split_quantizers`.
+    """
+    g = _Graph(model, "qscale")
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for mul in list(g.graph.node):
+        if mul.op_type != "Mul" or len(mul.input) != 2 or mul.domain not in ("", "ai.onnx"):
+            continue
+        k = next((j for j in (1, 0) if g.const(mul.input[j]) is not None), None)
+        c = g.const(mul.input[k]) if k is not None else None
+        if (c is None or c.size != 1 or c.dtype != np.float32 or not 0 < float(c.reshape(())) < np.inf
+                or g.const(mul.input[1 - k]) is not None or mul.output[0] in g.outputs):
+            continue
+        x = mul.input[1 - k]
+        add = g.made_by(x, "Add")  # only a Linear's output (MatMul [+ bias]), not a Mul inside an activation
+        if not (g.made_by(x, "MatMul") or add is not None and any(g.made_by(i, "MatMul") for i in add.input)):
+            continue
+        quant = _requantizer(g, mul.output[0])
+        if quant is None:
+            continue
+        ql, scale = quant[0], quant[1]
+        ql.input[1] = g.add_const("scale", np.float32(scale / float(c.reshape(()))))
+        g.rename_uses(mul.output[0], x)
+        replaced[id(mul)] = []
+    g.replace(replaced)
+    return len(replaced)
+
+
 def fuse(model: onnx.ModelProto, linears: bool = True, dynamic: bool = False) -> dict[str, int]:
     """All passes, in order (``linears=False``: the Linear layers keep their DequantizeLinear -> MatMul
     form, which OpenVINO's int8 path needs; ``dynamic``: see :func:`fuse_linears`); returns what each changed."""
     done = {"layernorm_scales": fold_layernorm_scales(model), "matmul_scales": fold_matmul_scales(model),
             "attention_output_scales": fold_attention_output_scales(model),
+            "quantizer_input_scales": fold_quantizer_input_scales(model),
             "linears": fuse_linears(model, dynamic) if linears else 0}
     done["static_reshapes"] = static_reshapes(model)
     onnx_utils.prune(model)  # the shape nodes the constants replaced read the projections' outputs

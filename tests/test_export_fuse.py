@@ -660,3 +660,49 @@ def test_attention_output_is_quantized_before_the_heads_merge(smoothed, graphs, 
         feeds = _feeds(family, seed)[1]
         got, ref = (U.session(m, "all").run(None, feeds)[0] for m in (fused, without))
         assert np.array_equal(got, ref)
+
+
+def test_opt_query_scaling_folds_into_its_quantizer():
+    """OPT multiplies q_proj's output by 1/sqrt(d) before the query's quantizer: fold_quantizer_input_scales
+    moves it into that quantizer's scale, so Q/K/V are quantized once and split as codes and the heads merge as
+    in the other families; the outputs match torch and the unfolded graph (float rounding at ties apart)."""
+    qmodel = softq.quantize(tiny_model("opt"), [tiny_inputs("opt", seed=40 + i) for i in range(3)], softq.QuantConfig())
+    layers = qmodel.config.num_hidden_layers
+    fused = build_onnx(qmodel, tiny_inputs("opt"), "fast")
+    unfolded = _export_without(qmodel, "opt", "fold_quantizer_input_scales")
+    assert len(_qkv_splits(fused)) == layers and _qkv_splits(unfolded) == []
+    made = {o: n for n in unfolded.graph.node for o in n.output}
+    scaled = [n for n in unfolded.graph.node if n.op_type == "QuantizeLinear" and n.input[0] in made
+              and made[n.input[0]].op_type == "Mul"]
+    assert len(scaled) == layers  # the query's quantizer reads the scaling Mul there
+    inputs, feeds = _feeds("opt", 12)
+    with torch.no_grad():
+        ref = qmodel(**inputs).logits.numpy()
+    got, plain = (U.session(m, "all").run(None, feeds)[0] for m in (fused, unfolded))
+    assert np.abs(got - ref).max() <= LOGIT_TOL * np.abs(ref).max()
+    rows = np.abs(got - plain).reshape(-1, got.shape[-1]).max(-1) <= 1e-4 * np.abs(ref).max()
+    assert rows.mean() >= 0.9
+
+
+def test_quantizer_input_scale_folds_only_a_positive_scalar_on_a_linear_output():
+    """A per-channel or negative Mul before a QuantizeLinear stays (neither is one scale of the quantizer), and so
+    does a scalar Mul on anything but a Linear's output (GELU's final 0.5 belongs to onnxruntime's Gelu fusion)."""
+    def graph(c: np.ndarray, linear: bool = True) -> onnx.ModelProto:
+        nodes = [helper.make_node("MatMul" if linear else "Erf", ["x", "w"] if linear else ["x"], ["h"]),
+                 helper.make_node("Mul", ["h", "c"], ["m"]), helper.make_node("QuantizeLinear", ["m", "s", "z"], ["y"])]
+        inits = [numpy_helper.from_array(c.astype(np.float32), "c"), numpy_helper.from_array(np.float32(0.1), "s"),
+                 numpy_helper.from_array(np.uint8(128), "z")] + (
+                     [numpy_helper.from_array(np.array([[1, 0, 2, -1], [0.5, 1, 0, 3]], np.float32), "w")] if linear else [])
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2 if linear else 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, [2, 4])], inits)
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+    for c, linear, folds in ((np.array(0.5), True, True), (np.array(-0.5), True, False),
+                             (np.array([0.5, 1, 2, 4]), True, False), (np.array(0.5), False, False)):
+        model = graph(c, linear)
+        x = np.array([[0.31, -1.2], [-0.7, 0.26]] if linear else [[0.31, -1.2, 2.5, 0.049], [-0.7, 0.26, 1.1, -3.0]],
+                     np.float32)
+        before = U.run(model, {"x": x}, "disable")[0]
+        assert fuse.fold_quantizer_input_scales(model) == int(folds)
+        assert sum(n.op_type == "Mul" for n in model.graph.node) == int(not folds)
+        assert np.array_equal(U.run(model, {"x": x}, "disable")[0], before)
