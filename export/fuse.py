@@ -115,6 +115,11 @@ class _Graph:
         self.graph.node.extend(nodes)
 
 
+def _perm(node: onnx.NodeProto | None) -> list[int] | None:
+    """A Transpose's ``perm`` (None: no node, or no perm attribute)."""
+    return next((list(a.ints) for a in node.attribute if a.name == "perm"), None) if node is not None else None
+
+
 def _dq_params(g: _Graph, dq: onnx.NodeProto | None) -> tuple[np.ndarray, np.ndarray, int] | None:
     """(scale, zero point, axis) of a DequantizeLinear with constant parameters, else None."""
     if dq is None or len(dq.input) < 3 or any(a.name == "block_size" for a in dq.attribute):
@@ -275,7 +280,7 @@ def fold_attention_output_scales(model: onnx.ModelProto) -> int:
         if c is None or c.dtype != np.float32 or reshape is None or g.only_reader(reshape.output[0]) is not mul:
             continue
         transpose = g.made_by(reshape.input[0], "Transpose")
-        perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), None) if transpose else None
+        perm = _perm(transpose)
         if perm != [0, 2, 1, 3] or g.only_reader(transpose.output[0], but_shape=True) is not reshape:
             continue
         div = g.made_by(transpose.input[0], "Div")
@@ -613,7 +618,7 @@ def fold_sum_columns(model: onnx.ModelProto) -> int:
                 continue
             codes = dq.input[0]
         transpose = g.made_by(codes, "Transpose")
-        perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), None) if transpose else None
+        perm = _perm(transpose)
         reshape = g.made_by(transpose.input[0], "Reshape") if perm is not None else None
         target = _const_input(g, reshape, 1) if reshape is not None else None
         if (target is None or len(perm) != rank or perm[-1] != rank - 1 or target.shape != (rank,)
@@ -798,9 +803,6 @@ def static_reshapes(model: onnx.ModelProto) -> int:
         changed += 1
     return changed
 
-
-def _perm(node: onnx.NodeProto | None) -> list[int] | None:
-    return next((list(a.ints) for a in node.attribute if a.name == "perm"), None) if node is not None else None
 
 
 def _contracted_pads(g: _Graph, codes: str) -> tuple[np.ndarray, list[tuple[onnx.NodeProto, int]]] | None:
