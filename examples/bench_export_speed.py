@@ -24,8 +24,6 @@ Usage (the command used for the committed table is written into it)::
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -38,7 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_export import onnx_metric, ort_quantize_static  # noqa: E402
-from bench_minilm import interleaved as interleaved_runs  # noqa: E402
+from benchutil import (DYNAMIC, FLOAT_SOFTMAX, FP32_STATIC, MODELS, QDQ, SEQ,  # noqa: E402
+                       cpu_description, interleaved, table_lines, timing_sentence, variants_paragraph, write_atomic)
 
 import softq  # noqa: E402
 from softq.export import fuse  # noqa: E402
@@ -48,29 +47,6 @@ from softq.export.model_export import to_onnx, to_onnx_float  # noqa: E402
 from softq.quant.quantize import smoothing_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = ("bert-base", "minilm", "lm", "vit")
-SEQ = 128
-QDQ = "softq INT8, fast, linears='qdq'"  # the export for OpenVINO (to_onnx(linears="qdq"))
-DYNAMIC = "softq INT8, fast, linears='dynamic'"  # Linear inputs quantized per call (to_onnx(linears="dynamic"))
-FP32_STATIC = "FP32, constant reshapes"  # the FP32 file after softq's static_reshapes pass (export/fuse.py)
-FLOAT_SOFTMAX = "softq INT8, float softmax"  # QuantConfig(softmax_bits=None): integer linears, float softmax and P.V
-VARIANTS = ("FP32", FP32_STATIC, "softq INT8, fast", "softq INT8, int", QDQ, DYNAMIC, FLOAT_SOFTMAX,
-            "ORT quantize_dynamic", "ORT quantize_static (QDQ)")
-FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "avx512_bf16")
-
-
-def cpu_description() -> str:
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name in ("", platform.machine()):
-                name = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags.update(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    have = [f for f in FLAGS if f in flags]
-    return f"{name}, {os.cpu_count()} cores, flags: {' '.join(have) or 'unknown'}"
 
 
 # --------------------------------------------------------------------------- models
@@ -216,30 +192,29 @@ class Bench:
 # --------------------------------------------------------------------------- timing
 
 
-MIN_SAMPLE_S = 0.05  # a timed sample repeats short runs up to this long (a 1-2 ms model: 25-50 calls)
+def refill_check(paths: dict[str, Path], feeds: dict[str, np.ndarray], rounds: int, workdir: Path) -> dict:
+    """Each variant timed with its real weights and with weights refilled as time_pack.py does on the timing
+    machine, all interleaved in one run (1 thread, batch 1): the pack's evidence that refilling keeps the time."""
+    from time_pack import refill, strip
+
+    runs, real = {}, {v: U.session(p, "all", threads=1) for v, p in paths.items()}
+    refilled = {}
+    for v, p in paths.items():
+        q = workdir / f"refilled_{p.name}"
+        onnx.save_model(refill(strip(onnx.load(str(p)))), str(q))
+        refilled[v] = U.session(q, "all", threads=1)
+        q.unlink()
+    for v in paths:
+        runs[f"real|{v}"] = lambda s=real[v]: s.run(None, feeds)
+        runs[f"refilled|{v}"] = lambda s=refilled[v]: s.run(None, feeds)
+    t = interleaved(runs, rounds)
+    return {"real": {v: t[f"real|{v}"] for v in paths}, "refilled": {v: t[f"refilled|{v}"] for v in paths},
+            "finite": {v: bool(all(np.isfinite(o).all() for o in s.run(None, feeds))) for v, s in refilled.items()}}
 
 
-def interleaved(runs: dict[str, callable], rounds: int) -> dict[str, float]:
-    """Seconds per call: one warm-up call each, then bench_minilm's interleaved medians (order rotated round
-    by round), where every sample repeats each run the same number of times, enough for the fastest run to
-    take MIN_SAMPLE_S (a single millisecond-long call is mostly timer and scheduler noise)."""
-    first = {}
-    for name, run in runs.items():
-        start = time.perf_counter()
-        run()
-        first[name] = time.perf_counter() - start
-    reps = max(1, int(MIN_SAMPLE_S / max(min(first.values()), 1e-6)))
-
-    def repeated(run: callable) -> callable:
-        def go() -> None:
-            for _ in range(reps):
-                run()
-        return go
-
-    return {k: v / reps for k, v in interleaved_runs({k: repeated(r) for k, r in runs.items()}, rounds).items()}
-
-
-def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, object]:
+def bench_model(name: str, args: argparse.Namespace, workdir: Path, pack: dict | None = None) -> dict[str, object]:
+    """One model's row group of the table; with ``pack``, accuracy and size only, and the files, the latency
+    inputs and the refill check go into ``pack`` (``--pack``) instead of being timed here."""
     b = Bench(name, args)
     t0 = time.perf_counter()
     qmodel = softq.quantize(b.model, b.calib, softq.QuantConfig())
@@ -260,6 +235,12 @@ def bench_model(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
     # "auto"'s input smoothing decides how many Muls run before Linear inputs: the tables say what it chose
     result["smoothing"] = {"default": smoothing_report(qmodel), "float softmax": smoothing_report(qfloat)}
     print(f"[{name}] accuracy {result}", file=sys.stderr, flush=True)
+    if pack is not None:
+        result["refill_check"] = refill_check(paths, b.latency_feeds(1), args.rounds, workdir)
+        print(f"[{name}] refill check {result['refill_check']}", file=sys.stderr, flush=True)
+        pack["files"][name] = paths
+        pack["feeds"][name] = {size: b.latency_feeds(size) for size in args.batches}
+        return result
     lat: dict[tuple[int, int], dict[str, float]] = {}
     for threads in args.threads:
         sessions = {v: U.session(p, "all", threads=threads) for v, p in paths.items()}
@@ -309,85 +290,28 @@ def write(results: list[dict[str, object]], args: argparse.Namespace, command: s
         f"Machine: {cpu_description()}; onnxruntime {ort.__version__}, torch {torch.__version__}. "
         f"Graph optimisation ORT_ENABLE_ALL; session option `session.x64quantprecision` "
         f"{'set (this CPU has no VNNI)' if U.needs_u8u8() else 'not set (this CPU has VNNI)'}. "
-        f"Text inputs: {SEQ} tokens. Latency: all variants of a model interleaved run by run "
-        f"({args.rounds} rounds at batch 1, {args.rounds_large} at larger batches; a round's sample repeats each "
-        f"variant's call as often as the fastest needs to run {MIN_SAMPLE_S * 1e3:.0f} ms), medians of the time per "
-        f"call; the ratio is to the FP32 file measured in the same run. Took {minutes:.0f} min.",
+        + timing_sentence(args.rounds, args.rounds_large) + f" Took {minutes:.0f} min.",
         "",
-        "softq INT8 is `softq.quantize(model, calib)` with the default `QuantConfig()` (per-channel int8 weights, "
-        "static 8-bit activations at every Linear input, Q, K and V, the residual stream and LayerNorm float, int8 "
-        "embedding tables, softmax codes relative to the row max), exported with `to_onnx` (int8 weight storage, "
-        "`linears='integer'`: MatMulInteger, which onnxruntime fuses with the bias); `fast` and `int` are its two "
-        "attention cores; `linears='qdq'` is the `fast` file with DequantizeLinear -> MatMul linears (OpenVINO's "
-        "int8 pattern); `linears='dynamic'` quantizes each Linear input per call on its own range "
-        "(DynamicQuantizeLinear, as quantize_dynamic does) instead of the calibrated grid. `float softmax` is "
-        "`QuantConfig(softmax_bits=None)` exported with `softmax='float'`: the same integer linears and Q/K/V codes, "
-        "onnxruntime's float Softmax and a float P.V instead of an integer attention core (what onnxruntime's "
-        "quantizers keep float). Every softq file went "
-        "through export/fuse.py: Q, K and V are one GEMM whose output is quantized once and split as codes, and "
-        "Reshape targets built at run time from Shape/Gather/Concat are constants where shape inference shows "
-        "them (`static_reshapes`). `FP32, constant reshapes` is the FP32 file after that pass alone (the FP32 "
-        "baseline and the files onnxruntime's quantizers write do not have it): how much of softq's gain the "
-        "reshape cleanup alone would give FP32. softq's files carry "
-        "short tensor names and no node names (`to_onnx(names='short')`, the default); the FP32 file and "
-        "onnxruntime's quantized files keep the exporter's names. "
-        "ORT quantize_dynamic: per-channel int8 weights, dynamic uint8 activations. ORT quantize_static: QDQ, "
-        "per-channel, the same calibration batches as softq. Calibration: BERT-base "
-        f"{8 * args.calib_batches} random texts, MiniLM {16 * args.calib_batches} `calib` paragraphs, the ViT "
-        f"{16 * args.calib_batches} training images, the LM 16 windows of {SEQ * 2} characters.",
+        variants_paragraph(args.calib_batches),
         "",
     ]
-    header = "| model | variant | accuracy | distance to FP32 | size MB | size / FP32 | " + " | ".join(
-        f"{t} thr, batch {s}" for t, s in cells) + " |"
-    lines += ["## onnxruntime", "", "Latency columns: time / FP32 (FP32 row: milliseconds). Distance to FP32: mean "
-              "cosine distance (1 - cos) of the file's output vectors to the FP32 file's on the held-out data (LM: "
-              "the logits of every token; ViT: the logits of every image; BERT-base and MiniLM: the pooled "
-              "embeddings), a finer measure than the accuracy column where two files tie on it.", "",
-              header, "|" + "---|" * (6 + len(cells))]
-    for r in results:
-        fp_size = r["rows"]["FP32"]["size"]
-        for v in VARIANTS:
-            row = r["rows"][v]
-            lat = []
-            for cell in cells:
-                t = r["latency"][cell]
-                lat.append(f"{1e3 * t['FP32']:.1f} ms" if v == "FP32" else f"{t[v] / t['FP32']:.2f}")
-            acc = f"{row['acc']:.4f}" if r["name"] in ("bert-base", "minilm") else f"{row['acc']:.3f}"
-            lines.append(f"| {r['name']} | {v} | {acc} | {row['distance']:.2e} | {row['size']:.1f} | "
-                         f"{row['size'] / fp_size:.2f} | "
-                         + " | ".join(lat) + " |")
-    lines += ["", "Accuracy: " + "; ".join(f"{r['name']}: {r['metric']}" for r in results) + ". "
-              "softq's torch fake-quant model on the same data: "
-              + "; ".join(f"{r['name']} {r['torch_int8']:.4f}" for r in results) + "; with the float softmax: "
-              + "; ".join(f"{r['name']} {r['torch_float_softmax']:.4f}" for r in results) + " (FP32 torch: "
-              + "; ".join(f"{r['name']} {r['torch_fp32']:.4f}" for r in results) + ").", "",
-              "Input smoothing (`input_smoothing=\"auto\"`), softq INT8 and the float-softmax model:", ""]
-    lines += [f"- {r['name']}: {r['smoothing']['default']}. Float softmax: "
-              f"{r['smoothing']['float softmax'].removeprefix('input smoothing: ')}." for r in results] + [""]
-    lines += ["## Other runtimes (1 thread, batch 1)", "",
-              "softq's `fast` files (both Linear forms) and the FP32 file, each run in the runtime itself (tract: shapes fixed per "
-              "runner; OpenVINO: CPU plugin, INFERENCE_PRECISION_HINT=f32). Compared with onnxruntime's output "
-              "of the same file: max |difference| / max |output|, and the mean cosine of the output vectors "
-              "(per token or image). Runtimes order float operations differently; where a value lands within "
-              "rounding of a quantization tie its code flips by one step, and on the text encoders (49k values "
-              "per quantization point, residual-stream steps up to 0.9 on MiniLM) a flip or two per point is "
-              "expected and spreads through attention: the same size as onnxruntime vs softq's torch model.", "",
-              "| model | runtime | linears | FP32 ms | softq INT8 / FP32 | max difference to onnxruntime | "
-              "mean cosine to onnxruntime |",
-              "|---|---|---|---|---|---|---|"]
-    for r in results:
-        for (rt, form), o in r["others"].items():
-            if isinstance(o, str):
-                lines.append(f"| {r['name']} | {rt} | {form} | - | {o} | - | - |")
-            else:
-                lines.append(f"| {r['name']} | {rt} | {form} | {o['fp32_ms']:.1f} | {o['ratio']:.2f} | "
-                             f"{o['diff']:.1e} | {o['cos']:.6f} |")
+    lines += table_lines(results, cells)
     out = ROOT / args.output
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, out)
+    write_atomic(out, "\n".join(lines) + "\n")
     return out
+
+
+def commit() -> str:
+    import subprocess
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown commit"
+    return f"commit {rev}" + (" with uncommitted changes" if dirty else "")
 
 
 def main() -> None:
@@ -401,6 +325,10 @@ def main() -> None:
                    help="calibration batches: BERT-base 8 texts each, MiniLM and the ViT 16 texts or images each (the LM: 16 windows)")
     p.add_argument("--output", default="docs/results/export_speed.md",
                    help="where to write the table (relative to the repository root)")
+    p.add_argument("--pack", type=Path, default=None,
+                   help="instead of timing here, write a pack to this directory: the files without their large "
+                        "tensors, the latency inputs for --batches and the accuracy and size results, for "
+                        "examples/time_pack.py to time on another machine")
     args = p.parse_args()
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in MODELS]
@@ -418,10 +346,18 @@ def main() -> None:
     command = "python examples/bench_export_speed.py " + " ".join(sys.argv[1:])
     start = time.perf_counter()
     results = []
+    pack = None if args.pack is None else {"files": {}, "feeds": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for m in models:  # the table is rewritten after each model: a later failure keeps what was measured
-            results.append(bench_model(m, args, Path(tmp)))
-            path = write(results, args, command.strip(), (time.perf_counter() - start) / 60)
+            results.append(bench_model(m, args, Path(tmp), pack))
+            if pack is None:
+                path = write(results, args, command.strip(), (time.perf_counter() - start) / 60)
+        if pack is not None:
+            from time_pack import write_pack
+
+            meta = {"command": command.strip(), "machine": cpu_description(), "onnxruntime": ort.__version__,
+                    "torch": torch.__version__, "commit": commit(), "calib_batches": args.calib_batches}
+            path = write_pack(args.pack, results, pack["files"], pack["feeds"], meta)
     print(path)
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_export import CalibReader  # noqa: E402
 from bench_quant import command_line, write_atomic  # noqa: E402
+from benchutil import interleaved_medians as interleaved  # noqa: E402
 
 import softq  # noqa: E402
 from softq import hf  # noqa: E402
@@ -58,18 +58,6 @@ def onnx_embed(sess: ort.InferenceSession, batches: list[dict[str, torch.Tensor]
 def scores(emb: torch.Tensor, ref: torch.Tensor, queries: torch.Tensor, corpus: torch.Tensor) -> dict[str, float]:
     cos = torch.nn.functional.cosine_similarity(emb.float(), ref.float())
     return {"cos_mean": cos.mean().item(), "cos_min": cos.min().item(), "recall": hf.recall_at_1(queries, corpus)}
-
-
-def interleaved(fns: dict[str, callable], rounds: int) -> dict[str, float]:
-    """Median seconds of each function, all run once per round, in a rotating order."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    keys = list(fns)
-    for r in range(rounds):
-        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
-            t = time.perf_counter()
-            fns[k]()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> int:

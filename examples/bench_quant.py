@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-import softq
-from softq.quant.quantize import smoothing_report
-from softq.workloads.tasks import Task, reference_task
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchutil import command_line, write_atomic  # noqa: E402,F401  (other benchmarks import them from here)
+
+import softq  # noqa: E402
+from softq.quant.quantize import smoothing_report  # noqa: E402
+from softq.workloads.tasks import Task, reference_task  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOOTHING: dict[str, str] = {}  # task -> smoothing_report of its default-config row
@@ -151,19 +152,6 @@ def markdown(sections: list[tuple[Task, list[tuple[str, float, float, str, str]]
         if task.name in SMOOTHING:
             lines += [f"Default row, {SMOOTHING[task.name]}.", ""]
     return "\n".join(lines)
-
-
-def command_line() -> str:
-    """How this benchmark was run, as written at the top of its results file."""
-    return " ".join(["python", f"examples/{Path(sys.argv[0]).name}", *map(shlex.quote, sys.argv[1:])])
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def main() -> int:

@@ -37,7 +37,7 @@ import onnxruntime as ort
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_export_speed import cpu_description, interleaved  # noqa: E402
+from benchutil import cpu_description, interleaved  # noqa: E402
 
 import softq  # noqa: E402
 from softq import hf  # noqa: E402
