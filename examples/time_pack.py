@@ -26,6 +26,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -42,14 +43,25 @@ MIN_BYTES = 1 << 18  # 256 KiB: every weight matrix and embedding table of the b
 FORMAT = 1
 
 
+def _tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """The graph's constant tensors: initializers and Constant nodes' values (softq writes its weights as those)."""
+    yield from model.graph.initializer
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value":
+                    yield a.t
+
+
 def strip(model: onnx.ModelProto, min_bytes: int = MIN_BYTES) -> onnx.ModelProto:
-    """A copy of ``model`` whose initializers of at least ``min_bytes`` keep their name, type and shape and
-    carry, instead of their values, a description to draw new ones from (in the tensor's doc_string)."""
+    """A copy of ``model`` whose constant tensors (initializers, Constant nodes) of at least ``min_bytes`` keep
+    their name, type and shape and carry, instead of their values, a description to draw new ones from (in the
+    tensor's doc_string)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    for t in out.graph.initializer:
+    for t in _tensors(out):
         if t.data_location == onnx.TensorProto.EXTERNAL:
-            raise ValueError(f"initializer {t.name!r} is stored outside the file; load it with its data first")
+            raise ValueError(f"tensor {t.name!r} is stored outside the file; load the model with its data first")
         arr = numpy_helper.to_array(t)
         if arr.nbytes < min_bytes or arr.dtype.kind not in "fiu":
             continue
@@ -76,9 +88,9 @@ def strip(model: onnx.ModelProto, min_bytes: int = MIN_BYTES) -> onnx.ModelProto
 
 
 def refill(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProto:
-    """``model`` (changed in place and returned) with every stripped initializer's values drawn again."""
+    """``model`` (changed in place and returned) with every stripped tensor's values drawn again."""
     rng = np.random.default_rng(seed)
-    for t in model.graph.initializer:
+    for t in _tensors(model):
         if not t.doc_string.startswith(MARK):
             continue
         desc = json.loads(t.doc_string[len(MARK):])
