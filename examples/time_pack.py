@@ -39,7 +39,7 @@ from benchutil import (MODELS, VARIANTS, command_line, cpu_description, interlea
                        timing_sentence, variants_paragraph, write_atomic)
 
 MARK = "softq.time_pack refill "
-MIN_BYTES = 1 << 18  # 256 KiB: every weight matrix and embedding table of the benchmark's models, no scale or bias
+MIN_BYTES = 1 << 16  # 64 KiB: every weight matrix and embedding table of the four models (MiniLM 384 x 384 int8: 144 KiB), no scale or bias (BERT-base widest: 3072 floats, 12 KiB)
 FORMAT = 1
 
 
@@ -166,21 +166,22 @@ def session(path: Path, threads: int) -> ort.InferenceSession:
 
 
 def time_model(paths: dict[str, Path], feeds: dict[int, dict[str, np.ndarray]], threads: list[int],
-               rounds: int, rounds_large: int, label: str) -> dict[tuple[int, int], dict[str, float]]:
-    """Seconds per call of every variant, interleaved, per (threads, batch) cell."""
-    lat = {}
+               rounds: int, rounds_large: int, label: str
+               ) -> tuple[dict[tuple[int, int], dict[str, float]], dict[str, bool]]:
+    """Seconds per call of every variant, interleaved, per (threads, batch) cell; and whether each variant's
+    outputs are finite (first thread count's sessions, first batch's inputs)."""
+    lat, finite = {}, {}
     for t in threads:
         sessions = {v: session(p, t) for v, p in paths.items()}
+        if not finite:
+            feed = next(iter(feeds.values()))
+            finite = {v: bool(all(np.isfinite(o).all() for o in s.run(None, feed))) for v, s in sessions.items()}
         for size, feed in feeds.items():
             lat[(t, size)] = interleaved({v: (lambda s=s: s.run(None, feed)) for v, s in sessions.items()},
                                          rounds_large if size > 1 else rounds)
             print(f"[{label}] {t} thread(s), batch {size}: "
                   + ", ".join(f"{v} {1e3 * x:.1f} ms" for v, x in lat[(t, size)].items()), file=sys.stderr, flush=True)
-    return lat
-
-
-def finite_outputs(paths: dict[str, Path], feed: dict[str, np.ndarray]) -> dict[str, bool]:
-    return {v: bool(all(np.isfinite(o).all() for o in session(p, 1).run(None, feed))) for v, p in paths.items()}
+    return lat, finite
 
 
 def refill_check_lines(results: list[dict]) -> list[str]:
@@ -227,9 +228,8 @@ def main() -> None:
             paths = refilled_files(args.pack, pack, m, Path(tmp))
             print(f"[{m}] refilled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
             feeds = {b: load_feeds(args.pack, m, b) for b in batches}
-            finite[m] = finite_outputs(paths, feeds[batches[0]])
             r = dict(by_name[m])
-            r["latency"] = time_model(paths, feeds, threads, args.rounds, args.rounds_large, m)
+            r["latency"], finite[m] = time_model(paths, feeds, threads, args.rounds, args.rounds_large, m)
             results.append(r)
             for path in paths.values():
                 path.unlink()
