@@ -19,6 +19,10 @@ onnxruntime's ``quantize_dynamic`` (per-channel int8 weights) and ``quantize_sta
 Usage (the command used for the committed table is written into it)::
 
     python examples/bench_export_speed.py --rounds 7 --rounds-large 3
+
+To time the same files on another machine (one where softq's dependencies or the 1.4 GB of files cannot go),
+``--pack DIR`` measures accuracy and size here and writes a pack instead of timing; ``examples/time_pack.py
+DIR`` times it there with only numpy, onnx and onnxruntime installed (see that script).
 """
 
 from __future__ import annotations
