@@ -39,7 +39,9 @@ from benchutil import (MODELS, VARIANTS, command_line, cpu_description, interlea
                        timing_sentence, variants_paragraph, write_atomic)
 
 MARK = "softq.time_pack refill "
-MIN_BYTES = 1 << 16  # 64 KiB: every weight matrix and embedding table of the four models (MiniLM 384 x 384 int8: 144 KiB), no scale or bias (BERT-base widest: 3072 floats, 12 KiB)
+# 64 KiB: every weight matrix and embedding table of the benchmark's four models (MiniLM's 384 x 384 int8: 144 KiB),
+# no scale or bias (BERT-base's widest: 3072 floats, 12 KiB)
+MIN_BYTES = 1 << 16
 FORMAT = 1
 
 
@@ -70,8 +72,8 @@ def strip(model: onnx.ModelProto, min_bytes: int = MIN_BYTES) -> onnx.ModelProto
             values = np.flatnonzero(counts).astype(np.uint8).view(arr.dtype)
             desc = {"kind": "histogram", "values": values.tolist(), "counts": counts[counts > 0].tolist()}
         else:
-            values, counts = np.unique(arr.ravel()[:1 << 16], return_counts=True)
-            if len(values) <= 256 and len(np.unique(arr)) <= 256:
+            few = len(np.unique(arr.ravel()[:1 << 16])) <= 256  # a sample first: sorting a weight matrix is slow
+            if few and len(np.unique(arr)) <= 256:
                 values, counts = np.unique(arr, return_counts=True)
                 desc = {"kind": "histogram", "values": values.tolist(), "counts": counts.tolist()}
             elif arr.dtype.kind == "f" and np.isfinite(arr).all():
