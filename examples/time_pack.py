@@ -35,8 +35,8 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchutil import (MODELS, VARIANTS, command_line, cpu_description, interleaved, table_lines,  # noqa: E402
-                       timing_sentence, variants_paragraph, write_atomic)
+from benchutil import (MODELS, VARIANTS, command_line, cpu_description, int_list, interleaved,  # noqa: E402
+                       table_lines, timing_sentence, variants_paragraph, write_atomic)
 
 MARK = "softq.time_pack refill "
 # 64 KiB: every weight matrix and embedding table of the benchmark's four models (MiniLM's 384 x 384 int8: 144 KiB),
@@ -204,8 +204,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("pack", type=Path, help="a directory written by bench_export_speed.py --pack")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of the pack's models")
-    p.add_argument("--threads", default="1,2")
-    p.add_argument("--batches", default="1,8", help="batch sizes (the pack holds inputs for the ones it was packed with)")
+    p.add_argument("--threads", type=int_list, default="1,2")
+    p.add_argument("--batches", type=int_list, default="1,8", help="batch sizes (the pack holds inputs for the ones it was packed with)")
     p.add_argument("--rounds", type=int, default=7, help="timed runs per variant at batch 1")
     p.add_argument("--rounds-large", type=int, default=3, help="timed runs per variant at larger batches")
     p.add_argument("--output", type=Path, required=True, help="the results file to write")
@@ -216,11 +216,11 @@ def main() -> None:
     if missing:
         print(f"skipping {missing}: not in the pack (it holds {list(pack['files'])})", file=sys.stderr)
     models = [m for m in models if m in pack["files"]]
-    threads = [int(t) for t in args.threads.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
+    threads, batches = args.threads, args.batches
     for m in models:
         if set(batches) - set(pack["batches"][m]):
-            raise SystemExit(f"error: the pack has {m} inputs for batches {pack['batches'][m]}, not {batches}")
+            raise SystemExit(f"error: the pack has {m} inputs for batches {pack['batches'][m]}, not {batches}; pass "
+                             "--batches from those, or write the pack again with the batches wanted")
     start = time.perf_counter()
     by_name = {r["name"]: r for r in pack["results"]}
     results, finite = [], {}
