@@ -271,8 +271,11 @@ def _points_are_identity(points: AttentionPoints) -> bool:
 def _observing_only(points: AttentionPoints) -> bool:
     """Calibration of an exact-softmax layer whose probabilities nobody reads: the scores are observed,
     not changed, and the softmax-output point has nothing to observe (no hooks on it either)."""
-    probs = points.probs
-    return (points.softmax_name == "softmax" and getattr(points.scores, "mode", None) == "observe"
+    probs, scores = points.probs, points.scores
+    # a float softmax input (softmax_input="float") observes nothing: calibration is when the V point observes
+    observing = (getattr(scores, "mode", None) == "observe"
+                 or isinstance(scores, nn.Identity) and getattr(points.v, "mode", None) == "observe")
+    return (points.softmax_name == "softmax" and observing
             and type(points.pv) is ProbsTimesV and not probs._forward_hooks and not probs._forward_pre_hooks
             and (type(probs) is ProbsQuantizer or not getattr(probs, "needs_probs", lambda: True)()))
 
@@ -295,7 +298,8 @@ def _observing_attention(
     """The eager path's function for a calibration pass at about half its cost: the scores are computed
     for their observer, the output by SDPA (no masked copy, no probability tensor, no P.V matmul)."""
     q, k, v = points.q(query), points.k(key), points.v(value)
-    if not getattr(points.scores, "takes_valid", False):  # a row-relative grid observes nothing
+    # a row-relative grid and a float input observe nothing
+    if not getattr(points.scores, "takes_valid", False) and not isinstance(points.scores, nn.Identity):
         _scores_point(points, torch.matmul(q, k.transpose(-1, -2)).mul_(scaling), valid)
     out = _gated(points, _sdpa(q, k, v, valid, scaling))
     return out.transpose(1, 2).contiguous(), None

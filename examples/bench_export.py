@@ -139,10 +139,12 @@ def bench_task(name: str, args: argparse.Namespace, workdir: Path) -> list[dict[
 
     fp_path = Path(to_onnx_float(task.model, workdir / f"{name}_fp32.onnx", example, overwrite=True))
     add("FP32 ONNX", fp_path, task.evaluate(), ref_float)
-    for qmodel, kind, forms in ((q_row, "row codes (default)", ROW_FORMS), (q_edge, "edge codes", FORMS)):
+    q_codes = softq.quantize(task.model, task.calib, softq.QuantConfig(softmax_input="row"))
+    for qmodel, kind, forms in ((q_row, "row codes (default)", ("fast",)),
+                                (q_codes, "row codes on score codes", ROW_FORMS), (q_edge, "edge codes", FORMS)):
         q_torch, ref_q = task.evaluate(qmodel), torch_logits(qmodel, task)
         for form in forms:
-            path = Path(to_onnx(qmodel, workdir / f"{name}_{kind[:4]}_{form}.onnx", example, softmax=form,
+            path = Path(to_onnx(qmodel, workdir / f"{name}_{kind.replace(' ', '_')[:12]}_{form}.onnx", example, softmax=form,
                                 overwrite=True))
             add(f"softq INT8, {kind}, {form}", path, q_torch, ref_q)
     for reduce_range in (False, True):

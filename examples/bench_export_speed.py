@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_export import onnx_metric, ort_quantize_static  # noqa: E402
-from benchutil import (DYNAMIC, FLOAT_SOFTMAX, FP32_STATIC, MODELS, QDQ, SEQ,  # noqa: E402
+from benchutil import (DYNAMIC, FLOAT_SOFTMAX, FP32_STATIC, INT_FORM, MODELS, QDQ, SCORE_CODES, SEQ,  # noqa: E402
                        cpu_description, int_list, interleaved, table_lines, timing_sentence, variants_paragraph, write_atomic)
 
 import softq  # noqa: E402
@@ -124,16 +124,19 @@ class Bench:
         b = self.eval[0]
         return {n: b[n][:2] for n in self.names if n in b} if self.text else {"pixel_values": b["pixel_values"][:2]}
 
-    def export(self, workdir: Path, qmodel: torch.nn.Module, qfloat: torch.nn.Module) -> dict[str, Path]:
+    def export(self, workdir: Path, qmodel: torch.nn.Module, qfloat: torch.nn.Module,
+               qcodes: torch.nn.Module) -> dict[str, Path]:
         pool = {} if self.pooling is None else {"pooling": self.pooling[0], "normalize": self.pooling[1]}
         paths = {"FP32": Path(to_onnx_float(self.model, workdir / f"{self.name}_fp32.onnx", self.example(),
                                             overwrite=True, **pool))}
         float_model = onnx.load(str(paths["FP32"]))
         fuse.static_reshapes(float_model)
         paths[FP32_STATIC] = U.save_atomic(U.prune(float_model), workdir / f"{self.name}_fp32_static.onnx", overwrite=True)
-        for form in ("fast", "int"):
-            paths[f"softq INT8, {form}"] = Path(to_onnx(qmodel, workdir / f"{self.name}_{form}.onnx", self.example(),
-                                                        softmax=form, overwrite=True, **pool))
+        paths["softq INT8, fast"] = Path(to_onnx(qmodel, workdir / f"{self.name}_fast.onnx", self.example(),
+                                                 softmax="fast", overwrite=True, **pool))
+        for variant, form in ((SCORE_CODES, "fast"), (INT_FORM, "int")):
+            paths[variant] = Path(to_onnx(qcodes, workdir / f"{self.name}_codes_{form}.onnx", self.example(),
+                                          softmax=form, overwrite=True, **pool))
         paths[QDQ] = Path(to_onnx(qmodel, workdir / f"{self.name}_fast_qdq.onnx", self.example(), softmax="fast",
                                   overwrite=True, linears="qdq", **pool))
         paths[DYNAMIC] = Path(to_onnx(qmodel, workdir / f"{self.name}_fast_dynamic.onnx", self.example(),
@@ -224,7 +227,8 @@ def bench_model(name: str, args: argparse.Namespace, workdir: Path, pack: dict |
     qmodel = softq.quantize(b.model, b.calib, softq.QuantConfig())
     print(f"[{name}] quantized in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     qfloat = softq.quantize(b.model, b.calib, softq.QuantConfig(softmax_bits=None))
-    paths = b.export(workdir, qmodel, qfloat)
+    qcodes = softq.quantize(b.model, b.calib, softq.QuantConfig(softmax_input="row"))
+    paths = b.export(workdir, qmodel, qfloat, qcodes)
     ref = None if name in ("lm", "vit") else b.reference(b.model)
     result: dict[str, object] = {"name": name, "metric": b.metric, "rows": {}}
     fp32_rows = b.output_rows(paths["FP32"])

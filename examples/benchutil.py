@@ -24,7 +24,9 @@ QDQ = "softq INT8, fast, linears='qdq'"  # the export for OpenVINO (to_onnx(line
 DYNAMIC = "softq INT8, fast, linears='dynamic'"  # Linear inputs quantized per call (to_onnx(linears="dynamic"))
 FP32_STATIC = "FP32, constant reshapes"  # the FP32 file after softq's static_reshapes pass (export/fuse.py)
 FLOAT_SOFTMAX = "softq INT8, float softmax"  # QuantConfig(softmax_bits=None): integer linears, float softmax and P.V
-VARIANTS = ("FP32", FP32_STATIC, "softq INT8, fast", "softq INT8, int", QDQ, DYNAMIC, FLOAT_SOFTMAX,
+SCORE_CODES = "softq INT8, fast, score codes"  # QuantConfig(softmax_input="row"): the scores on a row-relative grid
+INT_FORM = "softq INT8, int"  # the score-code model's integer-only core (to_onnx(softmax="int"))
+VARIANTS = ("FP32", FP32_STATIC, "softq INT8, fast", SCORE_CODES, INT_FORM, QDQ, DYNAMIC, FLOAT_SOFTMAX,
             "ORT quantize_dynamic", "ORT quantize_static (QDQ)")
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "avx512_bf16")
 MIN_SAMPLE_S = 0.05  # a timed sample repeats short runs up to this long (a 1-2 ms model: 25-50 calls)
@@ -87,9 +89,13 @@ def variants_paragraph(calib_batches: int) -> str:
     return (
         "softq INT8 is `softq.quantize(model, calib)` with the default `QuantConfig()` (per-channel int8 weights, "
         "static 8-bit activations at every Linear input, Q, K and V, the residual stream and LayerNorm float, int8 "
-        "embedding tables, softmax codes relative to the row max), exported with `to_onnx` (int8 weight storage, "
-        "`linears='integer'`: MatMulInteger, which onnxruntime fuses with the bias); `fast` and `int` are its two "
-        "attention cores; `linears='qdq'` is the `fast` file with DequantizeLinear -> MatMul linears (OpenVINO's "
+        "embedding tables, 8-bit softmax codes relative to the row max rounded from the float scores: "
+        "`softmax_input='auto'`, i.e. `'float'`), exported with `to_onnx` (int8 weight storage, "
+        "`linears='integer'`: MatMulInteger, which onnxruntime fuses with the bias) in the `fast` form (float Exp, "
+        "integer P.V); `fast, score codes` is `QuantConfig(softmax_input='row')` (the scores on a row-relative "
+        "8-bit grid first, the default before 2026-12-04; one QuantizeLinear/DequantizeLinear pair more per layer) "
+        "in the same form, and `int` that model's integer-only core (exp tables indexed by the score codes); "
+        "`linears='qdq'` is the `fast` file with DequantizeLinear -> MatMul linears (OpenVINO's "
         "int8 pattern); `linears='dynamic'` quantizes each Linear input per call on its own range "
         "(DynamicQuantizeLinear, as quantize_dynamic does) instead of the calibrated grid. `float softmax` is "
         "`QuantConfig(softmax_bits=None)` exported with `softmax='float'`: the same integer linears and Q/K/V codes, "
@@ -119,7 +125,7 @@ def table_lines(results: list[dict], cells: list[tuple[int, int]], others: bool 
              header, "|" + "---|" * (6 + len(cells))]
     for r in results:
         fp_size = r["rows"]["FP32"]["size"]
-        for v in VARIANTS:
+        for v in [v for v in VARIANTS if v in r["rows"]]:  # (a pack made before a variant existed lacks it)
             row = r["rows"][v]
             lat = []
             for cell in cells:

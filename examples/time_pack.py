@@ -194,7 +194,7 @@ def refill_check_lines(results: list[dict]) -> list[str]:
         c = r.get("refill_check")
         if not c:
             continue
-        for v in VARIANTS:
+        for v in [v for v in VARIANTS if v in c["real"]]:
             real, new = c["real"][v] / c["real"]["FP32"], c["refilled"][v] / c["refilled"]["FP32"]
             lines.append(f"| {r['name']} | {v} | {real:.2f} | {new:.2f} | {c['refilled'][v] / c['real'][v]:.2f} |")
     return lines

@@ -240,6 +240,14 @@ def relative_codes(s: np.ndarray, q: SoftmaxQuant, valid: np.ndarray | None = No
     :func:`build_relative_codes` computes them (Min with the mask, ReduceMax, a floor, Sub, QuantizeLinear)."""
     if not q.relative:
         raise ValueError("relative_codes needs a SoftmaxQuant with relative=True")
+    r = np.rint(relative_scores(s, valid) / q.scale32)  # float32 Sub and Div, round half to even: QuantizeLinear
+    return (np.clip(r, -q.qmax, 0) + q.qmax).astype(q.in_dtype)
+
+
+def relative_scores(s: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+    """Float32 ``s - m``, ``m`` the row max over valid keys, masked keys (and every key of a fully masked row)
+    at -5e29 or below (``exp`` gives exactly 0): what :func:`build_relative_scores` computes, and the input of
+    the row cores with float scores (``QuantConfig.softmax_input="float"``)."""
     s = np.asarray(s)
     if s.dtype != np.float32:
         raise ValueError(f"softmax scores must be float32, got {s.dtype}")
@@ -249,8 +257,23 @@ def relative_codes(s: np.ndarray, q: SoftmaxQuant, valid: np.ndarray | None = No
         m = np.maximum(s.max(axis=-1, keepdims=True), EMPTY_ROW_MAX)
     else:
         m = s.max(axis=-1, keepdims=True)
-    r = np.rint((s - m) / q.scale32)  # float32 Sub and Div, round half to even: QuantizeLinear
-    return (np.clip(r, -q.qmax, 0) + q.qmax).astype(q.in_dtype)
+    return (s - m).astype(np.float32)
+
+
+def build_relative_scores(b: "_Builder", s: str, valid: str | None = None, valid_float: str | None = None) -> str:
+    """Nodes of :func:`relative_scores` (``valid``: bool, broadcastable to ``s``; ``valid_float``: the same mask
+    as float 0/1, if the graph has it); returns the name of ``s - m``.  See :func:`build_relative_codes`."""
+    if valid_float is not None:
+        cap = b.op("Sub", [b.op("Mul", [valid_float, b.const("two", -2 * MASKED_SCORE, np.float32)]),
+                           b.const("one", -MASKED_SCORE, np.float32)])
+    elif valid is not None:  # (a Cast of a bool mask into that Mul broke OpenVINO 2026.4's fused kernel)
+        cap = b.op("Where", [valid, b.const("open", -MASKED_SCORE, np.float32), b.const("shut", MASKED_SCORE, np.float32)])
+    if valid is not None or valid_float is not None:
+        s = b.op("Min", [s, cap])
+        m = b.at_least(b.reduce("ReduceMax", s, -1), "empty_row", EMPTY_ROW_MAX, np.float32)
+    else:
+        m = b.reduce("ReduceMax", s, -1)
+    return b.op("Sub", [s, m])
 
 
 def build_relative_codes(b: "_Builder", s: str, q: SoftmaxQuant, valid: str | None = None, out: str | None = None,
@@ -264,18 +287,9 @@ def build_relative_codes(b: "_Builder", s: str, q: SoftmaxQuant, valid: str | No
     tensor instead of a Min; the row core avoids it for the same reason), and adding
     ``(valid - 1) 1e30`` made OpenVINO (2026.4) fuse the input stage into different codes on most causal
     rows (tests/test_export_runtimes.py checks all three runtimes)."""
-    if valid_float is not None:
-        cap = b.op("Sub", [b.op("Mul", [valid_float, b.const("two", -2 * MASKED_SCORE, np.float32)]),
-                           b.const("one", -MASKED_SCORE, np.float32)])
-    elif valid is not None:  # (a Cast of a bool mask into that Mul broke OpenVINO 2026.4's fused kernel)
-        cap = b.op("Where", [valid, b.const("open", -MASKED_SCORE, np.float32), b.const("shut", MASKED_SCORE, np.float32)])
-    if valid is not None or valid_float is not None:
-        s = b.op("Min", [s, cap])
-        m = b.at_least(b.reduce("ReduceMax", s, -1), "empty_row", EMPTY_ROW_MAX, np.float32)
-    else:
-        m = b.reduce("ReduceMax", s, -1)
-    return b.op("QuantizeLinear", [b.op("Sub", [s, m]), b.const("r_scale", q.scale32, np.float32),
-                                   b.const("r_zp", q.qmax, q.in_dtype)], out=out)
+    return b.op("QuantizeLinear", [build_relative_scores(b, s, valid, valid_float),
+                                   b.const("r_scale", q.scale32, np.float32), b.const("r_zp", q.qmax, q.in_dtype)],
+                out=out)
 
 
 # ---------------------------------------------------------------------------
@@ -603,15 +617,21 @@ def softmax_model(
     return model
 
 
-def relative_codes_model(q: SoftmaxQuant, with_valid: bool = False, opset: int = 21) -> onnx.ModelProto:
-    """A standalone model ``s [b,h,q,k] float32[, valid bool] -> x`` (uint8 row-relative codes; tests, benchmarks)."""
+def relative_codes_model(q: SoftmaxQuant | None, with_valid: bool = False, opset: int = 21) -> onnx.ModelProto:
+    """A standalone model ``s [b,h,q,k] float32[, valid bool] -> x``: uint8 row-relative codes, or with ``q``
+    None the float ``s - rowmax`` of :func:`relative_scores` (tests, benchmarks)."""
     b = _Builder("softq_input/", opset)
-    build_relative_codes(b, "s", q, "valid" if with_valid else None, out="x")
+    valid = "valid" if with_valid else None
+    if q is None:
+        b.op("Identity", [build_relative_scores(b, "s", valid)], out="x")
+    else:
+        build_relative_codes(b, "s", q, valid, out="x")
     inputs = [helper.make_tensor_value_info("s", TensorProto.FLOAT, ["b", "h", "q", "k"])]
     if with_valid:
         inputs.append(helper.make_tensor_value_info("valid", TensorProto.BOOL, ["vb", "vh", "vq", "k"]))
+    x_type = TensorProto.FLOAT if q is None else q.in_onnx_type
     graph = helper.make_graph(b.nodes, "softq_relative_codes", inputs,
-                              [helper.make_tensor_value_info("x", q.in_onnx_type, ["b", "h", "q", "k"])], b.inits)
+                              [helper.make_tensor_value_info("x", x_type, ["b", "h", "q", "k"])], b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="softq")
     model.ir_version = min(model.ir_version, 10)
     return model

@@ -62,9 +62,11 @@ from torch import nn
 
 from softq.export import fuse, onnx_utils
 from softq.export.int_softmax import FORMS as EDGE_FORMS
-from softq.export.int_softmax import OUT_SCALE, SoftmaxQuant, _Builder, build_relative_codes, build_softmax
+from softq.export.int_softmax import (OUT_SCALE, SoftmaxQuant, _Builder, build_relative_codes, build_relative_scores,
+                                      build_softmax)
 from softq.export.row_attention import ROW_FORMS, RowQuant, build_row_attention
 from softq.models import is_headless
+from softq.quant.config import FLOAT_INPUT_OUTPUTS
 
 TORCH_OPSET = 18
 MARKER_DOMAIN = "softq"
@@ -430,6 +432,10 @@ def _softmax_params(name: str, points: nn.Module, key: int) -> dict[str, Any]:
             raise ExportError(f"attention layer '{name}' has float Q, K or V; the float-softmax core needs them "
                               "quantized (softq.quantize does)")
         return {"name": name, "representation": "float"}  # quantized with softmax_bits=None
+    if (not _is_act_quantizer(scores) and isinstance(probs, SoftmaxOutputQuantizer)
+            and probs.representation in FLOAT_INPUT_OUTPUTS):  # softmax_input="float": row codes from float scores
+        return {"name": name, "q": None, "representation": probs.representation,
+                "rq": _row_quant(name, points, None)}
     if not _is_act_quantizer(scores) or not isinstance(probs, SoftmaxOutputQuantizer):
         raise ExportError(
             f"attention layer '{name}' has a float softmax {'input' if not _is_act_quantizer(scores) else 'output'} "
@@ -456,8 +462,9 @@ def _softmax_params(name: str, points: nn.Module, key: int) -> dict[str, Any]:
             "causal_rows": bool(probs.causal_rows)}
 
 
-def _row_quant(name: str, points: nn.Module, q: SoftmaxQuant) -> RowQuant:
-    """The grids of a row-code attention core; V codes stored as uint8 (signed ones shifted by 128)."""
+def _row_quant(name: str, points: nn.Module, q: SoftmaxQuant | None) -> RowQuant:
+    """The grids of a row-code attention core (``q`` None: float scores); V codes stored as uint8 (signed ones
+    shifted by 128)."""
     probs, v = points.probs, points.v
     if probs.beta.numel():
         raise ExportError(f"attention layer '{name}': softmax bias correction is exported for "
@@ -787,14 +794,19 @@ def _quantized_core(p: str, info: dict[str, Any], form: str, scores: str, v: str
                     valid_b: str | None, valid: str | None, probs_outputs: bool,
                     opset: int) -> tuple[list[onnx.NodeProto], list[TensorProto], dict[str, int]]:
     """Score codes, then the edge or row-code core of ``form`` up to P.V."""
-    q: SoftmaxQuant = info["q"]
-    if q.relative:  # codes of s - rowmax; masked keys get code 0, which every row core maps to E = 0
+    q: SoftmaxQuant | None = info["q"]
+    if q is None:  # float scores (softmax_input="float"): s - rowmax, masked keys <= -5e29 (exp gives 0)
         b = _Builder(f"{p}input/", opset)
-        build_relative_codes(b, scores, q, out=f"{p}codes", valid_float=valid)
+        codes = build_relative_scores(b, scores, valid_float=valid)
+        nodes, inits = list(b.nodes), list(b.inits)
+    elif q.relative:  # codes of s - rowmax; masked keys get code 0, which every row core maps to E = 0
+        b = _Builder(f"{p}input/", opset)
+        codes = build_relative_codes(b, scores, q, out=f"{p}codes", valid_float=valid)
         nodes, inits = list(b.nodes), list(b.inits)
     else:
         inits = [_init(f"{p}s_scale", np.float32(q.scale)), _init(f"{p}s_zp", np.array(q.zero_point, q.in_dtype))]
-        nodes = [helper.make_node("QuantizeLinear", [scores, f"{p}s_scale", f"{p}s_zp"], [f"{p}codes"],
+        codes = f"{p}codes"
+        nodes = [helper.make_node("QuantizeLinear", [scores, f"{p}s_scale", f"{p}s_zp"], [codes],
                                   name=f"{p}QuantizeLinear")]
     if info["representation"] == "edge":
         core, core_inits, domains = _edge_core(p, info, form, scores, valid_b, probs, opset)
@@ -804,9 +816,9 @@ def _quantized_core(p: str, info: dict[str, Any], form: str, scores: str, v: str
     # V arrives dequantized (its QDQ pair): QuantizeLinear gives back its codes, stored as uint8
     nodes.append(helper.make_node("QuantizeLinear", [v, f"{p}v_scale", f"{p}v_zp"], [f"{p}vcodes"], name=f"{p}QuantizeV"))
     inits += [_init(f"{p}v_scale", np.float32(rq.v_scale)), _init(f"{p}v_zp", np.array(rq.v_zero_point, np.uint8))]
-    # relative codes need no mask in the core, except row_exact's float sum of exp (fast form)
-    core_valid = None if q.relative and (rq.sums_codes or form == "int") else valid_b
-    core, core_inits = build_row_attention(form, f"{p}codes", f"{p}vcodes", out, rq, core_valid,
+    # relative codes need no mask in the core, except row_exact's float sum of exp (fast form); float scores none
+    core_valid = None if q is None or q.relative and (rq.sums_codes or form == "int") else valid_b
+    core, core_inits = build_row_attention(form, codes, f"{p}vcodes", out, rq, core_valid,
                                            probs if probs_outputs else None, prefix=f"{p}core/", opset=opset,
                                            empty_rows=valid_b is not None)
     return nodes + core, inits + core_inits, {}
@@ -907,6 +919,10 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
     softmax = softmax or FORMS_FOR[representations[0]][0]
     for representation in representations:
         check_form_for(representation, softmax)
+    if softmax != "fast" and any(info.get("rq") is not None and info["rq"].float_scores for info in layers.values()):
+        raise ExportError(f"softmax form {softmax!r} takes integer score codes; this model keeps its softmax input float "
+                          "(QuantConfig(softmax_input='float')): export it with softmax='fast', or quantize with "
+                          "softmax_input='row'")
     wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
     feeds = example_feeds(qmodel, example_inputs, names)
     if softmax == "ort" and "attention_mask" in names:

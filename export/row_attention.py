@@ -42,6 +42,13 @@ Forms:
     Bit exact against :func:`reference` (the final float32 Cast/Mul/Div are
     correctly rounded IEEE operations in numpy and onnxruntime alike).
 
+Float scores (``QuantConfig.softmax_input="float"``; ``RowQuant.scores`` is ``None``): the core's input is
+the float ``r = s - rowmax`` (:func:`softq.export.int_softmax.relative_scores`: masked keys at -5e29 or
+below) and ``E = QuantizeLinear(Exp(r), 1/G)``, rounded once from the float exp; ``fast`` form only.
+The reference is the exactly rounded ``round(G exp(r))`` (float64 exp of the float32 ``r``); codes can differ
+by one at rounding ties as in the ``fast`` form above.  Masked keys give ``exp = 0`` exactly, so neither the
+codes nor ``row_exact``'s float sum need a mask in the core.
+
 Row-relative score codes (``QuantConfig.softmax_input="row"``, the default; ``SoftmaxQuant.relative``):
 the codes already are ``qmax - d`` (:func:`softq.export.int_softmax.relative_codes`), so neither form
 takes a row max: ``fast`` dequantizes them straight into the Exp, ``int`` indexes the tables by the
@@ -75,9 +82,10 @@ MAX_KEYS_SUM_TABLE = 2**15 - 1
 
 @dataclass(frozen=True)
 class RowQuant:
-    """Grids of one attention core: score codes, softmax output bits, V codes (uint8 storage)."""
+    """Grids of one attention core: score codes (``None``: float scores), softmax output bits, V codes (uint8
+    storage)."""
 
-    scores: SoftmaxQuant
+    scores: SoftmaxQuant | None
     v_scale: float
     v_zero_point: int
     bits: int = 8
@@ -90,7 +98,9 @@ class RowQuant:
             raise ValueError(f"row-code representation must be one of {REPRESENTATIONS}, got {self.representation!r}")
         if not isinstance(self.bits, (int, np.integer)) or not 2 <= int(self.bits) <= 8:
             raise ValueError(f"row softmax codes are exported with 2 to 8 bits (uint8), got {self.bits!r}")
-        if self.scores.bits > 8:
+        if self.scores is None and self.representation not in ("row", "row_exact"):
+            raise ValueError(f"float softmax scores take the row or row_exact codes, got {self.representation!r}")
+        if self.scores is not None and self.scores.bits > 8:
             raise ValueError(f"row softmax codes take 8-bit score codes at most, got {self.scores.bits} bits")
         if not (math.isfinite(self.v_scale) and self.v_scale > 0):
             raise ValueError(f"V scale must be a positive finite number, got {self.v_scale!r}")
@@ -98,10 +108,10 @@ class RowQuant:
             raise ValueError(f"V zero point {self.v_zero_point} and code range [{self.v_qmin}, {self.v_qmax}] "
                              "must lie in the uint8 range with qmin <= zero point <= qmax")
         if self.representation == "row_log" and (int(self.bits) != LOG_BITS
-                                                 or self.scores.scale32 != np.float32(LOG_STEP)):
+                                                 or self.scores is None or self.scores.scale32 != np.float32(LOG_STEP)):
             raise ValueError(f"row_log codes are {LOG_BITS}-bit with score codes on steps of ln(2)/2 = {LOG_STEP!r}, "
                              f"got {self.bits} bits and step {float(self.scores.scale32)!r}")
-        if self.scores.relative:  # code 0 (masked keys, scores T or more below the max) must give E = 0
+        if self.scores is not None and self.scores.relative:  # code 0 (masked keys, scores T or more below the max) must give E = 0
             tables = [code_table(self.scores.scale, self.gain, self.scores.bits)]
             if self.representation == "row_exact":
                 tables.append(sum_table(self.scores.scale, self.scores.bits))
@@ -133,6 +143,17 @@ class RowQuant:
     def v_span(self) -> int:
         """The largest ``|v - z|`` a V code can have."""
         return max(int(self.v_zero_point) - self.v_qmin, self.v_qmax - int(self.v_zero_point), 1)
+
+    @property
+    def float_scores(self) -> bool:
+        """Whether the core takes float scores relative to the row max (``QuantConfig.softmax_input="float"``)."""
+        return self.scores is None
+
+    def check_form(self, form: str) -> None:
+        check_row_form(form)
+        if self.float_scores and form != "fast":
+            raise ValueError(f"the {form!r} row core takes integer score codes; float scores (softmax_input='float') "
+                             "export with the 'fast' form")
 
     def max_keys(self, form: str = "int") -> int:
         """Longest row whose int32 accumulators cannot overflow: ``round(G) * max|v - z| * keys <= 2**31 - 1``."""
@@ -193,8 +214,26 @@ def _row_distance(x: np.ndarray, q: SoftmaxQuant, valid: np.ndarray | None) -> t
     return xm.max(axis=-1, keepdims=True) - xm, v
 
 
+def _float_exp(x: np.ndarray, rq: RowQuant, valid: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """``exp(s - rowmax)`` (float64, 0 at masked keys) and the broadcast mask: of the float32 relative scores
+    ``x`` (float scores, :func:`softq.export.int_softmax.relative_scores`) or of the score codes' grid."""
+    if rq.float_scores:
+        x = np.asarray(x)
+        if x.dtype != np.float32:
+            raise ValueError(f"float scores relative to the row max must be float32, got {x.dtype}")
+        v = _check_valid(x, valid)
+        ex = np.exp(x.astype(np.float64))
+    else:
+        d, v = _row_distance(x, rq.scores, valid)
+        ex = np.exp(-d * float(rq.scores.scale32))
+    return (ex if v is None else np.where(v, ex, 0.0)), v
+
+
 def row_codes(x: np.ndarray, rq: RowQuant, valid: np.ndarray | None = None) -> np.ndarray:
     """The codes ``E = round(G exp(s - rowmax))`` (uint8), 0 at masked keys."""
+    if rq.float_scores:
+        ex, _ = _float_exp(x, rq, valid)
+        return np.round(rq.gain * ex).astype(np.uint8)
     d, v = _row_distance(x, rq.scores, valid)
     e = code_table(rq.scores.scale, rq.gain, rq.scores.bits)[d]
     return e if v is None else np.where(v, e, 0).astype(e.dtype)
@@ -202,8 +241,8 @@ def row_codes(x: np.ndarray, rq: RowQuant, valid: np.ndarray | None = None) -> n
 
 def tie_distance(x: np.ndarray, rq: RowQuant, valid: np.ndarray | None = None) -> np.ndarray:
     """``|G exp(-d S) - (k + 1/2)|``: how close each code is to a rounding tie (float Exp may flip it)."""
-    d, _ = _row_distance(x, rq.scores, valid)
-    y = rq.gain * np.exp(-d * float(rq.scores.scale32))
+    ex, _ = _float_exp(x, rq, valid)
+    y = rq.gain * ex
     return np.abs(y - np.floor(y) - 0.5)
 
 
@@ -230,7 +269,7 @@ def accumulators(
 
     ``codes`` overrides ``E`` (to replay a runtime's codes, e.g. the ``fast`` form's).
     """
-    check_row_form(form)
+    rq.check_form(form)
     keys = np.shape(x)[-1]
     rq.check_keys(keys, form)
     vz = _check_v(v, rq, keys)
@@ -238,6 +277,8 @@ def accumulators(
     num = np.matmul(e.astype(np.int64), vz)
     if rq.sums_codes:
         den = e.astype(np.int64).sum(axis=-1, keepdims=True)
+    elif rq.float_scores:  # row_exact, fast form: the float sum of exp (see reference)
+        den = np.zeros(num.shape[:-1] + (1,), np.int64)
     else:
         d, m = _row_distance(x, rq.scores, valid)
         e16 = sum_table(rq.scores.scale, rq.scores.bits).astype(np.int64)[d]
@@ -255,9 +296,8 @@ def reference(form: str, x: np.ndarray, v: np.ndarray, rq: RowQuant, valid: np.n
     """
     num, den = accumulators(x, v, rq, valid, form=form)
     if form == "fast" and rq.representation == "row_exact":
-        d, m = _row_distance(x, rq.scores, valid)
-        e = np.exp(-d * float(rq.scores.scale32))
-        den = (e if m is None else np.where(m, e, 0.0)).sum(axis=-1, keepdims=True)
+        e, _ = _float_exp(x, rq, valid)
+        den = e.sum(axis=-1, keepdims=True)
         return (num / (np.maximum(den, 1.0) * float(rq.den_factor(form)))).astype(np.float32)
     return finish(num, den, rq, form)
 
@@ -267,9 +307,8 @@ def probabilities(x: np.ndarray, rq: RowQuant, valid: np.ndarray | None = None) 
     e = row_codes(x, rq, valid).astype(np.float64)
     if rq.sums_codes:
         return e / np.maximum(e.sum(axis=-1, keepdims=True), 1.0)
-    d, m = _row_distance(x, rq.scores, valid)
-    ex = np.exp(-d * float(rq.scores.scale32))
-    s = (ex if m is None else np.where(m, ex, 0.0)).sum(axis=-1, keepdims=True)
+    ex, _ = _float_exp(x, rq, valid)
+    s = ex.sum(axis=-1, keepdims=True)
     return e / (rq.levels * np.maximum(s, 1.0))
 
 
@@ -301,13 +340,22 @@ def build_row_attention(
     ``empty_rows=False`` promises that every row has a key of code E > 0 (a model without
     masks: each row's max gets the top code), so the row sum needs no guard against 0.
     """
-    check_row_form(form)
+    rq.check_form(form)
     if opset < 13:
         raise ValueError(f"softq's row-code attention needs ONNX opset >= 13, got {opset}")
     q = rq.scores
     b = _Builder(prefix, opset)
     den_f = None
-    if form == "fast":
+    if form == "fast" and rq.float_scores:  # x = s - rowmax (float32, masked keys <= -5e29: exp gives 0)
+        if valid is not None:
+            raise ValueError("the float-score core takes s - rowmax with the mask already applied "
+                             "(softq.export.int_softmax.build_relative_scores); give it no valid mask")
+        ex = b.op("Exp", [x])
+        e = b.op("QuantizeLinear", [ex, b.const("e_scale", np.float32(1.0 / rq.gain), np.float32),
+                                    b.const("e_zp", 0, np.uint8)])
+        if rq.representation == "row_exact":
+            den_f = b.at_least(b.reduce("ReduceSum", ex, -1), "one_f", 1.0, np.float32)
+    elif form == "fast":
         # masks as Min/Max with per-key caps (4x faster than a broadcast Where in onnxruntime)
         xm = x if valid is None else b.op("Min", [x, _cap(b, valid, q.in_dtype, q.qmin, "x")])
         s_scale, s_zp = b.const("s_scale", q.scale32, np.float32), b.const("s_zp", q.zero_point, q.in_dtype)
@@ -372,10 +420,12 @@ def build_row_attention(
 
 def row_attention_model(form: str, rq: RowQuant, with_valid: bool = False, probs: bool = False,
                         opset: int = 21, empty_rows: bool = True) -> onnx.ModelProto:
-    """A standalone core ``x [b,h,q,k], v [b,h,k,d][, valid] -> y [b,h,q,d]`` (dynamic dims; tests, benchmarks)."""
+    """A standalone core ``x [b,h,q,k], v [b,h,k,d][, valid] -> y [b,h,q,d]`` (dynamic dims; tests, benchmarks).
+    With float scores ``x`` is ``s - rowmax`` (float32; the mask already in it, no ``valid``)."""
     nodes, inits = build_row_attention(form, "x", "v", "y", rq, "valid" if with_valid else None,
                                        "probs" if probs else None, opset=opset, empty_rows=empty_rows)
-    inputs = [helper.make_tensor_value_info("x", rq.scores.in_onnx_type, ["b", "h", "q", "k"]),
+    x_type = TensorProto.FLOAT if rq.float_scores else rq.scores.in_onnx_type
+    inputs = [helper.make_tensor_value_info("x", x_type, ["b", "h", "q", "k"]),
               helper.make_tensor_value_info("v", TensorProto.UINT8, ["b", "h", "k", "d"])]
     if with_valid:
         inputs.append(helper.make_tensor_value_info("valid", TensorProto.BOOL, ["vb", "vh", "vq", "k"]))

@@ -52,6 +52,10 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--softmax-output", choices=["row", "row_exact", "row_log", "edge"], default="row",
                    help="softmax output codes: relative to the row max (row, row_exact; row_log: 4-bit log codes, with "
                         "--softmax-bits 4) or uniform 2^-bits (edge)")
+    p.add_argument("--softmax-input", choices=["auto", "float", "row", "tensor"], default="auto",
+                   help="softmax input: float scores (what 'auto' means for row and row_exact codes; export form "
+                        "'fast'), codes on a grid relative to the row max (row: what the integer-only 'int' form "
+                        "takes; auto for row_log) or one calibrated grid per tensor (tensor: auto for edge)")
     p.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA", help="SmoothQuant migration strength")
     p.add_argument("--observer", choices=["minmax", "percentile", "mse"], default="minmax")
     p.add_argument("--residual-groups", type=_groups, default=None, metavar="K",
@@ -125,6 +129,7 @@ def _config(args: argparse.Namespace):
         weight_bits=args.weight_bits, act_bits=args.act_bits,
         softmax_bits=args.softmax_bits or None, bias_correction=args.bias_correction,
         softmax_output=args.softmax_output,
+        softmax_input=args.softmax_input,
         smoothquant_alpha=args.smoothquant, observer=args.observer, quantize_residual=args.residual,
         embedding_bits=args.embedding_bits or None, embedding_min_rows=args.embedding_min_rows,
         input_smoothing=args.input_smoothing, weight_bias_correction=args.weight_bias_correction, **extra,

@@ -10,7 +10,9 @@ BIAS_CORRECTION_GRANULARITIES = ("tensor", "head", "head_row")
 SOFTMAX_OUTPUTS = ("row", "row_exact", "row_log", "edge")
 # Representations whose P.V is divided by the sum of the codes (rows sum to exactly 1; the rest: the exact sum of exp)
 SUM_OF_CODES = ("row", "row_log")
-SOFTMAX_INPUTS = ("auto", "row", "tensor")
+SOFTMAX_INPUTS = ("auto", "row", "tensor", "float")
+# softmax_input="float" keeps the scores float: the row codes are rounded from the float exp (CPU runtimes)
+FLOAT_INPUT_OUTPUTS = ("row", "row_exact")
 # Grid of the exact sums of exp that integer softmax forms accumulate (row_exact's sum table, the edge int form)
 SUM_GRID = 2**16
 # A row-relative softmax input stops at the distance T below the row max where the output code is
@@ -119,6 +121,12 @@ class QuantConfig:
             the score range.  ``"tensor"``: one calibrated grid per tensor (the
             observer's), the common PTQ convention; the 2400-step reference LM's
             layer-1 scores span [-80, 53], a step of 0.52 (docs/results/softmax_input.md).
+            ``"float"`` (``row`` and ``row_exact`` outputs): no input grid, the codes
+            ``E = round((2**b - 1) exp(s - rowmax))`` come from the float scores, as a
+            runtime with a float ``Exp`` computes them anyway (onnxruntime, OpenVINO, tract:
+            the ``fast`` form): one rounding instead of two, and a ``QuantizeLinear`` /
+            ``DequantizeLinear`` pair fewer per layer.  Only the ``fast`` form exports it
+            (the ``int`` form indexes its tables by integer score codes).
         softmax_scale: ``"edge"`` output only. ``"fixed"`` uses ``2**-softmax_bits``
             (the TFLite/QNN edge convention, what the ONNX export emits);
             ``"calibrated"`` fits the scale to the largest probability seen.
@@ -252,7 +260,7 @@ class QuantConfig:
     act_symmetric: bool = False
     softmax_bits: int | None = 8
     softmax_output: Literal["row", "row_exact", "row_log", "edge"] = "row"
-    softmax_input: Literal["auto", "row", "tensor"] = "auto"
+    softmax_input: Literal["auto", "row", "tensor", "float"] = "auto"
     softmax_scale: Literal["fixed", "calibrated"] = "fixed"
     observer: Literal["minmax", "percentile", "mse"] = "minmax"
     percentile: float = 99.99
@@ -283,9 +291,12 @@ class QuantConfig:
         if self.softmax_output == "row_log" and self.softmax_bits != LOG_BITS:
             raise ValueError(f"softmax_output='row_log' is defined for {LOG_BITS}-bit softmax outputs (15 powers of "
                              f"sqrt(2) and 0), got softmax_bits={self.softmax_bits!r}; use 'row' at other widths")
-        if self.softmax_output == "row_log" and self.softmax_input == "tensor":
+        if self.softmax_output == "row_log" and self.softmax_input in ("tensor", "float"):
             raise ValueError("softmax_output='row_log' needs the row-relative softmax input (its step is the log "
                              "grid); use softmax_input='auto' or 'row'")
+        if self.softmax_input == "float" and self.softmax_output not in FLOAT_INPUT_OUTPUTS:
+            raise ValueError(f"softmax_input='float' takes softmax_output 'row' or 'row_exact' (codes rounded from the "
+                             f"float exp), got {self.softmax_output!r}, whose forms take integer score codes")
         if self.softmax_output == "row_log" and self.act_bits < LOG_BITS:
             raise ValueError(f"softmax_output='row_log' needs act_bits >= {LOG_BITS} (the score codes must reach "
                              f"{2**LOG_BITS - 1} steps below the row max), got {self.act_bits}")
@@ -334,11 +345,25 @@ class QuantConfig:
             raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
 
     @property
+    def resolved_softmax_input(self) -> str:
+        """``softmax_input`` with ``"auto"`` resolved: ``"float"`` for ``row`` and ``row_exact`` outputs, ``"row"``
+        for ``row_log``, ``"tensor"`` for ``edge``."""
+        if self.softmax_input != "auto":
+            return self.softmax_input
+        if self.softmax_output in FLOAT_INPUT_OUTPUTS:
+            return "float"
+        return "row" if self.softmax_output == "row_log" else "tensor"
+
+    @property
     def row_relative_input(self) -> bool:
         """Whether the softmax input is quantized relative to the row max (``softmax_input`` resolved)."""
-        if self.softmax_input == "auto":
-            return self.softmax_output != "edge"
-        return self.softmax_input == "row"
+        return self.resolved_softmax_input == "row"
+
+    @property
+    def float_scores(self) -> bool:
+        """Whether the softmax input stays float (``softmax_input`` resolved to ``"float"``, with a quantized
+        softmax output)."""
+        return self.resolved_softmax_input == "float" and self.softmax_bits is not None
 
     @property
     def residual_quantized(self) -> bool:

@@ -51,7 +51,9 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
         qmodel.config.save_pretrained(tmp)
         probs = {name: {"granularity": m.granularity, "causal_rows": m.causal_rows}
                  for name, m in qmodel.named_modules() if isinstance(m, SoftmaxOutputQuantizer)}
-        meta = {"format": FORMAT_VERSION, "quant_config": dataclasses.asdict(qmodel.softq_quant_config), "softmax_outputs": probs}
+        config = qmodel.softq_quant_config
+        meta = {"format": FORMAT_VERSION, "quant_config": dataclasses.asdict(config), "softmax_outputs": probs,
+                "softmax_input_resolved": config.resolved_softmax_input}  # what "auto" meant when written
         init = _init_kwargs(qmodel)
         if init:
             meta["init_kwargs"] = init
@@ -90,6 +92,10 @@ def load(path: str | os.PathLike) -> nn.Module:
     raw.setdefault("softmax_input", "tensor")  # saved before the field existed: one calibrated grid per tensor
     raw.setdefault("weight_bias_correction", False)  # saved before the field existed: biases as trained
     config = QuantConfig(**{**raw, "exclude": tuple(raw.get("exclude", ()))})
+    if config.softmax_input == "auto":  # "auto" meant "row" for row codes before it meant "float": the file's grid
+        was = meta.get("softmax_input_resolved") or ("tensor" if config.softmax_output == "edge" else "row")
+        if was != config.resolved_softmax_input:
+            config = dataclasses.replace(config, softmax_input=was)
     hf_config = transformers.AutoConfig.from_pretrained(source)
     arch = (hf_config.architectures or [None])[0]
     model_class = getattr(transformers, arch, None) if arch else None

@@ -96,9 +96,11 @@ def _attach_attention_quantizers(points: AttentionPoints, config: QuantConfig) -
     points.k = _act(config)
     points.v = _act(config)
     if config.softmax_bits is not None:
-        points.scores = (RowScoresQuantizer(config.act_bits, softmax_input_span(config.softmax_output, config.softmax_bits,
-                                                                               config.act_bits))
-                         if config.row_relative_input else _act(config))
+        if config.row_relative_input:
+            points.scores = RowScoresQuantizer(config.act_bits, softmax_input_span(config.softmax_output,
+                                                                                   config.softmax_bits, config.act_bits))
+        elif not config.float_scores:  # softmax_input="float": the scores stay float (nn.Identity)
+            points.scores = _act(config)
         points.probs = SoftmaxOutputQuantizer(config.softmax_bits, points.num_heads, config.softmax_scale,
                                               config.softmax_output)
 

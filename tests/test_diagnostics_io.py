@@ -126,9 +126,10 @@ def test_row_codes_round_trip_and_older_files_load_as_edge(tmp_path) -> None:
     import json
 
     calib = [tiny_inputs("gpt2", seed=s) for s in range(2)]
-    # quantize_residual=True: what every file saved before the field took "auto" holds
+    # quantize_residual=True: what every file saved before the field took "auto" holds; a score grid, as every
+    # file saved before softmax_output existed has
     q = softq.quantize(tiny_model("gpt2"), calib, softq.QuantConfig(softmax_bits=4, softmax_output="row_exact",
-                                                                    quantize_residual=True))
+                                                                    quantize_residual=True, softmax_input="row"))
     io.save(q, tmp_path / "q")
     loaded = io.load(tmp_path / "q")
     x = tiny_inputs("gpt2", seed=8)
@@ -138,6 +139,7 @@ def test_row_codes_round_trip_and_older_files_load_as_edge(tmp_path) -> None:
     meta_path = tmp_path / "q" / "quant_config.json"
     meta = json.loads(meta_path.read_text())
     del meta["quant_config"]["softmax_output"]
+    del meta["softmax_input_resolved"]  # recorded since softmax_input="auto" resolves to "float" for row codes
     meta_path.write_text(json.dumps(meta))
     old = io.load(tmp_path / "q")
     assert old.softq_quant_config.softmax_output == "edge"

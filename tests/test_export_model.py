@@ -41,15 +41,18 @@ def _sharpened(model: torch.nn.Module, gain: float = 32.0) -> torch.nn.Module:
 
 class _Quantized(dict):
     """(family, bias_correction) -> quantized tiny model with uniform edge softmax codes, built on first use;
-    (family, "row" | "row_exact" | "row_log") -> the same with softmax codes relative to the row max (row_log: 4-bit)."""
+    (family, "row" | "row_exact" | "row_log"[, softmax_input]) -> the same with softmax codes relative to the row
+    max (row_log: 4-bit), on the row-relative input codes (``softmax_input="row"``, what the int form takes) or
+    the given input (``"float"``, the default for row and row_exact)."""
 
-    def __missing__(self, key: tuple[str, str | None]) -> torch.nn.Module:
-        family, corr = key
+    def __missing__(self, key: tuple) -> torch.nn.Module:
+        family, corr, *given = key
         if corr in ("row", "row_exact", "row_log"):
             model, bits = tiny_model(family), 8
             if corr == "row_log":  # 4 bits; queries x32 so that the flat tiny attention spans the log codes
                 model, bits = _sharpened(model), 4
-            self[key] = softq.quantize(model, _calib(family), softq.QuantConfig(softmax_output=corr, softmax_bits=bits))
+            self[key] = softq.quantize(model, _calib(family), softq.QuantConfig(
+                softmax_output=corr, softmax_bits=bits, softmax_input=given[0] if given else "row"))
         elif corr is None:  # same calibration without the correction: drop the measured betas (quantize is slow)
             model = copy.deepcopy(self[(family, "head")])
             for _, points in attention_points(model):
@@ -514,14 +517,16 @@ def test_opt_padded_batch(quantized):
 
 # --- softmax codes relative to the row max (the default) ----------------------------------
 
-ROW_CASES = [(f, r, form) for f in ("gpt2", "vit") for r in ("row", "row_exact", "row_log") for form in ("fast", "int")]
+ROW_CASES = ([(f, r, "row", form) for f in ("gpt2", "vit") for r in ("row", "row_exact", "row_log") for form in ("fast", "int")]
+             + [(f, r, "float", "fast") for f in ("gpt2", "vit") for r in ("row", "row_exact")])
 
 
-@pytest.mark.parametrize("family,representation,form", ROW_CASES)
-def test_row_codes_parity_with_torch(quantized, family, representation, form):
+@pytest.mark.parametrize("family,representation,softmax_input,form", ROW_CASES)
+def test_row_codes_parity_with_torch(quantized, family, representation, softmax_input, form):
     """torch normalises before P.V, the graph after the integer GEMM: equal up to float rounding, which
-    can flip a later activation code at a rounding tie (a few rows); probabilities within float noise."""
-    qmodel = quantized[(family, representation)]
+    can flip a later activation code at a rounding tie (a few rows); probabilities within float noise.
+    Score codes (softmax_input='row') and float scores (the default)."""
+    qmodel = quantized[(family, representation, softmax_input)]
     model = build_onnx(qmodel, tiny_inputs(family), form, probs_outputs=True)
     core_gemms = [n for n in model.graph.node if n.op_type == "MatMulInteger" and "/core/" in n.name]
     assert len(core_gemms) == qmodel.config.num_hidden_layers
@@ -560,7 +565,8 @@ def test_row_codes_parity_with_torch(quantized, family, representation, form):
 
 def test_row_codes_padding_and_signed_v(quantized):
     """Padding masks exactly; symmetric int8 V is stored as uint8 around 128 (u8u8 GEMM)."""
-    model = _assert_padding_exact(softq.quantize(tiny_model("gpt2"), _calib("gpt2"), softq.QuantConfig(act_symmetric=True)))
+    model = _assert_padding_exact(softq.quantize(tiny_model("gpt2"), _calib("gpt2"), softq.QuantConfig(act_symmetric=True,
+                                                                                            softmax_input="row")))
     v_zps = [numpy_helper.to_array(i) for i in model.graph.initializer if i.name.endswith("/v_zp")]
     assert v_zps and all(z.dtype == np.uint8 and z == 128 for z in v_zps)
 

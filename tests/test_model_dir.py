@@ -192,7 +192,8 @@ def test_grouped_model_saves_loads_and_exports_bit_exact(folder, tmp_path) -> No
     from softq.quant.io import load, save
 
     loaded = hf.load_model_dir(folder)
-    qmodel = softq.quantize(loaded.model, _calib(loaded), softq.QuantConfig(residual_groups=4, quantize_residual=True))
+    qmodel = softq.quantize(loaded.model, _calib(loaded), softq.QuantConfig(residual_groups=4, quantize_residual=True,
+                                                                               softmax_input="row"))
     out = save(qmodel, tmp_path / "q", sidecars_from=folder)
     assert (out / "vocab.txt").is_file() and (out / "1_Pooling" / "config.json").is_file()
     again = load(out)

@@ -1,5 +1,6 @@
-"""Softmax input codes relative to the row max (QuantConfig.softmax_input="row", the default):
-torch fake-quant, the numpy reference and onnxruntime agree; masks, empty rows and the span."""
+"""The softmax input: codes relative to the row max (QuantConfig.softmax_input="row") and float scores ("float",
+the default for row codes): torch fake-quant, the numpy reference and onnxruntime agree; masks, empty rows and
+the span."""
 
 from __future__ import annotations
 
@@ -49,9 +50,13 @@ def test_span_is_where_the_output_code_reaches_zero():
         assert round(2**16 * math.exp(-softmax_input_span(representation, 8))) == 0
     with pytest.raises(ValueError, match="softmax_input must be one of"):
         softq.QuantConfig(softmax_input="channel")
-    # auto: relative to the row max for row codes, the per-tensor convention for edge outputs
-    assert softq.QuantConfig().row_relative_input and softq.QuantConfig(softmax_output="row_exact").row_relative_input
+    # auto: float scores for row and row_exact codes, relative to the row max for row_log (its log grid), the
+    # per-tensor convention for edge outputs
+    assert softq.QuantConfig().float_scores and softq.QuantConfig(softmax_output="row_exact").float_scores
+    assert softq.QuantConfig(softmax_output="row_log", softmax_bits=4).row_relative_input
+    assert softq.QuantConfig(softmax_input="row").row_relative_input
     assert not softq.QuantConfig(softmax_output="edge").row_relative_input
+    assert not softq.QuantConfig(softmax_output="edge").float_scores
     assert softq.QuantConfig(softmax_output="edge", softmax_input="row").row_relative_input
 
 
@@ -131,10 +136,11 @@ def test_torch_codes_equal_the_reference():
     np.testing.assert_allclose(out[vb], expected[vb], rtol=0, atol=1e-5)
 
 
-def test_default_needs_no_score_calibration_and_fully_masked_rows_give_zeros():
-    """The default grid is fixed by the span (step T/255, zero point 255); a padded GPT-2 batch with an
+def test_row_input_needs_no_score_calibration_and_fully_masked_rows_give_zeros():
+    """The row-relative grid is fixed by the span (step T/255, zero point 255); a padded GPT-2 batch with an
     all-padding sequence gives finite logits for the rest and the same logits as unpadded."""
-    qmodel = softq.quantize(tiny_model("gpt2"), [tiny_inputs("gpt2", seed=s) for s in range(2)])
+    qmodel = softq.quantize(tiny_model("gpt2"), [tiny_inputs("gpt2", seed=s) for s in range(2)],
+                            softq.QuantConfig(softmax_input="row"))
     for _, points in attention_points(qmodel):
         assert isinstance(points.scores, RowScoresQuantizer)
         assert float(points.scores.scale) == pytest.approx(softmax_input_span("row", 8) / 255)
@@ -148,16 +154,30 @@ def test_default_needs_no_score_calibration_and_fully_masked_rows_give_zeros():
     torch.testing.assert_close(padded[1, :6], alone[0], rtol=1e-4, atol=1e-4)
 
 
-def test_save_load_and_older_files_load_with_the_tensor_grid(tmp_path):
+def test_save_load_and_older_files_load_with_their_grid(tmp_path):
+    """Saved models load with the softmax input they were quantized with: the default's float scores, a
+    row-relative grid, a file written when "auto" meant the row-relative grid (no record of what it resolved
+    to), and the tensor grid of files written before the field existed."""
     calib = [tiny_inputs("vit", seed=s) for s in range(2)]
-    q = softq.quantize(tiny_model("vit"), calib)
-    io.save(q, tmp_path / "q")
-    loaded = io.load(tmp_path / "q")
     x = tiny_inputs("vit", seed=8)
+    q = softq.quantize(tiny_model("vit"), calib)
+    io.save(q, tmp_path / "f")
+    loaded = io.load(tmp_path / "f")
+    assert isinstance(attention_points(loaded)[0][1].scores, torch.nn.Identity)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**x).logits, q(**x).logits, rtol=0, atol=0)
+    q = softq.quantize(tiny_model("vit"), calib, softq.QuantConfig(softmax_input="row"))
+    io.save(q, tmp_path / "q")
+    meta_path = tmp_path / "q" / "quant_config.json"
+    meta = json.loads(meta_path.read_text())
+    meta["quant_config"]["softmax_input"] = "auto"  # a file from before "auto" meant float scores
+    del meta["softmax_input_resolved"]
+    meta_path.write_text(json.dumps(meta))
+    loaded = io.load(tmp_path / "q")
+    assert loaded.softq_quant_config.softmax_input == "row"
     with torch.no_grad():
         torch.testing.assert_close(loaded(**x).logits, q(**x).logits, rtol=0, atol=0)
     assert isinstance(attention_points(loaded)[0][1].scores, RowScoresQuantizer)
-    meta_path = tmp_path / "q" / "quant_config.json"
     meta = json.loads(meta_path.read_text())
     del meta["quant_config"]["softmax_input"]  # written before the field existed
     meta_path.write_text(json.dumps(meta))
@@ -177,3 +197,83 @@ def test_edge_output_with_a_row_relative_input_exports_with_parity(form):
                             softq.QuantConfig(softmax_output="edge", softmax_input="row"))
     model = build_onnx(qmodel, tiny_inputs(family), form)
     assert padded_logit_error(qmodel, model, family, seq=20, pad_from=14, seed=9) <= 0.02
+
+
+# --------------------------------------------------------------------------- softmax_input="float"
+
+
+def test_float_input_config():
+    """'float' keeps the scores float for row and row_exact codes; the other outputs take integer score codes."""
+    config = softq.QuantConfig(softmax_input="float")
+    assert config.float_scores and not config.row_relative_input
+    assert softq.QuantConfig(softmax_input="float", softmax_output="row_exact").float_scores
+    assert not softq.QuantConfig(softmax_input="float", softmax_bits=None).float_scores  # nothing quantized there
+    with pytest.raises(ValueError, match="row-relative softmax input"):
+        softq.QuantConfig(softmax_input="float", softmax_output="row_log", softmax_bits=4)
+    with pytest.raises(ValueError, match="softmax_input='float' takes softmax_output 'row' or 'row_exact'"):
+        softq.QuantConfig(softmax_input="float", softmax_output="edge")
+
+
+@pytest.mark.parametrize("opt", OPTS)
+@pytest.mark.parametrize("representation", ["row", "row_exact"])
+def test_float_scores_core_matches_the_reference(opt, representation):
+    """Float scores: the graph's s - rowmax equals the reference's bit for bit (masked keys and a fully masked
+    row at -5e29 or below); the core rounds E = round(G exp(s - rowmax)) once from the float Exp, equal to the
+    exactly rounded reference off rounding ties ('row' bit exact there, 'row_exact' by its float32 sum) and
+    within one code's worth at ties; masked keys weigh nothing, the fully masked row gives zeros."""
+    from softq.export.int_softmax import relative_scores
+    from softq.export.row_attention import row_codes, tie_distance
+
+    s, valid = _scores(f"float{representation}{opt}")
+    vb = np.broadcast_to(valid, s.shape).copy()
+    r = U.run(relative_codes_model(None, with_valid=True), {"s": s, "valid": vb}, opt)[0]
+    np.testing.assert_array_equal(r, relative_scores(s, valid))
+    assert r.dtype == np.float32 and np.all(r[~vb] <= -5e29) and np.all(r[vb.any(-1)].max(-1) == 0)
+    rq = RowQuant(None, 0.02, 9, 8, representation)
+    v = np.random.default_rng(4).integers(0, 256, (2, 3, 40, 6)).astype(np.uint8)
+    y = U.run(row_attention_model("fast", rq), {"x": r, "v": v}, opt)[0]
+    ref = reference("fast", r, v, rq)
+    near = (tie_distance(r, rq) < 1e-4).any(-1)
+    assert (~near).mean() > 0.9
+    if representation == "row":
+        np.testing.assert_array_equal(y[~near], ref[~near])
+    else:
+        np.testing.assert_allclose(y[~near], ref[~near], rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    np.testing.assert_allclose(y, ref, atol=250 * 0.02 / 255)
+    assert np.all(y[0, :, 3] == 0) and not np.isnan(y).any()
+    # masked keys weigh exactly nothing; each valid row's max gets the top code
+    p = U.run(row_attention_model("fast", rq, probs=True), {"x": r, "v": v}, opt)[1]
+    assert np.all(p[~vb] == 0) and np.all(row_codes(r, rq)[vb.any(-1)].max(-1) == 255)
+    # the integer form takes score codes; a mask belongs in the scores, not in the float core
+    with pytest.raises(ValueError, match="export with the 'fast' form"):
+        row_attention_model("int", rq)
+    with pytest.raises(ValueError, match="give it no valid mask"):
+        row_attention_model("fast", rq, with_valid=True)
+    with pytest.raises(ValueError, match="row or row_exact"):
+        RowQuant(None, 0.02, 9, 4, "row_log")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "vit"])
+def test_float_input_model_exports_with_parity(family):
+    """softmax_input='float': the scores point stays float in torch; the fast form's ONNX feeds s - rowmax
+    straight into the Exp (no QuantizeLinear/DequantizeLinear before it) and matches torch, padding included;
+    the int form is refused with one line that says what to do."""
+    from softq.export.model_export import ExportError, build_onnx
+
+    calib = [tiny_inputs(family, seed=s) for s in range(2)]
+    qmodel = softq.quantize(tiny_model(family), calib, softq.QuantConfig(softmax_input="float"))
+    assert all(isinstance(points.scores, torch.nn.Identity) for _, points in attention_points(qmodel))
+    model = build_onnx(qmodel, tiny_inputs(family), "fast")
+    made_by = {o: n for n in model.graph.node for o in n.output}
+    exps = [n for n in model.graph.node if n.op_type == "Exp"]
+    assert exps and all(made_by[n.input[0]].op_type == "Sub" for n in exps)
+    if family == "vit":
+        x = tiny_inputs(family, seed=7)
+        with torch.no_grad():
+            ref = qmodel(**x).logits.numpy()
+        out = U.run(model, {"pixel_values": x["pixel_values"].numpy()}, "all")[0]
+        assert np.abs(out - ref).max() / np.abs(ref).max() <= 0.02
+    else:
+        assert padded_logit_error(qmodel, model, family, seq=20, pad_from=14, seed=9) <= 0.02
+    with pytest.raises(ExportError, match="softmax form 'int' takes integer score codes.*softmax_input='row'"):
+        build_onnx(qmodel, tiny_inputs(family), "int")
