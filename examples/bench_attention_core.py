@@ -31,6 +31,7 @@ from softq.export.int_softmax import (  # noqa: E402
     SoftmaxQuant,
     _Builder,
     build_relative_codes,
+    build_relative_scores,
     softmax_model,
 )
 from softq.export.row_attention import RowQuant, row_attention_model  # noqa: E402
@@ -68,9 +69,14 @@ def _v_inits() -> list:
             helper.make_tensor("v_zp", TensorProto.UINT8, [], [V_ZP])]
 
 
-def _codes(q: SoftmaxQuant) -> tuple[list, list]:
+def _codes(q: SoftmaxQuant | None) -> tuple[list, list]:
     """Nodes from the float scores ``s`` to the score codes ``x``: per-tensor QuantizeLinear, or the
-    row-relative codes (Min/ReduceMax/Max/Sub/QuantizeLinear without a mask: ReduceMax/Sub/QuantizeLinear)."""
+    row-relative codes (Min/ReduceMax/Max/Sub/QuantizeLinear without a mask: ReduceMax/Sub/QuantizeLinear),
+    or with ``q`` None the float ``s - rowmax`` (ReduceMax/Sub; the default float softmax input)."""
+    if q is None:
+        b = _Builder("input/", 21)
+        b.op("Identity", [build_relative_scores(b, "s")], out="x")
+        return b.nodes, b.inits
     if q.relative:
         b = _Builder("input/", 21)
         build_relative_codes(b, "s", q, out="x")
@@ -116,7 +122,7 @@ def _model(nodes, inits, name, opsets=None):  # noqa: ANN001, ANN202
 
 
 def grids(s: np.ndarray) -> dict[str, SoftmaxQuant]:
-    """The score grids: row-relative (the default; span of 8-bit row codes / of row_exact; row_log's log
+    """The score grids: row-relative (span of 8-bit row codes / of row_exact; row_log's log
     step) and per tensor (min-max over these scores, as softq's default observer would calibrate it)."""
     relative = {rep: SoftmaxQuant(scale=softmax_input_span(rep, 4 if rep == "row_log" else 8) / 255, zero_point=255,
                                   relative=True) for rep in ("row", "row_exact", "row_log")}
@@ -129,10 +135,11 @@ def forms(s: np.ndarray) -> list[tuple[str, object]]:
     out = [("float core: Softmax -> MatMul", float_core()),
            ("float core on per-tensor codes: Q -> DQ -> Softmax -> MatMul", float_core_from_codes(g["tensor"]))]
     for rep in ("row", "row_exact"):
+        out.append((f"{rep}, fast, float input{' (default)' if rep == 'row' else ''}",
+                    row_core("fast", RowQuant(None, V_SCALE, V_ZP, 8, rep))))
         for grid, label in ((g[rep], "row-relative input"), (g["tensor"], "per-tensor input")):
             rq = RowQuant(grid, V_SCALE, V_ZP, 8, rep)
-            default = " (default)" if (rep, grid.relative) == ("row", True) else ""
-            out += [(f"{rep}, fast, {label}{default}", row_core("fast", rq)),
+            out += [(f"{rep}, fast, {label}", row_core("fast", rq)),
                     (f"{rep}, int, {label}", row_core("int", rq))]
     log = RowQuant(g["row_log"], V_SCALE, V_ZP, 4, "row_log")  # 4-bit log codes on their row-relative grid
     out += [("row_log (4-bit), fast, row-relative input", row_core("fast", log)),
@@ -186,8 +193,10 @@ def markdown(rows: list[dict[str, object]], args: argparse.Namespace, seconds: f
         "",
         f"Inputs: float32 scores (N(0, 2.5) logits, what the Q.K^T MatMul gives) and uint8 V codes "
         f"(scale {V_SCALE}, zero point {V_ZP}), head size {args.d_head}; every quantized core starts with its "
-        f"score codes: row-relative (`QuantConfig.softmax_input='row'`, the default: ReduceMax, Sub, "
-        f"QuantizeLinear at step T/255) or per tensor (QuantizeLinear on the min-max grid of the scores). "
+        f"softmax input: float (`QuantConfig.softmax_input='float'`, the default for row codes: ReduceMax, Sub, "
+        f"then the float s - rowmax into the core's Exp), score codes row-relative (`softmax_input='row'`: "
+        f"ReduceMax, Sub, QuantizeLinear at step T/255) or per tensor (QuantizeLinear on the min-max grid of the "
+        f"scores). "
         f"Each form's time is the median of "
         f"{args.repeats} runs interleaved with the other forms' runs; 'x float' is that median over the float "
         "core's median in the same run. 'rel. error' = max |y - exact P.V| / max |exact P.V| (exact: float64 softmax "

@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_export import CalibReader  # noqa: E402
 from bench_quant import command_line, write_atomic  # noqa: E402
+from benchutil import int_list  # noqa: E402
 from benchutil import interleaved_medians as interleaved  # noqa: E402
 
 import softq  # noqa: E402
@@ -72,7 +73,7 @@ def main() -> int:
                         help="input_smoothing alphas to compare with the default ('none': no smoothing)")
     parser.add_argument("--prefix", default="0",
                         help="residual_prefix values to compare with the default (default %(default)s: no [CLS] scales)")
-    parser.add_argument("--softmax-bits", default="4",
+    parser.add_argument("--softmax-bits", type=int_list, default="4",
                         help="comma list of low softmax widths measured with `row` and (at 4 bits) `row_log` codes")
     parser.add_argument("--output", type=Path, default=Path("docs/results/minilm.md"))
     args = parser.parse_args()
@@ -102,7 +103,7 @@ def main() -> int:
     for k in [int(p) for p in args.prefix.split(",") if p]:
         configs.append((f"  residual_prefix={k}" + (" ([CLS] shares the residual scales)" if k == 0 else ""),
                         softq.QuantConfig(quantize_residual=True, residual_prefix=k)))
-    for bits in [int(b) for b in args.softmax_bits.split(",") if b]:
+    for bits in args.softmax_bits:
         configs.append((f"softq softmax_bits={bits} (row codes)", softq.QuantConfig(softmax_bits=bits)))
         if bits == 4:
             configs.append(("softq softmax_bits=4, softmax_output='row_log' (log codes)",

@@ -46,6 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from bench_quant import command_line, write_atomic  # noqa: E402
+from benchutil import seed_list  # noqa: E402
 
 import softq  # noqa: E402
 from softq import hf  # noqa: E402
@@ -185,7 +186,7 @@ def plot(results: dict[str, dict], path: Path) -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=OutlierFinetuneConfig.steps)
-    parser.add_argument("--seeds", default="0,1", help="comma list of seeds for the three main runs")
+    parser.add_argument("--seeds", type=seed_list, default="0,1", help="comma list of seeds for the three main runs")
     parser.add_argument("--methods", default="none,gated,clipped")
     parser.add_argument("--no-ablation", action="store_true", help="skip 'clipped, no penalty'")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -214,7 +215,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     start = time.time()
-    seeds = [int(s) for s in args.seeds.split(",") if s]
+    seeds = args.seeds
     methods = [m for m in args.methods.split(",") if m]
 
     loaded = hf.load_minilm(128)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchutil import command_line, write_atomic  # noqa: E402,F401  (other benchmarks import them from here)
+from benchutil import command_line, int_list, write_atomic  # noqa: E402,F401  (other benchmarks import them from here)
 
 import softq  # noqa: E402
 from softq.quant.quantize import smoothing_report  # noqa: E402
@@ -58,6 +58,8 @@ def rows(bits_list: tuple[int, ...] = (8, 6, 4), correction: bool = True) -> lis
                                                              bias_correction="head_row"), exact)
         out += [Row(edge, Q(**edge_q)), *([edge_bc] if correction else []),
                 Row(f"W8A8, {bits}-bit softmax, row (default)", Q(softmax_bits=bits)),
+                Row("  softmax input on the row-relative grid (softmax_input='row', what the int form takes)",
+                    Q(softmax_bits=bits, softmax_input="row")),
                 Row("  softmax input on one calibrated grid per tensor (softmax_input='tensor')",
                     Q(softmax_bits=bits, softmax_input="tensor")),
                 Row(exact, Q(softmax_bits=bits, softmax_output="row_exact")), *([exact_bc] if correction else [])]
@@ -121,8 +123,10 @@ def markdown(sections: list[tuple[Task, list[tuple[str, float, float, str, str]]
         "per row), asymmetric int8 activations (Linear inputs, Q, K, V; the residual stream and LayerNorm float",
         "unless a row says otherwise, `edge` rows included, so rows differ only in the softmax) with min-max",
         "ranges on 16 calibration windows/images from the training split; softmax input (`softmax_input='auto'`):",
-        "8-bit codes of s - rowmax on [-T, 0] (T = 6.34 for 8-bit `row` output, 11.89 for `row_exact`) for `row` and",
-        "`row_exact`, one calibrated asymmetric grid per tensor for `edge` (the 'softmax_input=tensor' rows: per tensor);",
+        "float scores for `row` and `row_exact` (the codes rounded once from exp(s - rowmax)), 8-bit codes of s - rowmax",
+        "on steps of ln(2)/2 for `row_log`, one calibrated asymmetric grid per tensor for `edge`; the",
+        "'softmax_input=row' rows: 8-bit codes of s - rowmax on [-T, 0] (T = 6.34 for 8-bit `row` output; what the",
+        "integer-only export form takes), the 'softmax_input=tensor' rows: one grid per tensor;",
         "softmax output unsigned: `edge` = uniform codes at scale 2^-bits; `row` (the default) = codes",
         "E = round((2^b-1) exp(s - rowmax)), P.V = (E.V)/sum(E); `row_exact` = the same codes divided by (2^b-1) times the",
         "exact sum of exp; `row_log` (4 bits) = the scores' distance to the row max on steps of ln(2)/2 (k steps),",
@@ -160,7 +164,7 @@ def main() -> int:
     parser.add_argument("--tasks", default="lm,vit", help="comma list of lm256, lm (full context), vit")
     parser.add_argument("--steps", type=int, default=None,
                         help="use the reference models trained this many steps (default: the reference budget)")
-    parser.add_argument("--bits", default="8,6,4", help="comma list of softmax output bits (default 8,6,4)")
+    parser.add_argument("--bits", type=int_list, default="8,6,4", help="comma list of softmax output bits (default 8,6,4)")
     parser.add_argument("--no-correction", action="store_true", help="skip the bias-correction rows")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "results" / "quant.md")
     args = parser.parse_args()
@@ -176,7 +180,7 @@ def main() -> int:
             task = reference_task(name, eval_limit=limit[name], steps=args.steps)
         else:
             parser.error(f"unknown task {name}")
-        bits = tuple(int(b) for b in args.bits.split(","))
+        bits = tuple(args.bits)
         sections.append((task, run_task(task, rows(bits, not args.no_correction))))
     write_atomic(args.output, markdown(sections, command_line(), time.time() - start))
     print(f"wrote {args.output}")

@@ -34,6 +34,7 @@ from softq.workloads.tasks import Task, reference_task
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from bench_quant import command_line, write_atomic  # noqa: E402
+from benchutil import seed_list  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "vanilla": None,
@@ -70,13 +71,13 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--lm-variants", default=None, help="LM variants (default: --variants)")
     parser.add_argument("--vit-variants", default=None, help="ViT variants (default: --variants)")
-    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--seeds", type=seed_list, default="0,1")
     parser.add_argument("--lm-steps", type=int, default=None, help="training steps (default: reference budget)")
     parser.add_argument("--vit-steps", type=int, default=None)
     parser.add_argument("--eval-limit", type=int, default=None, help="held-out LM windows (default all)")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "results" / "variants.md")
     args = parser.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = args.seeds
     variants_of = {"lm": args.lm_variants or args.variants, "vit": args.vit_variants or args.variants}
     for model_name in args.models.split(","):
         if model_name not in variants_of:

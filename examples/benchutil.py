@@ -166,7 +166,7 @@ def table_lines(results: list[dict], cells: list[tuple[int, int]], others: bool 
     return lines
 
 
-def int_list(text: str) -> list[int]:
+def int_list(text: str, minimum: int = 1) -> list[int]:
     """argparse type of a comma list of positive integers ("1,4,16"): a bad one is one line of usage error."""
     import argparse
 
@@ -174,9 +174,15 @@ def int_list(text: str) -> list[int]:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,8, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers such as 1,8, got {text!r}")
+    if not values or min(values) < minimum:
+        kind = "positive integers" if minimum == 1 else f"integers of at least {minimum}"
+        raise argparse.ArgumentTypeError(f"expected {kind} such as {max(minimum, 1)},8, got {text!r}")
     return values
+
+
+def seed_list(text: str) -> list[int]:
+    """argparse type of a comma list of seeds (non-negative integers, "0,1")."""
+    return int_list(text, minimum=0)
 
 
 def command_line() -> str:

@@ -44,6 +44,7 @@ from softq.workloads import LM_BUDGETS, VIT_BUDGETS
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from bench_quant import command_line, write_atomic  # noqa: E402
+from benchutil import int_list  # noqa: E402
 
 REPRESENTATIONS = ("edge", "row", "row_exact")
 MODES = {  # mode -> row label
@@ -181,8 +182,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["lm", "vit"], default="lm")
     parser.add_argument("--size", default="reference", help="model size (tiny: a smoke run)")
-    parser.add_argument("--bits", default="8", help="comma list of softmax output bits")
-    parser.add_argument("--steps", default=None,
+    parser.add_argument("--bits", type=int_list, default="8", help="comma list of softmax output bits")
+    parser.add_argument("--steps", type=int_list, default=None,
                         help="comma list of training budgets (default: the reference budget); one section each")
     parser.add_argument("--eval-limit", type=int, default=12, help="held-out windows (LM) / images (ViT)")
     parser.add_argument("--calib-size", type=int, default=16, help="calibration windows/images for the calibrated beta")
@@ -191,9 +192,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    bits_list = [int(b) for b in args.bits.split(",")]
+    bits_list = args.bits
     budget = (LM_BUDGETS if args.model == "lm" else VIT_BUDGETS)[args.size]["steps"]
-    steps_list = [int(s) for s in args.steps.split(",")] if args.steps else [budget]
+    steps_list = args.steps or [budget]
     start = time.time()
     body = []
     for steps in steps_list:

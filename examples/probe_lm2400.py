@@ -256,7 +256,8 @@ def main() -> None:
     lines += ["", "## 3. The 4-bit softmax by layer (that layer's softmax input and output at 4 bits, the others "
               "float; Linears 8-bit)", "", *head]
     for rep in ("row", "row_exact", "row_log"):
-        q4 = softq.quantize(task.model, task.calib, softq.QuantConfig(softmax_bits=4, softmax_output=rep))
+        q4 = softq.quantize(task.model, task.calib, softq.QuantConfig(softmax_bits=4, softmax_output=rep,
+                                                                      softmax_input="row"))  # as measured
         points = [p for _, p in attention_points(q4)]
         for i in [*range(len(points)), None]:
             for j, p in enumerate(points):
@@ -265,8 +266,8 @@ def main() -> None:
     q8f = softq.quantize(task.model, task.calib, softq.QuantConfig(softmax_bits=None))
     lines.append(row("W8A8 with a float softmax (reference for this section)", q8f))
     lines += ["", "## 4. 4-bit code variants (torch only, `row` normalisation)", "", *head]
-    q4 = softq.quantize(task.model, task.calib, softq.QuantConfig(softmax_bits=4))
-    points = [p for _, p in attention_points(q4)]
+    q4 = softq.quantize(task.model, task.calib, softq.QuantConfig(softmax_bits=4, softmax_input="row"))
+    points = [p for _, p in attention_points(q4)]  # (the input span follows the code gain below)
     with CodeVariant() as variant:
         for gain in (1.0, 1.5, 2.0, 3.0):
             variant.gain = gain

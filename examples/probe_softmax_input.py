@@ -1,14 +1,16 @@
 """The softmax input (attention scores) of W8A8 with row codes: per-tensor grid vs relative to the row max.
 
-On the reference LM, W8A8 with softq's default (8-bit `row` softmax codes, softmax input relative to the
-row max: ``QuantConfig.softmax_input="auto"``) is compared with:
+On the reference LM, W8A8 with 8-bit `row` softmax codes and the softmax input relative to the row max
+(``QuantConfig.softmax_input="row"``, the default before 2026-12-04 and what the integer-only export form
+takes) is compared with:
 
-* the same model with the softmax input left float;
+* the same model with the softmax input left float (what ``softmax_input="auto"`` means for `row` codes now:
+  ``"float"``);
 * the softmax input on one calibrated grid per tensor (``softmax_input="tensor"``, asymmetric 8-bit,
   min-max over the scores a row can see);
 * W8A8 with a float softmax (`softmax_bits=None`: neither scores nor probabilities quantized).
 
-Also the one-part-at-a-time sensitivity of the default W8A8 model (``softq.quant.
+Also the one-part-at-a-time sensitivity of that row-relative W8A8 model (``softq.quant.
 sensitivity``, grouped by tensor kind, held-out loss) and, per layer, the per-tensor grid's calibrated
 step next to the row-relative one, and the range of the valid scores on the first held-out window.
 
@@ -36,6 +38,7 @@ from softq.workloads.tasks import Task, reference_task
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from bench_quant import command_line, write_atomic  # noqa: E402
+from benchutil import int_list  # noqa: E402
 
 
 def causal_valid(scores: torch.Tensor) -> torch.Tensor:
@@ -62,12 +65,12 @@ def probe(task: Task, steps: int, bits_list: list[int]) -> list[str]:
                                                                       softq.QuantConfig(softmax_bits=None)))
     default = per_tensor = None
     for bits in bits_list:
-        qmodel = softq.quantize(task.model, task.calib, softq.QuantConfig(softmax_bits=bits))
-        record(f"W8A8, {bits}-bit row codes, input relative to the row max{' (default)' if bits == 8 else ''}", qmodel)
+        qmodel = softq.quantize(task.model, task.calib, softq.QuantConfig(softmax_bits=bits, softmax_input="row"))
+        record(f"W8A8, {bits}-bit row codes, input relative to the row max (softmax_input='row')", qmodel)
         quantizers = [p.scores for _, p in attention_points(qmodel)]
         for q in quantizers:
             q.mode = "float"
-        record("&nbsp;&nbsp;softmax input float", qmodel)
+        record("&nbsp;&nbsp;softmax input float (softmax_input='float', the default)", qmodel)
         for q in quantizers:
             q.mode = "quant"
         tensor = softq.quantize(task.model, task.calib, softq.QuantConfig(softmax_bits=bits, softmax_input="tensor"))
@@ -80,7 +83,7 @@ def probe(task: Task, steps: int, bits_list: list[int]) -> list[str]:
     if default is not None:
         ranking = sensitivity(default, lambda m: task.measure(m)[1])
         ref = ranking[0][1]
-        lines += ["", "One part of the default W8A8 model quantized at a time (held-out loss, nats; the softmax "
+        lines += ["", "One part of the row-relative-input W8A8 model quantized at a time (held-out loss, nats; the softmax "
                   "input alone drops the keys T or more below their row max, which the 8-bit row codes drop too):",
                   "", "| quantized part | held-out loss | change |", "|---|---|---|"]
         lines += [f"| {name} | {loss:.5f} | {loss - ref:+.5f} |" for name, loss in ranking
@@ -108,8 +111,8 @@ def probe(task: Task, steps: int, bits_list: list[int]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", default="800", help="comma list of training budgets of the reference LM")
-    parser.add_argument("--bits", default="8,4", help="comma list of softmax output bits (row codes)")
+    parser.add_argument("--steps", type=int_list, default="800", help="comma list of training budgets of the reference LM")
+    parser.add_argument("--bits", type=int_list, default="8,4", help="comma list of softmax output bits (row codes)")
     parser.add_argument("--eval-limit", type=int, default=12, help="held-out windows")
     parser.add_argument("--size", default="reference", help="LM size (tiny: a smoke run)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -120,9 +123,9 @@ def main() -> int:
     torch.manual_seed(0)
     start = time.time()
     body = []
-    for steps in (int(s) for s in args.steps.split(",")):
+    for steps in args.steps:
         task = reference_task("lm", eval_limit=args.eval_limit, steps=steps, size=args.size)
-        body += probe(task, steps, [int(b) for b in args.bits.split(",")])
+        body += probe(task, steps, args.bits)
     lines = ["# The softmax input of W8A8 with row codes: per tensor vs relative to the row max (generated)", "",
              f"Command: `{command_line()}`  ",
              f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} thread(s); "

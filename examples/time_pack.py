@@ -271,8 +271,12 @@ def write(results: list[dict], finite: dict[str, dict[str, bool]], pack: dict, a
         "",
     ]
     lines += table_lines(results, cells, others=False)
+    packed_bad = [f"{r['name']}: {v}" for r in results for v, ok in (r.get("refill_check") or {}).get("finite", {}).items()
+                  if not ok]
     lines += ["## The refill check (packing machine, 1 thread, batch 1)", "",
-              "Each variant timed with its real weights and with refilled ones, all interleaved in one run.", ""]
+              "Each variant timed with its real weights and with refilled ones, all interleaved in one run. The "
+              "refilled files' outputs there were " + ("finite for every file." if not packed_bad else
+                                                        f"not finite for {', '.join(packed_bad)}."), ""]
     lines += refill_check_lines(results) + [""]
     write_atomic(args.output, "\n".join(lines))
 

@@ -79,8 +79,10 @@ def _example_inputs(model):  # noqa: ANN001, ANN202
 def _config(args: argparse.Namespace):  # noqa: ANN202
     import softq
 
+    # the int form of row codes indexes its tables by score codes: a model quantized here for it gets them
+    codes = args.softmax == "int" and args.softmax_output in ("row", "row_exact")
     return softq.QuantConfig(bias_correction=args.bias_correction, softmax_output=args.softmax_output,
-                             softmax_bits=args.softmax_bits or None)
+                             softmax_bits=args.softmax_bits or None, softmax_input="row" if codes else "auto")
 
 
 def load_quantized(args: argparse.Namespace):  # noqa: ANN201

@@ -15,9 +15,10 @@ has an ONNX ``symbolic``:
   output is P.V.
 
 The TorchScript exporter (``dynamo=False``) traces that copy; afterwards each
-marker is replaced, after the scores' codes (``QuantizeLinear`` of ``s - rowmax`` for the
-default row-relative input, :func:`softq.export.int_softmax.build_relative_codes`; of ``s``
-for a per-tensor grid), by the form chosen for the layer's softmax-output representation:
+marker is replaced, after the softmax input stage (the default float input: ``s - rowmax``,
+:func:`softq.export.int_softmax.build_relative_scores`; score codes: ``QuantizeLinear`` of ``s - rowmax``
+for the row-relative grid, :func:`softq.export.int_softmax.build_relative_codes`, of ``s`` for a
+per-tensor grid), by the form chosen for the layer's softmax-output representation:
 
 * ``row`` / ``row_exact`` (:mod:`softq.export.row_attention`): ``fast`` or
   ``int``, integer codes relative to the row max, ``MatMulInteger`` with the
@@ -979,8 +980,9 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
 
     ``softmax``: the form of the attention core, by the model's
     ``softmax_output``.  ``row``/``row_exact`` (default): ``"fast"`` (default;
-    float Exp inside Q/DQ, integer GEMM with the row sum from the same GEMM) or
-    ``"int"`` (exp table, integer up to the int32 accumulators).  ``edge``:
+    float Exp, its codes by QuantizeLinear, integer GEMM with the row sum from the same GEMM) or
+    ``"int"`` (exp table indexed by score codes, integer up to the int32 accumulators; for a model
+    quantized with ``softmax_input="row"``: the default float softmax input has no codes).  ``edge``:
     ``"qdq"`` (portable default), ``"ort"`` (com.microsoft.QLinearSoftmax) or
     ``"int"`` (standard ops, integer arithmetic only).  A model quantized with a float
     softmax (``QuantConfig(softmax_bits=None)``): ``"float"``, the only form for it, with

@@ -49,7 +49,7 @@ The reference is the exactly rounded ``round(G exp(r))`` (float64 exp of the flo
 by one at rounding ties as in the ``fast`` form above.  Masked keys give ``exp = 0`` exactly, so neither the
 codes nor ``row_exact``'s float sum need a mask in the core.
 
-Row-relative score codes (``QuantConfig.softmax_input="row"``, the default; ``SoftmaxQuant.relative``):
+Row-relative score codes (``QuantConfig.softmax_input="row"``; ``SoftmaxQuant.relative``):
 the codes already are ``qmax - d`` (:func:`softq.export.int_softmax.relative_codes`), so neither form
 takes a row max: ``fast`` dequantizes them straight into the Exp, ``int`` indexes the tables by the
 code.  Code 0 (masked keys, scores ``T`` or more below the max) gives ``E = 0`` and a 0 exact-sum

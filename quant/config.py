@@ -110,9 +110,10 @@ class QuantConfig:
             0.9852 -> 0.9969 (minilm.md); ``"edge"``: uniform codes at
             scale ``softmax_scale`` (the TFLite/QNN convention).
         softmax_input: grid of the softmax input (the attention scores), used when
-            ``softmax_bits`` is set.  ``"auto"`` (default): ``"row"`` for ``row``,
-            ``row_exact`` and ``row_log`` outputs, ``"tensor"`` for ``edge`` (the TFLite/QNN convention
-            its runtimes' softmax kernels take).  ``"row"``: codes of ``s - rowmax``
+            ``softmax_bits`` is set.  ``"auto"`` (default): ``"float"`` for ``row`` and
+            ``row_exact`` outputs, ``"row"`` for ``row_log`` (its log grid), ``"tensor"`` for ``edge`` (the
+            TFLite/QNN convention its runtimes' softmax kernels take); before 2026-12-04 ``"row"`` for
+            ``row`` and ``row_exact`` too (saved models record which).  ``"row"``: codes of ``s - rowmax``
             (over the keys the row may attend) on ``[-T, 0]`` with the fixed step
             ``T / (2**act_bits - 1)``, no calibration; ``T`` is where the output code
             becomes 0 (:func:`softmax_input_span`: 6.34 for 8-bit ``row`` outputs;
@@ -126,7 +127,9 @@ class QuantConfig:
             runtime with a float ``Exp`` computes them anyway (onnxruntime, OpenVINO, tract:
             the ``fast`` form): one rounding instead of two, and a ``QuantizeLinear`` /
             ``DequantizeLinear`` pair fewer per layer.  Only the ``fast`` form exports it
-            (the ``int`` form indexes its tables by integer score codes).
+            (the ``int`` form indexes its tables by integer score codes: quantize with ``"row"``
+            for it).  Measured: docs/results/export_speed.md (the ``fast, score codes`` rows are
+            ``"row"``) and quant.md.
         softmax_scale: ``"edge"`` output only. ``"fixed"`` uses ``2**-softmax_bits``
             (the TFLite/QNN edge convention, what the ONNX export emits);
             ``"calibrated"`` fits the scale to the largest probability seen.
