@@ -90,7 +90,9 @@ def main() -> int:
     rows: list[tuple[str, dict[str, float]]] = [("FP32 (torch)", scores(ref, ref, loaded.encode(qb), loaded.encode(cb)))]
 
     default = softq.QuantConfig()
-    configs = [(f"softq default: {default.describe()}", default)]
+    configs = [(f"softq default: {default.describe()}", default),
+               ("  softmax input on the row-relative grid (softmax_input='row'; the default before 2026-12-04)",
+                softq.QuantConfig(softmax_input="row"))]
     resid = softq.QuantConfig(quantize_residual=True)
     configs.append(("softq, residual stream quantized (quantize_residual=True; residual_groups='auto': 4 here)", resid))
     for k in [int(g) for g in args.groups.split(",") if g]:
