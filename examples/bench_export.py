@@ -221,7 +221,9 @@ def write_report(path: Path, command: str, model_rows: list[dict[str, object]], 
         "",
         f"onnxruntime {ort.__version__}, CPU `{platform.processor() or platform.machine()}`, "
         f"{args.threads} intra-op thread(s), graph optimisation ORT_ENABLE_ALL, median of {args.repeats} runs "
-        "interleaved across the task's models. Default quantization (softmax codes relative to the row max) "
+        "interleaved across the task's models. Default quantization (softmax codes relative to the row max, "
+        "rounded from the float scores; 'on score codes': `softmax_input='row'`, the scores on a row-relative "
+        "8-bit grid first, which the integer-only `int` form takes) "
         f"and the edge codes (uniform 2^-8) with softmax bias correction: {args.bias_correction}. LM latency: batch 1 x {args.context} tokens; "
         f"ViT latency: batch {args.vit_batch}. Metric: perplexity (LM, lower is better) or top-1 % (ViT) on "
         f"the held-out split (LM: {f'first {args.eval_limit} windows' if args.eval_limit else 'all windows'}; "
