@@ -922,8 +922,8 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
         check_form_for(representation, softmax)
     if softmax != "fast" and any(info.get("rq") is not None and info["rq"].float_scores for info in layers.values()):
         raise ExportError(f"softmax form {softmax!r} takes integer score codes; this model keeps its softmax input float "
-                          "(QuantConfig(softmax_input='float')): export it with softmax='fast', or quantize with "
-                          "softmax_input='row'")
+                          "(softmax_input='float', what the default 'auto' means for row codes): export it with "
+                          "softmax='fast', or quantize with softmax_input='row' (CLI: --softmax-input row)")
     wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
     feeds = example_feeds(qmodel, example_inputs, names)
     if softmax == "ort" and "attention_mask" in names:
