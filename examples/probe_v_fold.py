@@ -1,0 +1,134 @@
+"""Probe: the attention output's input smoothing folded into V instead of the row core's division.
+
+With ``input_smoothing`` at every input (what ``"auto"`` keeps for the reference ViT and LM), the output
+projection's input (the attention output P.V) is multiplied by a per-channel ``1/s``; the ONNX export folds
+it into the row core's final division as a per-(head, channel) constant, one full-size Mul per layer.  P.V is
+linear in V channel by channel, so the same ``1/s`` can scale V instead: the rows (and bias) of the Linear
+that produces V (v_proj; GPT-2's c_attn: its V third), whose per-output-channel weight codes do not change,
+and V's quantizer then sees V/s.  This probe applies that to a model ``softq.quantize`` returned (its V
+ranges observed again over the calibration batches), exports both with ``to_onnx`` and compares, for
+bench_export_speed.py's reference ViT and LM: the distance of the ONNX outputs to FP32's, the task metric,
+and the latency ratio to FP32 (one thread, batches 1 and 32, runs interleaved with onnxruntime's
+``quantize_dynamic`` file). Not part of softq yet: this measures whether to build it.
+
+    python examples/probe_v_fold.py   # writes docs/results/v_fold_probe.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_export_speed import Bench  # noqa: E402
+from benchutil import command_line, cpu_description, interleaved, write_atomic  # noqa: E402
+
+import softq  # noqa: E402
+from softq.attention import attention_points  # noqa: E402
+from softq.calib.observers import MinMaxObserver  # noqa: E402
+from softq.export import onnx_utils as U  # noqa: E402
+from softq.export.model_export import to_onnx, to_onnx_float  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@torch.no_grad()
+def fold_into_v(qmodel: torch.nn.Module, calib: list) -> int:
+    """Move each attention output's smoothing scale into V, in place; returns how many layers were folded."""
+    modules = dict(qmodel.named_modules())
+    folded = 0
+    for name, points in attention_points(qmodel):
+        out = modules.get(f"{name}.o_proj") or modules.get(f"{name}.c_proj")
+        v, rows = modules.get(f"{name}.v_proj"), slice(None)
+        if v is None and f"{name}.c_attn" in modules:  # GPT-2: Q, K, V in one Linear
+            v = modules[f"{name}.c_attn"]
+            third = v.weight.shape[0] // 3
+            rows = slice(2 * third, 3 * third)
+        if out is None or v is None or not out.input_scale.numel():
+            continue
+        inv = out.input_scale.clone()
+        v.weight[rows].mul_(inv[:, None])
+        if v.bias is not None:
+            v.bias[rows].mul_(inv)
+        if v.bias_shift.numel():  # the weight bias correction is linear in the rows too
+            v.bias_shift[rows].mul_(inv)
+        out.input_scale = torch.ones(0)
+        points.v.observer, points.v.mode = MinMaxObserver(), "observe"
+        folded += 1
+    for batch in calib:
+        qmodel(**batch)
+    for _, points in attention_points(qmodel):
+        if points.v.mode == "observe":
+            points.v.finish_calibration()
+            points.v.mode = "quant"
+    return folded
+
+
+def probe(name: str, rounds: int, rounds_large: int, work: Path) -> list[str]:
+    bench = Bench(name, argparse.Namespace(calib_batches=4))
+    qmodel = softq.quantize(bench.model, bench.calib, softq.QuantConfig())
+    folded = copy.deepcopy(qmodel)
+    count = fold_into_v(folded, bench.calib)
+    paths = {"FP32": Path(to_onnx_float(bench.model, work / f"{name}_fp32.onnx", bench.example()))}
+    paths["softq INT8 (default)"] = Path(to_onnx(qmodel, work / f"{name}_default.onnx", bench.example()))
+    paths["softq INT8, smoothing folded into V"] = Path(to_onnx(folded, work / f"{name}_vfold.onnx", bench.example()))
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    paths["ORT quantize_dynamic"] = work / f"{name}_dynamic.onnx"
+    quantize_dynamic(str(paths["FP32"]), str(paths["ORT quantize_dynamic"]), per_channel=True,
+                     weight_type=QuantType.QInt8)
+    fp32 = bench.output_rows(paths["FP32"])
+    lat = {}
+    for size in (1, 32):
+        sessions = {k: U.session(p, "all", threads=1) for k, p in paths.items()}
+        feeds = bench.latency_feeds(size)
+        lat[size] = interleaved({k: (lambda s=s: s.run(None, feeds)) for k, s in sessions.items()},
+                                rounds if size == 1 else rounds_large)
+    lines = [f"## {name} ({count} attention layers folded; input smoothing: alpha {qmodel.softq_input_smoothing}, "
+             f"{'LayerNorm-folded inputs only' if qmodel.softq_smoothing_folded_only else 'every input'})", "",
+             "| file | accuracy (ONNX) | distance to FP32 | 1 thr, batch 1 | 1 thr, batch 32 |", "|---|---|---|---|---|"]
+    for k, p in paths.items():
+        rows = bench.output_rows(p)
+        cos = (rows * fp32).sum(-1) / (np.linalg.norm(rows, axis=-1) * np.linalg.norm(fp32, axis=-1))
+        cells = [f"{1e3 * lat[s]['FP32']:.2f} ms" if k == "FP32" else f"{lat[s][k] / lat[s]['FP32']:.3f}" for s in (1, 32)]
+        lines.append(f"| {k} | {bench.accuracy(p, None):.4f} | {float((1 - cos).mean()):.2e} | {' | '.join(cells)} |")
+    return lines + [""]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="vit,lm", help="comma list of reference models (vit, lm)")
+    parser.add_argument("--rounds", type=int, default=31, help="timed rounds at batch 1")
+    parser.add_argument("--rounds-large", type=int, default=9, help="timed rounds at batch 32")
+    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "results" / "v_fold_probe.md")
+    args = parser.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    unknown = set(models) - {"vit", "lm"}
+    if unknown:
+        parser.error(f"unknown model(s) {sorted(unknown)}; choose from vit, lm")
+    torch.set_num_threads(1)
+    start = time.time()
+    body: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in models:
+            body += probe(name, args.rounds, args.rounds_large, Path(tmp))
+    head = ["# Attention-output smoothing folded into V (probe)", "",
+            "Generated by `examples/probe_v_fold.py`; do not edit by hand. Command:", "", f"    {command_line()}", "",
+            f"Machine: {cpu_description()}. onnxruntime, ORT_ENABLE_ALL; latency: the four files interleaved run by run, "
+            f"medians ({args.rounds} rounds at batch 1, {args.rounds_large} at 32), ratio to the FP32 file in the same "
+            f"run. Distance: mean cosine distance of the output vectors (logits per image / per token) to FP32's on "
+            f"the held-out data, as export_speed.md. Took {(time.time() - start) / 60:.1f} min.", ""]
+    write_atomic(args.output, "\n".join(head + body))
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
