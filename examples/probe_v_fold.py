@@ -1,15 +1,17 @@
-"""Probe: the attention output's input smoothing folded into V instead of the row core's division.
+"""Probe: ``QuantConfig(smoothing_into_v=True)`` against the default, on the reference ViT and LM and MiniLM.
 
 With ``input_smoothing`` at every input (what ``"auto"`` keeps for the reference ViT and LM), the output
 projection's input (the attention output P.V) is multiplied by a per-channel ``1/s``; the ONNX export folds
 it into the row core's final division as a per-(head, channel) constant, one full-size Mul per layer.  P.V is
 linear in V channel by channel, so the same ``1/s`` can scale V instead: the rows (and bias) of the Linear
 that produces V (v_proj; GPT-2's c_attn: its V third), whose per-output-channel weight codes do not change,
-and V's quantizer then sees V/s.  This probe applies that to a model ``softq.quantize`` returned (its V
-ranges observed again over the calibration batches), exports both with ``to_onnx`` and compares, for
-bench_export_speed.py's reference ViT and LM: the distance of the ONNX outputs to FP32's, the task metric,
+and V's quantizer then sees V/s (``softq.quant.quantize.fold_smoothing_into_v``; V's range observed again
+over the calibration batches).  This probe quantizes with and without it, exports both with ``to_onnx``
+and compares, for
+bench_export_speed.py's reference ViT and LM and all-MiniLM-L6-v2: the distance of the ONNX outputs to
+FP32's, the task metric (MiniLM: the sentence embeddings' mean cosine to FP32's),
 and the latency ratio to FP32 (one thread, batches 1 and 32, runs interleaved with onnxruntime's
-``quantize_dynamic`` file). Not part of softq yet: this measures whether to build it.
+``quantize_dynamic`` file): what decides whether it becomes the default.
 
     python examples/probe_v_fold.py   # writes docs/results/v_fold_probe.md
 """
@@ -17,7 +19,6 @@ and the latency ratio to FP32 (one thread, batches 1 and 32, runs interleaved wi
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import tempfile
 import time
@@ -31,54 +32,23 @@ from bench_export_speed import Bench  # noqa: E402
 from benchutil import command_line, cpu_description, interleaved, write_atomic  # noqa: E402
 
 import softq  # noqa: E402
-from softq.attention import attention_points  # noqa: E402
-from softq.calib.observers import MinMaxObserver  # noqa: E402
 from softq.export import onnx_utils as U  # noqa: E402
 from softq.export.model_export import to_onnx, to_onnx_float  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@torch.no_grad()
-def fold_into_v(qmodel: torch.nn.Module, calib: list) -> int:
-    """Move each attention output's smoothing scale into V, in place; returns how many layers were folded."""
-    modules = dict(qmodel.named_modules())
-    folded = 0
-    for name, points in attention_points(qmodel):
-        out = modules.get(f"{name}.o_proj") or modules.get(f"{name}.c_proj")
-        v, rows = modules.get(f"{name}.v_proj"), slice(None)
-        if v is None and f"{name}.c_attn" in modules:  # GPT-2: Q, K, V in one Linear
-            v = modules[f"{name}.c_attn"]
-            third = v.weight.shape[0] // 3
-            rows = slice(2 * third, 3 * third)
-        if out is None or v is None or not out.input_scale.numel():
-            continue
-        inv = out.input_scale.clone()
-        v.weight[rows].mul_(inv[:, None])
-        if v.bias is not None:
-            v.bias[rows].mul_(inv)
-        if v.bias_shift.numel():  # the weight bias correction is linear in the rows too
-            v.bias_shift[rows].mul_(inv)
-        out.input_scale = torch.ones(0)
-        points.v.observer, points.v.mode = MinMaxObserver(), "observe"
-        folded += 1
-    for batch in calib:
-        qmodel(**batch)
-    for _, points in attention_points(qmodel):
-        if points.v.mode == "observe":
-            points.v.finish_calibration()
-            points.v.mode = "quant"
-    return folded
-
-
 def probe(name: str, rounds: int, rounds_large: int, work: Path) -> list[str]:
     bench = Bench(name, argparse.Namespace(calib_batches=4))
     qmodel = softq.quantize(bench.model, bench.calib, softq.QuantConfig())
-    folded = copy.deepcopy(qmodel)
-    count = fold_into_v(folded, bench.calib)
-    paths = {"FP32": Path(to_onnx_float(bench.model, work / f"{name}_fp32.onnx", bench.example()))}
-    paths["softq INT8 (default)"] = Path(to_onnx(qmodel, work / f"{name}_default.onnx", bench.example()))
-    paths["softq INT8, smoothing folded into V"] = Path(to_onnx(folded, work / f"{name}_vfold.onnx", bench.example()))
+    folded = softq.quantize(bench.model, bench.calib, softq.QuantConfig(smoothing_into_v=True))
+    count = folded.softq_smoothing_into_v
+    pool = {} if bench.pooling is None else {"pooling": bench.pooling[0], "normalize": bench.pooling[1]}
+    paths = {"FP32": Path(to_onnx_float(bench.model, work / f"{name}_fp32.onnx", bench.example(), **pool))}
+    paths["softq INT8 (default)"] = Path(to_onnx(qmodel, work / f"{name}_default.onnx", bench.example(), **pool))
+    paths["softq INT8, smoothing_into_v=True"] = Path(to_onnx(folded, work / f"{name}_vfold.onnx", bench.example(),
+                                                              **pool))
+    ref = None if name in ("lm", "vit") else bench.reference(bench.model)
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     paths["ORT quantize_dynamic"] = work / f"{name}_dynamic.onnx"
@@ -98,32 +68,33 @@ def probe(name: str, rounds: int, rounds_large: int, work: Path) -> list[str]:
         rows = bench.output_rows(p)
         cos = (rows * fp32).sum(-1) / (np.linalg.norm(rows, axis=-1) * np.linalg.norm(fp32, axis=-1))
         cells = [f"{1e3 * lat[s]['FP32']:.2f} ms" if k == "FP32" else f"{lat[s][k] / lat[s]['FP32']:.3f}" for s in (1, 32)]
-        lines.append(f"| {k} | {bench.accuracy(p, None):.4f} | {float((1 - cos).mean()):.2e} | {' | '.join(cells)} |")
+        lines.append(f"| {k} | {bench.accuracy(p, ref):.4f} | {float((1 - cos).mean()):.2e} | {' | '.join(cells)} |")
     return lines + [""]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="vit,lm", help="comma list of reference models (vit, lm)")
+    parser.add_argument("--models", default="vit,lm,minilm", help="comma list of vit, lm, minilm")
     parser.add_argument("--rounds", type=int, default=31, help="timed rounds at batch 1")
     parser.add_argument("--rounds-large", type=int, default=9, help="timed rounds at batch 32")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "results" / "v_fold_probe.md")
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]
-    unknown = set(models) - {"vit", "lm"}
+    unknown = set(models) - {"vit", "lm", "minilm"}
     if unknown:
-        parser.error(f"unknown model(s) {sorted(unknown)}; choose from vit, lm")
+        parser.error(f"unknown model(s) {sorted(unknown)}; choose from vit, lm, minilm")
     torch.set_num_threads(1)
     start = time.time()
     body: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
             body += probe(name, args.rounds, args.rounds_large, Path(tmp))
-    head = ["# Attention-output smoothing folded into V (probe)", "",
+    head = ["# `QuantConfig(smoothing_into_v=True)`: the attention output's smoothing folded into V (probe)", "",
             "Generated by `examples/probe_v_fold.py`; do not edit by hand. Command:", "", f"    {command_line()}", "",
             f"Machine: {cpu_description()}. onnxruntime, ORT_ENABLE_ALL; latency: the four files interleaved run by run, "
             f"medians ({args.rounds} rounds at batch 1, {args.rounds_large} at 32), ratio to the FP32 file in the same "
-            f"run. Distance: mean cosine distance of the output vectors (logits per image / per token) to FP32's on "
+            f"run. Distance: mean cosine distance of the output vectors (logits per image / per token, MiniLM's sentence "
+            f"embeddings) to FP32's on "
             f"the held-out data, as export_speed.md. Took {(time.time() - start) / 60:.1f} min.", ""]
     write_atomic(args.output, "\n".join(head + body))
     print(f"wrote {args.output}")

@@ -207,6 +207,19 @@ class QuantConfig:
             8.6e-6, all-MiniLM-L6-v2 2.11e-3 -> 1.71e-3 (embedding cosine 0.9979 -> 0.9983),
             the reference LM 6.3e-6 -> 6.0e-6, the reference ViT 5.9e-5 -> 4.7e-5 (top-1 =
             FP32's); with a float softmax 0.06x to 0.93x as well.
+        smoothing_into_v: where input smoothing scales the attention output (the output
+            projection's input, at every input), apply that per-channel ``1/s`` to V instead:
+            the rows and bias of the Linear that produces V (found by matching values on one
+            calibration batch: v_proj, BERT's value, GPT-2's V third of c_attn), whose per-channel
+            weight codes do not change, and V's range is observed again on the calibration
+            batches.  The same function in float; in the ONNX row core the division's
+            per-(head, channel) constant becomes a scalar that folds away, one full-size Mul
+            fewer per layer.  Off by default: measured (docs/results/v_fold_probe.md, one thread,
+            batch 1 / 32) the reference ViT 0.584x / 0.528x FP32 against 0.581x / 0.574x and a little
+            closer to FP32 (4.39e-5 against 4.49e-5), the reference LM 0.502x / 0.521x against
+            0.526x / 0.523x at the same distance, but all-MiniLM-L6-v2 8% further from FP32
+            (1.86e-3 against 1.72e-3, cosine 0.9981 against 0.9983) for 1-3%: V's per-tensor grid
+            then has to cover the scaled channels.  A speed option, not a free one.
         quantize_residual: also quantize LayerNorm inputs (the residual stream).
             ``"auto"`` (default): only with the ``edge`` softmax output (the integer-only
             runtimes' convention, where every tensor between ops is 8-bit); with ``row`` and
@@ -271,6 +284,7 @@ class QuantConfig:
     percentile: float = 99.99
     bias_correction: Literal["tensor", "head", "head_row"] | None = None
     weight_bias_correction: bool = True
+    smoothing_into_v: bool = False
     smoothquant_alpha: float | None = None
     input_smoothing: float | Literal["auto"] | None = "auto"
     quantize_residual: bool | Literal["auto"] = "auto"
@@ -316,6 +330,8 @@ class QuantConfig:
             )
         if not isinstance(self.weight_bias_correction, bool):
             raise ValueError(f"weight_bias_correction must be True or False, got {self.weight_bias_correction!r}")
+        if not isinstance(self.smoothing_into_v, bool):
+            raise ValueError(f"smoothing_into_v must be True or False, got {self.smoothing_into_v!r}")
         if self.embedding_bits is not None and (not isinstance(self.embedding_bits, int)
                                                 or isinstance(self.embedding_bits, bool)
                                                 or not MIN_BITS <= self.embedding_bits <= 8):

@@ -34,7 +34,7 @@ from torch.nn.utils import parametrize
 
 from softq.attention import AttentionPoints, attention_points
 from softq.calib.data import Batch, as_batches, run_batches
-from softq.calib.observers import MinMaxObserver
+from softq.calib.observers import MinMaxObserver, make_observer
 from softq.calib.smoothquant import (InputGroup, InputRecorder, post_ln, skipped, smooth, smooth_inputs,
                                      smoothable_linears, smoothing_scales)
 from softq.models import conv1d_to_linear, model_family
@@ -197,6 +197,8 @@ def quantize(
     qmodel.softq_input_smoothing, qmodel.softq_smoothing_errors = alpha, errors
     qmodel.softq_smoothing_folded_only = folded and alpha is not None
     qmodel.softq_folded_smoothing_errors = folded_errors
+    # the attention outputs' smoothing moved into V (before the weight bias correction sees the rows)
+    qmodel.softq_smoothing_into_v = fold_smoothing_into_v(qmodel, batches, config) if config.smoothing_into_v else 0
 
     if config.weight_bias_correction:
         correct_weight_bias(qmodel, batches)
@@ -390,6 +392,79 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
 def _weight_only_convs(qmodel: nn.Module) -> dict[str, nn.Conv2d]:
     return {name: m for name, m in qmodel.named_modules() if isinstance(m, nn.Conv2d)
             and parametrize.is_parametrized(m, "weight") and isinstance(m.parametrizations.weight[0], WeightOnly)}
+
+
+@torch.no_grad()
+def fold_smoothing_into_v(qmodel: nn.Module, batches: list[Batch], config: QuantConfig) -> int:
+    """``QuantConfig.smoothing_into_v``: each attention output's input-smoothing scale ``1/s`` (the output
+    projection's ``input_scale``) moved onto V, i.e. onto the rows (and bias) of the Linear whose output V is;
+    returns how many attention layers were folded.
+
+    P.V is linear in V channel by channel, so ``(P.V) / s = P.(V / s)``: the same function in float.  Which
+    Linear reads the attention output and which Linear's output (or which ``H d``-wide slice of it: GPT-2's
+    c_attn) is V is found by comparing values on the first calibration batch, not by module names.  Only
+    with per-channel weight codes (a row's scale then leaves its codes as they are).  V's quantizer, now
+    seeing V / s, observes its range again over ``batches``; runs after the other ranges are fixed and
+    before the weight bias correction, which then sees the scaled rows.
+    """
+    if not config.weight_per_channel:
+        return 0
+    layers = attention_points(qmodel)
+    linears = {n: m for n, m in qmodel.named_modules() if isinstance(m, QLinear)}
+    values: dict[int, torch.Tensor] = {}
+    pvs: dict[int, torch.Tensor] = {}
+    seen_in: dict[str, torch.Tensor] = {}
+    seen_out: dict[str, torch.Tensor] = {}
+    hooks = []
+    for i, (_, points) in enumerate(layers):
+        hooks.append(points.v.register_forward_pre_hook(lambda _m, args, i=i: values.__setitem__(i, args[0])))
+        hooks.append(points.pv.register_forward_hook(lambda _m, _args, out, i=i: pvs.__setitem__(i, out)))
+    def record(name: str):  # noqa: ANN202 - a forward hook returning None keeps the layer's output
+        def hook(_m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            seen_in[name], seen_out[name] = args[0], out
+        return hook
+
+    for name, lin in linears.items():
+        hooks.append(lin.register_forward_hook(record(name)))
+    try:
+        run_batches(qmodel, batches[:1])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    folded = []
+    for i, (_, points) in enumerate(layers):
+        v, pv = values.get(i), pvs.get(i)
+        if v is None or pv is None or v.dim() != 4 or pv.dim() != 4 or pv.shape[:2] != v.shape[:2] \
+                or pv.shape[3] != v.shape[3]:
+            continue
+        b, h, n, d = v.shape
+        width = h * d
+        flat_pv = pv.transpose(1, 2).reshape(b, pv.shape[2], width)
+        readers = [k for k, x in seen_in.items() if x.shape == flat_pv.shape and torch.equal(x, flat_pv)]
+        flat_v = v.transpose(1, 2).reshape(b, n, width)
+        sources = [(k, j) for k, y in seen_out.items() if y.dim() == 3 and tuple(y.shape[:2]) == (b, n)
+                   and y.shape[-1] % width == 0 for j in range(0, y.shape[-1], width)
+                   if torch.equal(y[..., j:j + width], flat_v)]
+        if len(readers) != 1 or len(sources) != 1:
+            continue
+        out, (src, j) = linears[readers[0]], sources[0]
+        if out.input_scale.numel() != width:
+            continue
+        inv = out.input_scale.to(linears[src].weight.dtype)
+        rows = slice(j, j + width)
+        linears[src].weight[rows] *= inv[:, None]
+        if linears[src].bias is not None:
+            linears[src].bias[rows] *= inv
+        out.input_scale = torch.ones(0, dtype=out.input_scale.dtype, device=out.input_scale.device)
+        points.v.observer = make_observer(config.observer, config.percentile)
+        points.v.mode = "observe"
+        folded.append(points.v)
+    if folded:
+        run_batches(qmodel, batches, desc="calibrating V")
+        for quantizer in folded:
+            quantizer.finish_calibration()
+            quantizer.mode = "quant"
+    return len(folded)
 
 
 @torch.no_grad()

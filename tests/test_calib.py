@@ -173,6 +173,64 @@ def test_input_smoothing_keeps_the_function_and_exports_one_mul_per_input(tmp_pa
     assert all(any(p.op_type == "Mul" for p in onnx_model.graph.node if p.output[0] == n.input[0]) for n in quants)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "bert", "vit"])
+def test_smoothing_into_v_keeps_the_function_and_drops_the_cores_per_channel_divisor(family, tmp_path) -> None:
+    """QuantConfig(smoothing_into_v=True): the attention output's smoothing scale moves onto the rows of the
+    Linear that produces V (GPT-2: the V third of c_attn; BERT: value), found by value on a calibration batch.
+    With every quantizer off the model computes what the unfolded one does (the fold is exact in float); its
+    ONNX row cores divide by a scalar (no per-(head, channel) constant left) and match torch; it saves and
+    loads bit for bit; with per-tensor weight codes nothing is folded."""
+    from onnx import numpy_helper
+
+    from softq.export.model_export import build_onnx
+    from softq.quant.io import load, save
+    from softq.quant.quantize import set_mode
+    from conftest import padded_logit_error
+
+    calib = [tiny_inputs(family, seed=s) for s in range(4)]
+    model = tiny_model(family)
+    plain = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8))
+    folded = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8, smoothing_into_v=True))
+    layers = folded.config.num_hidden_layers
+    assert plain.softq_smoothing_into_v == 0 and folded.softq_smoothing_into_v == layers
+    outs = {"attn.c_proj", "attention.output.dense", "attention.o_proj"}
+    readers = [m for n, m in folded.named_modules() if any(n.endswith(o) for o in outs)]
+    assert len(readers) == layers and all(m.input_scale.numel() == 0 for m in readers)
+    x = tiny_inputs(family, seed=9)
+    with torch.no_grad():
+        quantized = folded(**x)[0]
+        set_mode(plain, "float")
+        set_mode(folded, "float")
+        torch.testing.assert_close(folded(**x)[0], plain(**x)[0], rtol=1e-4, atol=1e-5)
+        set_mode(folded, "quant")
+    def core_scales(m):  # noqa: ANN001, ANN202 - the row cores' Mul nodes with a non-scalar constant
+        consts = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+        consts.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in m.graph.node
+                       if n.op_type == "Constant"})
+        return [n for n in m.graph.node if n.op_type == "Mul" and "/core/" in n.name
+                and any(i in consts and consts[i].size > 1 for i in n.input)]
+
+    set_mode(plain, "quant")
+    assert len(core_scales(build_onnx(plain, x, "fast"))) == layers  # the divisor's per-(head, channel) factor
+    onnx_model = build_onnx(folded, x, "fast")
+    assert core_scales(onnx_model) == []
+    if family == "vit":
+        from softq.export import onnx_utils as U
+
+        out = U.run(onnx_model, {"pixel_values": x["pixel_values"].numpy()}, "all")[0]
+        assert np.abs(out - quantized.numpy()).max() <= 0.02 * np.abs(quantized.numpy()).max()
+    elif family == "gpt2":
+        assert padded_logit_error(folded, onnx_model, family, seq=20, pad_from=14, seed=9) <= 0.02
+    again = load(save(folded, tmp_path / "q"))
+    with torch.no_grad():
+        torch.testing.assert_close(again(**x)[0], quantized, rtol=0, atol=0)
+    per_tensor = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8, smoothing_into_v=True,
+                                                                weight_per_channel=False))
+    assert per_tensor.softq_smoothing_into_v == 0
+    with pytest.raises(ValueError, match="smoothing_into_v must be True or False"):
+        softq.QuantConfig(smoothing_into_v="yes")
+
+
 def test_input_smoothing_config_is_validated() -> None:
     for bad in (1.5, -0.1, "always", True):
         with pytest.raises(ValueError, match="input_smoothing must be an alpha"):
