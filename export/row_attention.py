@@ -346,25 +346,22 @@ def build_row_attention(
     q = rq.scores
     b = _Builder(prefix, opset)
     den_f = None
-    if form == "fast" and rq.float_scores:  # x = s - rowmax (float32, masked keys <= -5e29: exp gives 0)
-        if valid is not None:
-            raise ValueError("the float-score core takes s - rowmax with the mask already applied "
-                             "(softq.export.int_softmax.build_relative_scores); give it no valid mask")
-        ex = b.op("Exp", [x])
-        e = b.op("QuantizeLinear", [ex, b.const("e_scale", np.float32(1.0 / rq.gain), np.float32),
-                                    b.const("e_zp", 0, np.uint8)])
-        if rq.representation == "row_exact":
-            den_f = b.at_least(b.reduce("ReduceSum", ex, -1), "one_f", 1.0, np.float32)
-    elif form == "fast":
-        # masks as Min/Max with per-key caps (4x faster than a broadcast Where in onnxruntime)
-        xm = x if valid is None else b.op("Min", [x, _cap(b, valid, q.in_dtype, q.qmin, "x")])
-        s_scale, s_zp = b.const("s_scale", q.scale32, np.float32), b.const("s_zp", q.zero_point, q.in_dtype)
-        if q.relative:  # DQ(x) = (x - qmax) S is already s - rowmax; code 0 (masked) gives E = 0
-            f = b.op("DequantizeLinear", [xm, s_scale, s_zp])
+    if form == "fast":
+        if rq.float_scores:  # x = s - rowmax (float32, masked keys <= -5e29: exp gives 0)
+            if valid is not None:
+                raise ValueError("the float-score core takes s - rowmax with the mask already applied "
+                                 "(softq.export.int_softmax.build_relative_scores); give it no valid mask")
+            f = x
         else:
-            mx = b.reduce("ReduceMax", xm, -1)
-            f = b.op("Sub", [b.op("DequantizeLinear", [xm, s_scale, s_zp]),
-                             b.op("DequantizeLinear", [mx, s_scale, s_zp])])
+            # masks as Min/Max with per-key caps (4x faster than a broadcast Where in onnxruntime)
+            xm = x if valid is None else b.op("Min", [x, _cap(b, valid, q.in_dtype, q.qmin, "x")])
+            s_scale, s_zp = b.const("s_scale", q.scale32, np.float32), b.const("s_zp", q.zero_point, q.in_dtype)
+            if q.relative:  # DQ(x) = (x - qmax) S is already s - rowmax; code 0 (masked) gives E = 0
+                f = b.op("DequantizeLinear", [xm, s_scale, s_zp])
+            else:
+                mx = b.reduce("ReduceMax", xm, -1)
+                f = b.op("Sub", [b.op("DequantizeLinear", [xm, s_scale, s_zp]),
+                                 b.op("DequantizeLinear", [mx, s_scale, s_zp])])
         ex = b.op("Exp", [f])
         e = b.op("QuantizeLinear", [ex, b.const("e_scale", np.float32(1.0 / rq.gain), np.float32),
                                     b.const("e_zp", 0, np.uint8)])

@@ -419,6 +419,7 @@ def fold_smoothing_into_v(qmodel: nn.Module, batches: list[Batch], config: Quant
     for i, (_, points) in enumerate(layers):
         hooks.append(points.v.register_forward_pre_hook(lambda _m, args, i=i: values.__setitem__(i, args[0])))
         hooks.append(points.pv.register_forward_hook(lambda _m, _args, out, i=i: pvs.__setitem__(i, out)))
+
     def record(name: str):  # noqa: ANN202 - a forward hook returning None keeps the layer's output
         def hook(_m: nn.Module, args: tuple, out: torch.Tensor) -> None:
             seen_in[name], seen_out[name] = args[0], out
