@@ -76,9 +76,10 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                         "observation; in pre-LN models also applied only where it folds into a LayerNorm, free at "
                         "run time; smoothing every input only if 20%% closer than none and closer than those) or "
                         "none")
-    p.add_argument("--smoothing-into-v", action="store_true",
+    p.add_argument("--smoothing-into-v", choices=["auto", "on", "off"], nargs="?", const="on", default="auto",
                    help="move the attention output's input-smoothing scale onto V (one Mul fewer per exported "
-                        "layer; a little faster, a little less accurate on all-MiniLM-L6-v2: v_fold_probe.md)")
+                        "layer): auto (default: where the held-out calibration batches are no further from the "
+                        "float model with it), on (the bare flag) or off; see v_fold_probe.md")
     p.add_argument("--no-weight-bias-correction", dest="weight_bias_correction", action="store_false",
                    help="keep the trained biases (default: each quantized layer's bias takes off the mean output "
                         "shift of its rounded weights on the calibration data)")
@@ -136,7 +137,7 @@ def _config(args: argparse.Namespace):
         smoothquant_alpha=args.smoothquant, observer=args.observer, quantize_residual=args.residual,
         embedding_bits=args.embedding_bits or None, embedding_min_rows=args.embedding_min_rows,
         input_smoothing=args.input_smoothing, weight_bias_correction=args.weight_bias_correction,
-        smoothing_into_v=args.smoothing_into_v, **extra,
+        smoothing_into_v={"on": True, "off": False}.get(args.smoothing_into_v, args.smoothing_into_v), **extra,
     )
 
 

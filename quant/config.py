@@ -284,7 +284,7 @@ class QuantConfig:
     percentile: float = 99.99
     bias_correction: Literal["tensor", "head", "head_row"] | None = None
     weight_bias_correction: bool = True
-    smoothing_into_v: bool = False
+    smoothing_into_v: bool | Literal["auto"] = "auto"
     smoothquant_alpha: float | None = None
     input_smoothing: float | Literal["auto"] | None = "auto"
     quantize_residual: bool | Literal["auto"] = "auto"
@@ -330,8 +330,8 @@ class QuantConfig:
             )
         if not isinstance(self.weight_bias_correction, bool):
             raise ValueError(f"weight_bias_correction must be True or False, got {self.weight_bias_correction!r}")
-        if not isinstance(self.smoothing_into_v, bool):
-            raise ValueError(f"smoothing_into_v must be True or False, got {self.smoothing_into_v!r}")
+        if not isinstance(self.smoothing_into_v, bool) and self.smoothing_into_v != "auto":
+            raise ValueError(f"smoothing_into_v must be True, False or 'auto', got {self.smoothing_into_v!r}")
         if self.embedding_bits is not None and (not isinstance(self.embedding_bits, int)
                                                 or isinstance(self.embedding_bits, bool)
                                                 or not MIN_BITS <= self.embedding_bits <= 8):

@@ -91,6 +91,7 @@ def load(path: str | os.PathLike) -> nn.Module:
         raw["residual_groups"] = raw["residual_prefix"] = "auto"
     raw.setdefault("softmax_input", "tensor")  # saved before the field existed: one calibrated grid per tensor
     raw.setdefault("weight_bias_correction", False)  # saved before the field existed: biases as trained
+    raw.setdefault("smoothing_into_v", False)  # saved before the field existed: nothing folded into V
     config = QuantConfig(**{**raw, "exclude": tuple(raw.get("exclude", ()))})
     if config.softmax_input == "auto":  # "auto" meant "row" for row codes before it meant "float": the file's grid
         was = meta.get("softmax_input_resolved") or ("tensor" if config.softmax_output == "edge" else "row")

@@ -149,8 +149,12 @@ def quantize(
     # cut into up to 4 along its examples): ranges observed on the others, candidates judged on batches their
     # ranges never saw, so an alpha that only fits the observed ranges (clipping on new inputs) loses.  With a
     # single example, or another observer, the gate rule.
-    split = _held_out_split(batches) if len(alphas) > 1 and config.observer == "minmax" else None
-    search = split is not None
+    # smoothing_into_v="auto" judges the fold on the same held-out batches (it can only fold a smoothing)
+    fold_auto = (config.smoothing_into_v == "auto" and config.input_smoothing is not None
+                 and config.weight_per_channel)
+    wants_search = len(alphas) > 1 and config.observer == "minmax"
+    split = _held_out_split(batches) if wants_search or fold_auto else None
+    search = split is not None and wants_search
     if len(alphas) > 1 and not search:
         alphas = (AUTO_SMOOTHING_ALPHA,)
     min_ratio = AUTO_SMOOTHING_RATIO if config.input_smoothing == "auto" and not search else 0.0
@@ -162,7 +166,7 @@ def quantize(
         alphas = (alphas[0] if smoothed else None,)
     fit, held = split if search else (batches, [])
     # the float model's outputs on the held-out batches (before prepare: an inplace model is qmodel)
-    reference = _outputs(qmodel, held) if search else None
+    reference = _outputs(qmodel, split[1]) if split is not None else None
     prepare(qmodel, config)
 
     set_mode(qmodel, "observe")
@@ -197,10 +201,19 @@ def quantize(
     qmodel.softq_input_smoothing, qmodel.softq_smoothing_errors = alpha, errors
     qmodel.softq_smoothing_folded_only = folded and alpha is not None
     qmodel.softq_folded_smoothing_errors = folded_errors
-    # the attention outputs' smoothing moved into V (before the weight bias correction sees the rows)
-    qmodel.softq_smoothing_into_v = fold_smoothing_into_v(qmodel, batches, config) if config.smoothing_into_v else 0
+    # the attention outputs' smoothing moved into V (before the weight bias correction sees the rows); "auto":
+    # where the fold is no further from the float model on the held-out batches (errors recorded for reports)
+    qmodel.softq_v_fold_errors = None
+    corrected = False
+    if config.smoothing_into_v is True:
+        qmodel.softq_smoothing_into_v = fold_smoothing_into_v(qmodel, batches, config)
+    elif config.smoothing_into_v == "auto" and split is not None and alpha is not None:
+        qmodel.softq_smoothing_into_v, qmodel.softq_v_fold_errors, corrected = _fold_into_v_if_better(
+            qmodel, batches, config, split[1], reference)
+    else:
+        qmodel.softq_smoothing_into_v = 0
 
-    if config.weight_bias_correction:
+    if config.weight_bias_correction and not corrected:
         correct_weight_bias(qmodel, batches)
     if config.bias_correction is not None:
         correct_softmax_bias(qmodel, batches, config.bias_correction)
@@ -229,6 +242,15 @@ def smoothing_report(qmodel: nn.Module) -> str:
         text += (f"; every input, which costs a Mul where one cannot fold, only if {AUTO_SMOOTHING_MIN_GAIN:.0%} "
                  "below none" + (" and below the folded ones" if folded else "")
                  + f"; alphas within {AUTO_SMOOTHING_TIE:.0%} of the lowest are ties, the smallest kept)")
+    folded_v = getattr(qmodel, "softq_smoothing_into_v", 0)
+    v_errors = getattr(qmodel, "softq_v_fold_errors", None)
+    if folded_v or v_errors:
+        text += f"; the attention output's smoothing {'folded into V' if folded_v else 'left at the output'}"
+        text += f" ({folded_v} layers" if folded_v else " ("
+        if v_errors:
+            text += (f"{', ' if folded_v else ''}auto: held-out error {v_errors[1]:.3g} folded against "
+                     f"{v_errors[0]:.3g} unfolded, folded if no higher")
+        text += ")"
     return text
 
 
@@ -466,6 +488,40 @@ def fold_smoothing_into_v(qmodel: nn.Module, batches: list[Batch], config: Quant
             quantizer.finish_calibration()
             quantizer.mode = "quant"
     return len(folded)
+
+
+@torch.no_grad()
+def _fold_into_v_if_better(qmodel: nn.Module, batches: list[Batch], config: QuantConfig, held: list[Batch],
+                           reference: list[torch.Tensor]) -> tuple[int, tuple[float, float] | None, bool]:
+    """``smoothing_into_v="auto"``: :func:`fold_smoothing_into_v` on a copy, kept (copied into ``qmodel``) if
+    its outputs on the held-out batches are no further from the float model's (:func:`output_error`) than the
+    unfolded model's, both judged as they will be returned (after the weight bias correction, which the fold
+    changes): it saves a Mul per layer at run time, so a tie goes to the fold.  Returns (layers folded,
+    (unfolded error, folded error), whether the weight bias correction has run); (0, None, False) where there
+    was nothing to fold."""
+    trial = copy.deepcopy(qmodel)
+    for module in trial.modules():  # a copy's parametrized modules share their class with the original's,
+        cls = module.__class__      # where the correction of a conv's bias (one more parametrization) goes
+        if parametrize.is_parametrized(module):
+            module.__class__ = type(cls.__name__, cls.__bases__, dict(cls.__dict__))
+    count = fold_smoothing_into_v(trial, batches, config)
+    if not count:
+        return 0, None, False
+    if config.weight_bias_correction:
+        correct_weight_bias(trial, batches)
+        correct_weight_bias(qmodel, batches)
+    errors = (output_error(qmodel, held, reference), output_error(trial, held, reference))
+    if errors[1] > errors[0]:
+        return 0, errors, config.weight_bias_correction
+    mine, theirs = dict(qmodel.named_modules()), dict(trial.named_modules())
+    for name, module in mine.items():  # the folded output projections' empty input_scale, the bias shifts
+        if isinstance(module, QLinear):
+            module.input_scale = torch.zeros_like(theirs[name].input_scale)
+            module.bias_shift = torch.zeros_like(theirs[name].bias_shift)
+    qmodel.load_state_dict(trial.state_dict())
+    for (_, points), (_, folded) in zip(attention_points(qmodel), attention_points(trial)):
+        points.v.observer = folded.v.observer  # V's new range, as fold_smoothing_into_v leaves it
+    return count, errors, config.weight_bias_correction
 
 
 @torch.no_grad()

@@ -189,7 +189,7 @@ def test_smoothing_into_v_keeps_the_function_and_drops_the_cores_per_channel_div
 
     calib = [tiny_inputs(family, seed=s) for s in range(4)]
     model = tiny_model(family)
-    plain = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8))
+    plain = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8, smoothing_into_v=False))
     folded = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8, smoothing_into_v=True))
     layers = folded.config.num_hidden_layers
     assert plain.softq_smoothing_into_v == 0 and folded.softq_smoothing_into_v == layers
@@ -227,8 +227,51 @@ def test_smoothing_into_v_keeps_the_function_and_drops_the_cores_per_channel_div
     per_tensor = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8, smoothing_into_v=True,
                                                                 weight_per_channel=False))
     assert per_tensor.softq_smoothing_into_v == 0
-    with pytest.raises(ValueError, match="smoothing_into_v must be True or False"):
+    with pytest.raises(ValueError, match="smoothing_into_v must be True, False or 'auto'"):
         softq.QuantConfig(smoothing_into_v="yes")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "vit"])
+@pytest.mark.parametrize("fold_wins", [True, False])
+def test_smoothing_into_v_auto_keeps_the_fold_only_where_the_held_out_error_is_no_higher(family, fold_wins,
+                                                                                         monkeypatch) -> None:
+    """smoothing_into_v="auto" (the default) quantizes like smoothing_into_v=True where the folded copy's
+    held-out error (after the weight bias correction; the ViT's weight-only patch conv gets its bias
+    correction on both copies) is no higher than the unfolded model's, else like smoothing_into_v=False:
+    the same logits bit for bit either way, in place too, and the report names the choice."""
+    from softq.quant import quantize as Q
+
+    calib = [tiny_inputs(family, seed=s) for s in range(4)]
+    model = tiny_model(family)
+    x = tiny_inputs(family, seed=9)
+    true_error = Q.output_error
+    calls = []
+
+    def judged(m, batches, reference):  # noqa: ANN001, ANN202 - the fold's copy is the second model judged
+        calls.append(true_error(m, batches, reference))
+        if len(calls) == 2:
+            return calls[0] * (0.5 if fold_wins else 2.0)
+        return calls[-1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Q, "output_error", judged)
+        auto = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8))
+        calls.clear()
+        inplace = softq.quantize(copy.deepcopy(model), calib, softq.QuantConfig(input_smoothing=0.8), inplace=True)
+    layers = model.config.num_hidden_layers
+    assert auto.softq_smoothing_into_v == (layers if fold_wins else 0)
+    unfolded, folded = auto.softq_v_fold_errors
+    assert (folded <= unfolded) == fold_wins
+    assert ("folded into V" if fold_wins else "left at the output") in Q.smoothing_report(auto)
+    explicit = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8, smoothing_into_v=fold_wins))
+    other = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8, smoothing_into_v=not fold_wins))
+    with torch.no_grad():
+        want = explicit(**x)[0]
+        torch.testing.assert_close(auto(**x)[0], want, rtol=0, atol=0)
+        torch.testing.assert_close(inplace(**x)[0], want, rtol=0, atol=0)
+        assert not torch.equal(other(**x)[0], want)  # the two choices are different models
+    plain = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=None))
+    assert plain.softq_smoothing_into_v == 0 and plain.softq_v_fold_errors is None  # nothing smoothed, no trial
 
 
 def test_input_smoothing_config_is_validated() -> None:
