@@ -70,7 +70,8 @@ def probe(name: str, rounds: int, rounds_large: int, work: Path) -> list[str]:
                                 rounds if size == 1 else rounds_large)
     judged = ("" if errors is None else f"; auto: held-out calibration error {errors[1]:.3g} folded against "
               f"{errors[0]:.3g} unfolded")
-    lines = [f"## {name} ({count} attention layers folded; input smoothing: alpha {qmodel.softq_input_smoothing}, "
+    lines = [f"## {name} (smoothing_into_v=True folds {count} attention layers; input smoothing: alpha "
+             f"{qmodel.softq_input_smoothing}, "
              f"{'LayerNorm-folded inputs only' if qmodel.softq_smoothing_folded_only else 'every input'}{judged})", "",
              "| file | accuracy (ONNX) | distance to FP32 | 1 thr, batch 1 | 1 thr, batch 32 |", "|---|---|---|---|---|"]
     for k, p in paths.items():

@@ -214,12 +214,19 @@ class QuantConfig:
             weight codes do not change, and V's range is observed again on the calibration
             batches.  The same function in float; in the ONNX row core the division's
             per-(head, channel) constant becomes a scalar that folds away, one full-size Mul
-            fewer per layer.  Off by default: measured (docs/results/v_fold_probe.md, one thread,
-            batch 1 / 32) the reference ViT 0.584x / 0.528x FP32 against 0.581x / 0.574x and a little
-            closer to FP32 (4.39e-5 against 4.49e-5), the reference LM 0.502x / 0.521x against
-            0.526x / 0.523x at the same distance, but all-MiniLM-L6-v2 8% further from FP32
-            (1.86e-3 against 1.72e-3, cosine 0.9981 against 0.9983) for 1-3%: V's per-tensor grid
-            then has to cover the scaled channels.  A speed option, not a free one.
+            fewer per layer.  V's per-tensor grid then covers the scaled channels, which can
+            cost accuracy, so ``"auto"`` (default) folds on a copy and keeps it only where the
+            outputs on the held-out calibration batches (those ``input_smoothing="auto"``
+            judges on; after the weight bias correction of both copies) are no further from
+            the float model's than without it; ``quantize`` records the two errors
+            (``softq_v_fold_errors``; ``smoothing_report``).  It costs a copy of the model and
+            about two more passes over the calibration batches where input smoothing scaled an
+            attention output.  Measured (docs/results/v_fold_probe.md, one thread, batch 1 /
+            32, folded against unfolded): the reference ViT 0.573x / 0.533x FP32 against
+            0.580x / 0.548x and closer to FP32 (4.39e-5 against 4.49e-5), the reference LM
+            0.490x / 0.495x against 0.515x / 0.511x at the same distance (5.91e-6 against
+            5.88e-6): "auto" folds both; all-MiniLM-L6-v2 8% further from FP32 folded (1.86e-3
+            against 1.72e-3, cosine 0.9981 against 0.9983): "auto" does not fold it.
         quantize_residual: also quantize LayerNorm inputs (the residual stream).
             ``"auto"`` (default): only with the ``edge`` softmax output (the integer-only
             runtimes' convention, where every tensor between ops is 8-bit); with ``row`` and

@@ -86,3 +86,18 @@ def test_quantize_cli_can_keep_the_trained_biases() -> None:
     _add_quant_options(parser)
     assert _config(parser.parse_args([])).weight_bias_correction is True
     assert _config(parser.parse_args(["--no-weight-bias-correction"])).weight_bias_correction is False
+
+
+def test_quantize_cli_smoothing_into_v_is_auto_on_or_off() -> None:
+    import argparse
+
+    from softq.quant.cli import _add_quant_options, _config
+
+    parser = argparse.ArgumentParser()
+    _add_quant_options(parser)
+    assert _config(parser.parse_args([])).smoothing_into_v == "auto"
+    assert _config(parser.parse_args(["--smoothing-into-v"])).smoothing_into_v is True  # the bare flag: on
+    assert _config(parser.parse_args(["--smoothing-into-v", "on"])).smoothing_into_v is True
+    assert _config(parser.parse_args(["--smoothing-into-v", "off"])).smoothing_into_v is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--smoothing-into-v", "yes"])
