@@ -256,7 +256,7 @@ def bench_model(name: str, args: argparse.Namespace, workdir: Path, pack: dict |
             feeds = b.latency_feeds(size)
             rounds = args.rounds_large if size > 1 else args.rounds
             lat[(threads, size)] = interleaved({v: (lambda s=s: s.run(None, feeds)) for v, s in sessions.items()},
-                                               rounds)
+                                               rounds, args.min_seconds)
             print(f"[{name}] {threads} thread(s), batch {size}: "
                   + ", ".join(f"{v} {1e3 * t:.1f} ms" for v, t in lat[(threads, size)].items()),
                   file=sys.stderr, flush=True)
@@ -298,7 +298,7 @@ def write(results: list[dict[str, object]], args: argparse.Namespace, command: s
         f"Machine: {cpu_description()}; onnxruntime {ort.__version__}, torch {torch.__version__}. "
         f"Graph optimisation ORT_ENABLE_ALL; session option `session.x64quantprecision` "
         f"{'set (this CPU has no VNNI)' if U.needs_u8u8() else 'not set (this CPU has VNNI)'}. "
-        + timing_sentence(args.rounds, args.rounds_large) + f" Took {minutes:.0f} min.",
+        + timing_sentence(args.rounds, args.rounds_large, args.min_seconds) + f" Took {minutes:.0f} min.",
         "",
         variants_paragraph(args.calib_batches),
         "",
@@ -329,6 +329,9 @@ def main() -> None:
     p.add_argument("--batches", type=int_list, default="1,32")
     p.add_argument("--rounds", type=int, default=7, help="timed runs per variant at batch 1")
     p.add_argument("--rounds-large", type=int, default=3, help="timed runs per variant at larger batches")
+    p.add_argument("--min-seconds", type=float, default=30.0,
+                   help="time each cell (model, threads, batch) for at least this long, adding rounds (default 30: "
+                        "the small models' millisecond calls get about 60 rounds instead of a few)")
     p.add_argument("--calib-batches", type=int, default=4,
                    help="calibration batches: BERT-base 8 texts each, MiniLM and the ViT 16 texts or images each (the LM: 16 windows)")
     p.add_argument("--output", default="docs/results/export_speed.md",

@@ -46,22 +46,29 @@ def cpu_description() -> str:
     return f"{name}, {os.cpu_count()} cores, flags: {' '.join(have) or 'unknown'}"
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Median seconds of each function, all run once per round, in a rotating order."""
+def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int, min_seconds: float = 0.0
+                        ) -> dict[str, float]:
+    """Median seconds of each function, all run once per round, in a rotating order: ``rounds`` rounds, and
+    more while the rounds so far took less than ``min_seconds`` (short calls get more rounds: a burst of
+    another tenant's work then spoils fewer of the samples the median reads)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     keys = list(fns)
-    for r in range(rounds):
+    start = time.perf_counter()
+    r = 0
+    while r < rounds or time.perf_counter() - start < min_seconds:
         for k in keys[r % len(keys):] + keys[:r % len(keys)]:
             t = time.perf_counter()
             fns[k]()
             times[k].append(time.perf_counter() - t)
+        r += 1
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def interleaved(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Seconds per call: one warm-up call each, then :func:`interleaved_medians` (order rotated round by round),
-    where every sample repeats each run the same number of times, enough for the fastest run to take
-    MIN_SAMPLE_S (a single millisecond-long call is mostly timer and scheduler noise)."""
+def interleaved(runs: dict[str, Callable[[], object]], rounds: int, min_seconds: float = 0.0) -> dict[str, float]:
+    """Seconds per call: one warm-up call each, then :func:`interleaved_medians` (order rotated round by round,
+    at least ``rounds`` rounds and ``min_seconds``), where every sample repeats each run the same number of
+    times, enough for the fastest run to take MIN_SAMPLE_S (a single millisecond-long call is mostly timer
+    and scheduler noise)."""
     first = {}
     for name, run in runs.items():
         start = time.perf_counter()
@@ -75,12 +82,15 @@ def interleaved(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str,
                 run()
         return go
 
-    return {k: v / reps for k, v in interleaved_medians({k: repeated(r) for k, r in runs.items()}, rounds).items()}
+    medians = interleaved_medians({k: repeated(r) for k, r in runs.items()}, rounds, min_seconds)
+    return {k: v / reps for k, v in medians.items()}
 
 
-def timing_sentence(rounds: int, rounds_large: int) -> str:
+def timing_sentence(rounds: int, rounds_large: int, min_seconds: float = 0.0) -> str:
+    more = (f", and more rounds until a cell has been timed for {min_seconds:g} s (the 1-4 ms calls of the small "
+            "models get about 60)") if min_seconds else ""
     return (f"Text inputs: {SEQ} tokens. Latency: all variants of a model interleaved run by run "
-            f"({rounds} rounds at batch 1, {rounds_large} at larger batches; a round's sample repeats each "
+            f"({rounds} rounds at batch 1, {rounds_large} at larger batches{more}; a round's sample repeats each "
             f"variant's call as often as the fastest needs to run {MIN_SAMPLE_S * 1e3:.0f} ms), medians of the time "
             "per call; the ratio is to the FP32 file measured in the same run.")
 

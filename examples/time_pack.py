@@ -168,7 +168,7 @@ def session(path: Path, threads: int) -> ort.InferenceSession:
 
 
 def time_model(paths: dict[str, Path], feeds: dict[int, dict[str, np.ndarray]], threads: list[int],
-               rounds: int, rounds_large: int, label: str
+               rounds: int, rounds_large: int, label: str, min_seconds: float = 0.0
                ) -> tuple[dict[tuple[int, int], dict[str, float]], dict[str, bool]]:
     """Seconds per call of every variant, interleaved, per (threads, batch) cell; and whether each variant's
     outputs are finite (first thread count's sessions, first batch's inputs)."""
@@ -180,7 +180,7 @@ def time_model(paths: dict[str, Path], feeds: dict[int, dict[str, np.ndarray]], 
             finite = {v: bool(all(np.isfinite(o).all() for o in s.run(None, feed))) for v, s in sessions.items()}
         for size, feed in feeds.items():
             lat[(t, size)] = interleaved({v: (lambda s=s: s.run(None, feed)) for v, s in sessions.items()},
-                                         rounds_large if size > 1 else rounds)
+                                         rounds_large if size > 1 else rounds, min_seconds)
             print(f"[{label}] {t} thread(s), batch {size}: "
                   + ", ".join(f"{v} {1e3 * x:.1f} ms" for v, x in lat[(t, size)].items()), file=sys.stderr, flush=True)
     return lat, finite
@@ -208,6 +208,8 @@ def main() -> None:
     p.add_argument("--batches", type=int_list, default="1,8", help="batch sizes (the pack holds inputs for the ones it was packed with)")
     p.add_argument("--rounds", type=int, default=7, help="timed runs per variant at batch 1")
     p.add_argument("--rounds-large", type=int, default=3, help="timed runs per variant at larger batches")
+    p.add_argument("--min-seconds", type=float, default=30.0,
+                   help="time each cell for at least this long, adding rounds (default 30, as bench_export_speed.py)")
     p.add_argument("--output", type=Path, required=True, help="the results file to write")
     args = p.parse_args()
     pack = read_pack(args.pack)
@@ -231,7 +233,8 @@ def main() -> None:
             print(f"[{m}] refilled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
             feeds = {b: load_feeds(args.pack, m, b) for b in batches}
             r = dict(by_name[m])
-            r["latency"], finite[m] = time_model(paths, feeds, threads, args.rounds, args.rounds_large, m)
+            r["latency"], finite[m] = time_model(paths, feeds, threads, args.rounds, args.rounds_large, m,
+                                                 args.min_seconds)
             results.append(r)
             for path in paths.values():
                 path.unlink()
@@ -258,7 +261,7 @@ def write(results: list[dict], finite: dict[str, dict[str, bool]], pack: dict, a
         "",
         f"Timing machine: {cpu_description()}; onnxruntime {ort.__version__}, numpy {np.__version__}. Graph "
         "optimisation ORT_ENABLE_ALL; session options as softq's `export.onnx_utils.session` sets them. "
-        + timing_sentence(args.rounds, args.rounds_large) + f" Took {minutes:.0f} min.",
+        + timing_sentence(args.rounds, args.rounds_large, args.min_seconds) + f" Took {minutes:.0f} min.",
         "",
         "The files timed here are the packed files with their large tensors (weights, embedding tables) drawn "
         "again from each tensor's own value distribution (`examples/time_pack.py`, `refill`): same graphs, "
