@@ -518,9 +518,7 @@ def _fold_into_v_if_better(qmodel: nn.Module, batches: list[Batch], config: Quan
         if isinstance(module, QLinear):
             module.input_scale = torch.zeros_like(theirs[name].input_scale)
             module.bias_shift = torch.zeros_like(theirs[name].bias_shift)
-    qmodel.load_state_dict(trial.state_dict())
-    for (_, points), (_, folded) in zip(attention_points(qmodel), attention_points(trial)):
-        points.v.observer = folded.v.observer  # V's new range, as fold_smoothing_into_v leaves it
+    qmodel.load_state_dict(trial.state_dict())  # V's scale and zero point are buffers: its new range comes along
     return count, errors, config.weight_bias_correction
 
 
