@@ -133,7 +133,7 @@ def quantize(
     residual_prefix(model, config)  # and for a prefix a causal LM cannot have
     batches = as_batches(model, calib_data)
     _try_forward(model, batches[0])
-    qmodel = model if inplace else copy.deepcopy(model)
+    qmodel = model if inplace else independent_copy(model)
     qmodel.eval()
     conv1d_to_linear(qmodel)
     attention_points(qmodel)  # switches to softq attention, keeps an already chosen variant
@@ -260,6 +260,19 @@ def _finish(qmodel: nn.Module) -> None:
     set_mode(qmodel, "quant")
 
 
+def independent_copy(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)`` whose parametrized modules have classes of their own.  torch's parametrize
+    injects a class per module and a deep copy shares it, so a parametrization registered on the copy later
+    (``prepare``'s weight quantizers, the weight bias correction's conv ``bias``) would put its property on
+    the original's class too, and the original would look up a parametrization it does not have."""
+    copied = copy.deepcopy(model)
+    for module in copied.modules():
+        cls = module.__class__
+        if parametrize.is_parametrized(module):
+            module.__class__ = type(cls.__name__, cls.__bases__, dict(cls.__dict__))
+    return copied
+
+
 def _held_out_split(batches: list[Batch]) -> tuple[list[Batch], list[Batch]] | None:
     """(observed, held-out) calibration batches for "auto"'s search, or None when nothing can be held out.
 
@@ -329,7 +342,7 @@ def _search_smoothing(observed: nn.Module, recorder: InputRecorder, alphas: tupl
         if scope and not foldable:
             break
         for alpha in alphas if not scope else [a for a in alphas if a is not None]:
-            trial = copy.deepcopy(observed)
+            trial = independent_copy(observed)
             groups = recorder.groups(dict(trial.named_modules()))
             if alpha is not None:
                 done = _smooth_observed(_scope(groups, scope), alpha, 0.0, skip)
@@ -499,11 +512,7 @@ def _fold_into_v_if_better(qmodel: nn.Module, batches: list[Batch], config: Quan
     changes): it saves a Mul per layer at run time, so a tie goes to the fold.  Returns (layers folded,
     (unfolded error, folded error), whether the weight bias correction has run); (0, None, False) where there
     was nothing to fold."""
-    trial = copy.deepcopy(qmodel)
-    for module in trial.modules():  # a copy's parametrized modules share their class with the original's,
-        cls = module.__class__      # where the correction of a conv's bias (one more parametrization) goes
-        if parametrize.is_parametrized(module):
-            module.__class__ = type(cls.__name__, cls.__bases__, dict(cls.__dict__))
+    trial = independent_copy(qmodel)  # the conv bias correction below adds a parametrization to the copy
     count = fold_smoothing_into_v(trial, batches, config)
     if not count:
         return 0, None, False
