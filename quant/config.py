@@ -219,9 +219,10 @@ class QuantConfig:
             outputs on the held-out calibration batches (those ``input_smoothing="auto"``
             judges on; after the weight bias correction of both copies) are no further from
             the float model's than without it; ``quantize`` records the two errors
-            (``softq_v_fold_errors``; ``smoothing_report``).  It costs a copy of the model and
-            about two more passes over the calibration batches where input smoothing scaled an
-            attention output.  Measured (docs/results/v_fold_probe.md, one thread, batch 1 /
+            (``softq_v_fold_errors``; ``smoothing_report``).  Where input smoothing scaled an
+            attention output it costs a copy of the model, a pass to observe V again and a
+            second weight bias correction, whichever way it decides (all-MiniLM-L6-v2's
+            calibration 11.4x one FP32 pass against 6.7x, minilm.md).  Measured (docs/results/v_fold_probe.md, one thread, batch 1 /
             32, folded against unfolded): the reference ViT 0.573x / 0.533x FP32 against
             0.580x / 0.548x and closer to FP32 (4.39e-5 against 4.49e-5), the reference LM
             0.490x / 0.495x against 0.515x / 0.511x at the same distance (5.91e-6 against
