@@ -72,16 +72,36 @@ def _init_kwargs(model: nn.Module) -> dict:
     return {"add_pooling_layer": False} if hasattr(model, "pooler") and model.pooler is None else {}
 
 
+def _check_state(model: nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
+    """One line naming what does not fit when ``model.pt`` is not the state of the model the configs describe."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or unexpected or shapes:
+        parts = [f"{len(v)} {what} (first: {v[0]})" for v, what in ((missing, "missing"), (unexpected, "unexpected"),
+                                                                   (shapes, "of another shape")) if v]
+        raise ValueError(f"{source / 'model.pt'} does not match the model of {source / 'config.json'} and "
+                         f"quant_config.json: tensors {'; '.join(parts)}")
+
+
 def load(path: str | os.PathLike) -> nn.Module:
     """Rebuild a quantized model saved by :func:`save`."""
     source = Path(path)
     missing = [f for f in ("config.json", "quant_config.json", "model.pt") if not (source / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{source} is not a softq quantized model directory (missing {', '.join(missing)})")
-    meta = json.loads((source / "quant_config.json").read_text())
+    try:
+        meta = json.loads((source / "quant_config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{source / 'quant_config.json'} is not valid JSON ({err})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{source / 'quant_config.json'} is not a softq quantization record")
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{source}: unsupported softq format {meta.get('format')!r} (expected {FORMAT_VERSION})")
-    raw = meta["quant_config"]
+    raw = meta.get("quant_config")
+    if not isinstance(raw, dict) or not isinstance(meta.get("softmax_outputs", {}), dict):
+        raise ValueError(f"{source / 'quant_config.json'} is not a softq quantization record (no 'quant_config')")
     raw.setdefault("softmax_output", "edge")  # saved before the field existed: the uniform edge codes
     raw.setdefault("embedding_bits", None)  # saved before the field existed: float embedding tables
     raw.setdefault("embedding_min_rows", EMBEDDING_MIN_ROWS)  # saved before the field existed: the constant it replaced
@@ -92,12 +112,18 @@ def load(path: str | os.PathLike) -> nn.Module:
     raw.setdefault("softmax_input", "tensor")  # saved before the field existed: one calibrated grid per tensor
     raw.setdefault("weight_bias_correction", False)  # saved before the field existed: biases as trained
     raw.setdefault("smoothing_into_v", False)  # saved before the field existed: nothing folded into V
-    config = QuantConfig(**{**raw, "exclude": tuple(raw.get("exclude", ()))})
+    try:
+        config = QuantConfig(**{**raw, "exclude": tuple(raw.get("exclude", ()))})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{source / 'quant_config.json'}: {err}") from None
     if config.softmax_input == "auto":  # "auto" meant "row" for row codes before it meant "float": the file's grid
         was = meta.get("softmax_input_resolved") or ("tensor" if config.softmax_output == "edge" else "row")
         if was != config.resolved_softmax_input:
             config = dataclasses.replace(config, softmax_input=was)
-    hf_config = transformers.AutoConfig.from_pretrained(source)
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{source / 'config.json'}: {str(err).splitlines()[0]}") from None
     arch = (hf_config.architectures or [None])[0]
     model_class = getattr(transformers, arch, None) if arch else None
     if model_class is None:
@@ -105,7 +131,13 @@ def load(path: str | os.PathLike) -> nn.Module:
     model = model_class(hf_config, **meta.get("init_kwargs", {})).eval()
     configure_from_config(model)
     prepare(model, config)
-    state = torch.load(source / "model.pt", map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(source / "model.pt", map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - truncated, not a torch file, or unpicklable: all one answer
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"{source / 'model.pt'} cannot be read (truncated or not saved by softq: {first})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{source / 'model.pt'} is not a state dict saved by softq")
     modules = dict(model.named_modules())
     for name, module in modules.items():  # per-group activation points keep vector scales
         for buffer in ("scale", "zero_point"):
@@ -119,12 +151,16 @@ def load(path: str | os.PathLike) -> nn.Module:
         saved = state.get(f"{name}.parametrizations.bias.0.shift")  # a weight-only conv's bias correction
         if saved is not None and isinstance(module, nn.Conv2d) and not parametrize.is_parametrized(module, "bias"):
             parametrize.register_parametrization(module, "bias", BiasShift(torch.zeros_like(saved)))
-    for name, info in meta["softmax_outputs"].items():
-        quantizer = modules[name]
+    for name, info in meta.get("softmax_outputs", {}).items():
+        quantizer = modules.get(name)
+        if not isinstance(quantizer, SoftmaxOutputQuantizer) or not isinstance(info, dict):
+            raise ValueError(f"{source / 'quant_config.json'} names a softmax quantizer {name!r} the model does not have")
         for buffer in ("beta", "beta_head"):
-            setattr(quantizer, buffer, torch.zeros_like(state[f"{name}.{buffer}"]))
+            if f"{name}.{buffer}" in state:
+                setattr(quantizer, buffer, torch.zeros_like(state[f"{name}.{buffer}"]))
         quantizer.granularity = info["granularity"]
         quantizer.causal_rows = info["causal_rows"]
+    _check_state(model, state, source)
     model.load_state_dict(state, strict=True)
     for m in model.modules():
         if hasattr(m, "observer"):

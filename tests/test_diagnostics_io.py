@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import tiny_inputs, tiny_model
@@ -152,6 +154,56 @@ def test_load_and_save_refuse_bad_input(tmp_path) -> None:
     with pytest.raises(ValueError, match="expects a model returned by softq.quantize"):
         io.save(tiny_model("gpt2"), tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_load_names_the_damaged_file(tmp_path) -> None:
+    import json
+    import shutil
+
+    q = softq.quantize(tiny_model("gpt2"), [tiny_inputs("gpt2", seed=s) for s in range(2)],
+                       softq.QuantConfig(input_smoothing=None))
+    io.save(q, tmp_path / "good")
+
+    def damaged(name: str, change) -> Path:  # noqa: ANN001 - a copy of the saved model with one file changed
+        target = tmp_path / name
+        shutil.copytree(tmp_path / "good", target)
+        change(target)
+        return target
+
+    def truncate(d: Path) -> None:
+        data = (d / "model.pt").read_bytes()
+        (d / "model.pt").write_bytes(data[:len(data) // 2])
+
+    def config(d: Path) -> None:  # another width: the weights no longer fit
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "n_embd": 64}))
+
+    cases = [
+        ("truncated", truncate, r"model.pt cannot be read \(truncated or not saved by softq"),
+        ("foreign", lambda d: torch.save({"weight": torch.zeros(2)}, d / "model.pt"),
+         r"model.pt does not match the model of .*config.json and quant_config.json: tensors .*missing"),
+        ("not_tensors", lambda d: torch.save([1, 2], d / "model.pt"), "model.pt is not a state dict saved by softq"),
+        ("bad_meta", lambda d: (d / "quant_config.json").write_text("{'format': 1"), "quant_config.json is not valid JSON"),
+        ("empty_config", lambda d: (d / "config.json").write_text(""), "config.json"),
+        ("other_width", config, "tensors .* of another shape"),
+    ]
+    for name, change, message in cases:
+        with pytest.raises(ValueError, match=message) as err:
+            io.load(damaged(name, change))
+        assert len(str(err.value).splitlines()) == 1, str(err.value)
+
+
+def test_save_replaces_a_file_and_is_not_blocked_by_a_leftover(tmp_path) -> None:
+    q = softq.quantize(tiny_model("gpt2"), [tiny_inputs("gpt2", seed=s) for s in range(2)],
+                       softq.QuantConfig(input_smoothing=None))
+    (tmp_path / "q").write_text("a file where the model goes")
+    (tmp_path / ".q.old").mkdir()  # what an interrupted run of an older version could leave
+    (tmp_path / ".q.old" / "x").write_text("x")
+    io.save(q, tmp_path / "q", overwrite=True)
+    assert (tmp_path / "q" / "model.pt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".q.old", "q"]
+    with pytest.raises(NotADirectoryError, match="is a file, not a directory"):
+        io.save(q, tmp_path / "q" / "model.pt" / "inner")
 
 
 @pytest.mark.parametrize("package, forbidden", [
