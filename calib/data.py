@@ -26,6 +26,9 @@ def as_batches(model: nn.Module, data: Iterable[torch.Tensor | Mapping[str, torc
             "calib_data must be an iterable of batches (e.g. a list of tensors or of dicts), not a single batch; "
             "wrap it in a list"
         )
+    if not isinstance(data, Iterable) or isinstance(data, (str, bytes)):
+        raise CalibrationDataError(f"calib_data must be an iterable of batches (a list of tensors or of dicts), "
+                                   f"not a {type(data).__name__}")
     main_input = getattr(model, "main_input_name", "input_ids")
     batches: list[Batch] = []
     for index, item in enumerate(data):
@@ -50,7 +53,8 @@ def _max_positions(config: object) -> int | None:
     return None
 
 
-def check_batch(model: nn.Module, batch: Mapping[str, torch.Tensor], index: int = 0, what: str = "calibration batch") -> None:
+def check_batch(model: nn.Module, batch: Mapping[str, torch.Tensor], index: int | str = 0,
+                what: str = "calibration batch") -> None:
     """Raise a :class:`CalibrationDataError` naming the batch and input if ``batch`` cannot be right."""
     config = getattr(model, "config", None)
     for key, value in batch.items():
@@ -69,8 +73,14 @@ def check_batch(model: nn.Module, batch: Mapping[str, torch.Tensor], index: int 
         limit = _max_positions(config)
         if limit is not None and ids.shape[1] > limit:
             raise CalibrationDataError(f"{what} {index}: sequence length {ids.shape[1]} exceeds the model's {limit} positions")
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.numel() and not mask.bool().any():
+        raise CalibrationDataError(f"{what} {index}: attention_mask is all zeros (no token to attend to)")
     if "pixel_values" in batch:
         px = batch["pixel_values"]
+        if not px.is_floating_point():
+            raise CalibrationDataError(f"{what} {index}: pixel_values are {str(px.dtype).replace('torch.', '')}; pass "
+                                       "float images normalised as the model was trained (its image processor's output)")
         channels = getattr(config, "num_channels", None)
         size = getattr(config, "image_size", None)
         expected = f"[batch, {channels}, {size}, {size}]"

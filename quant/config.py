@@ -309,6 +309,16 @@ class QuantConfig:
                 continue
             if not isinstance(value, int) or not MIN_BITS <= value <= MAX_BITS:
                 raise ValueError(f"{name} must be an integer from {MIN_BITS} to {MAX_BITS}, got {value!r}")
+        for name in ("weight_per_channel", "act_symmetric"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.percentile, bool) or not isinstance(self.percentile, (int, float)) \
+                or not 50.0 < self.percentile <= 100.0:
+            raise ValueError(f"percentile must be a number in (50, 100], got {self.percentile!r}")
+        if isinstance(self.exclude, (str, bytes)) or not isinstance(self.exclude, (tuple, list)) \
+                or not all(isinstance(e, str) and e for e in self.exclude):
+            raise ValueError(f"exclude must be a tuple of module-name substrings, e.g. ('classifier',), got {self.exclude!r}")
+        object.__setattr__(self, "exclude", tuple(self.exclude))
         if self.softmax_scale not in ("fixed", "calibrated"):
             raise ValueError(f"softmax_scale must be 'fixed' or 'calibrated', got {self.softmax_scale!r}")
         if self.softmax_output not in SOFTMAX_OUTPUTS:
@@ -370,8 +380,10 @@ class QuantConfig:
                 isinstance(self.input_smoothing, bool) or not isinstance(self.input_smoothing, (int, float))
                 or not 0.0 <= self.input_smoothing <= 1.0):
             raise ValueError(f"input_smoothing must be an alpha in [0, 1], 'auto' or None, got {self.input_smoothing!r}")
-        if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
-            raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
+        if self.smoothquant_alpha is not None and (
+                isinstance(self.smoothquant_alpha, bool) or not isinstance(self.smoothquant_alpha, (int, float))
+                or not 0.0 <= self.smoothquant_alpha <= 1.0):
+            raise ValueError(f"smoothquant_alpha must be in [0, 1] or None, got {self.smoothquant_alpha!r}")
 
     @property
     def resolved_softmax_input(self) -> str:

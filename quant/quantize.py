@@ -128,8 +128,19 @@ def quantize(
     exactly like the original model.  The original is left untouched unless
     ``inplace=True``.
     """
-    config = config or QuantConfig()
+    config = QuantConfig() if config is None else config
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"config must be a softq.QuantConfig, got a {type(config).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got a {type(model).__name__}")
+    if is_quantized(model):
+        raise ValueError("the model is already quantized (returned by softq.quantize); pass the float model")
     model_family(model)  # clear error for unsupported families before any work
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [pattern for pattern in config.exclude if not any(pattern in name for name in names)]
+    if unmatched:
+        raise ValueError(f"exclude: {', '.join(map(repr, unmatched))} matches no module name of the model "
+                         f"(names look like {names[-1]!r})")
     residual_prefix(model, config)  # and for a prefix a causal LM cannot have
     batches = as_batches(model, calib_data)
     _try_forward(model, batches[0])

@@ -300,6 +300,53 @@ def test_inputs_that_do_not_fit_the_model_are_refused() -> None:
         softq.quantize(tiny_model("bert"), [torch.randint(0, 64, (8,))])
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("weight_per_channel", "no", "weight_per_channel must be True or False"),
+    ("act_symmetric", 2, "act_symmetric must be True or False"),
+    ("percentile", "99", r"percentile must be a number in \(50, 100\]"),
+    ("percentile", 40.0, r"percentile must be a number in \(50, 100\]"),
+    ("smoothquant_alpha", "0.5", r"smoothquant_alpha must be in \[0, 1\] or None"),
+    ("smoothquant_alpha", True, r"smoothquant_alpha must be in \[0, 1\] or None"),
+    ("exclude", "classifier", "exclude must be a tuple of module-name substrings"),
+    ("exclude", None, "exclude must be a tuple of module-name substrings"),
+    ("exclude", [1, 2], "exclude must be a tuple of module-name substrings"),
+])
+def test_config_fields_of_the_wrong_type_are_refused(field: str, value: object, message: str) -> None:
+    # each of these was accepted (and, for the two booleans, silently read as True) or failed deep inside quantize
+    with pytest.raises(ValueError, match=message):
+        softq.QuantConfig(**{field: value})
+    assert softq.QuantConfig(exclude=["classifier"]).exclude == ("classifier",)
+
+
+def test_misuse_of_quantize_is_named() -> None:
+    model, calib = tiny_model("bert"), calib_for("bert", 2)
+    with pytest.raises(TypeError, match="config must be a softq.QuantConfig, got a dict"):
+        softq.quantize(model, calib, {"weight_bits": 4})
+    for bad in (None, 5, "text"):
+        with pytest.raises(CalibrationDataError, match="calib_data must be an iterable of batches"):
+            softq.quantize(model, bad)
+    qmodel = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=None))
+    with pytest.raises(ValueError, match="already quantized"):
+        softq.quantize(qmodel, calib)
+    # a typo in exclude used to match nothing and quantize everything without a word
+    with pytest.raises(ValueError, match="'layer.0.attention.self.qery' matches no module name"):
+        softq.quantize(model, calib, softq.QuantConfig(exclude=("layer.0.attention.self.qery",)))
+    # a batch whose attention mask selects no token (a single empty row among valid ones is fine)
+    empty = {**calib[0], "attention_mask": torch.zeros_like(calib[0]["input_ids"])}
+    with pytest.raises(CalibrationDataError, match="batch 1: attention_mask is all zeros"):
+        softq.quantize(model, [calib[1], empty])
+    one_empty = {**calib[0], "attention_mask": torch.ones_like(calib[0]["input_ids"])}
+    one_empty["attention_mask"][0] = 0
+    softq.quantize(model, [calib[1], one_empty], softq.QuantConfig(input_smoothing=None))
+
+
+def test_integer_images_are_refused() -> None:
+    # uint8 pixels (an image file's bytes, not the processor's normalised floats) calibrate ranges 100x too wide
+    images = [torch.randint(0, 256, (2, 1, 16, 16), dtype=torch.uint8) for _ in range(2)]
+    with pytest.raises(CalibrationDataError, match="pixel_values are uint8; pass float images"):
+        softq.quantize(tiny_model("vit"), images)
+
+
 def test_bias_correction_without_quantized_softmax_is_refused() -> None:
     with pytest.raises(ValueError, match="needs softmax_bits"):
         softq.QuantConfig(softmax_bits=None, bias_correction="head")
