@@ -89,10 +89,51 @@ def _openvino(path: str, threads: int) -> Runner:
     return run
 
 
+def _inputs_and_bounds(path: str) -> tuple[list[str], dict[str, int]]:
+    """The file's input names, and for each input that indexes a table directly (``Gather`` of an initializer:
+    token ids, positions) the number of rows it may index."""
+    import onnx
+
+    graph = onnx.load(path, load_external_data=False).graph
+    tables = {t.name: tuple(t.dims) for t in graph.initializer}
+    names = [i.name for i in graph.input if i.name not in tables]
+    for node in graph.node:  # tables held by Constant nodes
+        value = next((a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
+        if node.op_type == "Constant" and value is not None:
+            tables[node.output[0]] = tuple(value.dims)
+    bounds: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type == "Gather" and len(node.input) == 2 and node.input[1] in names and node.input[0] in tables:
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            dims = tables[node.input[0]]
+            if -len(dims) <= axis < len(dims):
+                bounds[node.input[1]] = min(bounds.get(node.input[1], dims[axis]), dims[axis])
+    return names, bounds
+
+
 def runner(path: str | os.PathLike, runtime: str = "onnxruntime", threads: int = 1) -> Runner:
-    """A function running the ONNX file at ``path`` in ``runtime`` on the CPU with ``threads`` threads."""
+    """A function running the ONNX file at ``path`` in ``runtime`` on the CPU with ``threads`` threads.
+
+    Feeds are checked first (one ``ValueError`` naming the input): every input of the file present, and ids
+    that index a table (token ids) inside it.  Runtimes differ there: onnxruntime raises, OpenVINO reads out of
+    bounds and returns numbers, tract aborts the process, and ONNX's Gather takes negative ids as counted from
+    the end, where the torch model raises."""
     if not available(runtime):
         raise ImportError(f"runtime {runtime!r} is not installed (pip install {runtime})")
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive integer, got {threads!r}")
-    return {"onnxruntime": _onnxruntime, "tract": _tract, "openvino": _openvino}[runtime](str(path), threads)
+    run = {"onnxruntime": _onnxruntime, "tract": _tract, "openvino": _openvino}[runtime](str(path), threads)
+    names, bounds = _inputs_and_bounds(str(path))
+
+    def checked(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        missing = [n for n in names if n not in feeds]
+        if missing:
+            raise ValueError(f"missing input {', '.join(map(repr, missing))} (the file takes {', '.join(names)})")
+        for name, rows in bounds.items():
+            ids = np.asarray(feeds[name])
+            if ids.size and (ids.min() < 0 or ids.max() >= rows):
+                raise ValueError(f"{name} must be in [0, {rows}) (the table it indexes has {rows} rows), "
+                                 f"got values from {ids.min()} to {ids.max()}")
+        return run(feeds)
+
+    return checked

@@ -124,3 +124,21 @@ def test_runner_rejects_bad_arguments(tmp_path):
         runtimes.runner(tmp_path / "m.onnx", "tflite")
     with pytest.raises(ValueError, match="threads must be a positive integer"):
         runtimes.runner(tmp_path / "m.onnx", "onnxruntime", threads=0)
+
+
+@pytest.mark.parametrize("runtime", [pytest.param("onnxruntime"), *OTHERS])
+def test_runner_refuses_ids_outside_the_table_and_missing_inputs(qmodels, tmp_path, runtime):
+    # without the check: onnxruntime raises, OpenVINO returns numbers read out of bounds, tract aborts the
+    # process, and every runtime takes a negative id as counted from the table's end (the torch model raises)
+    path = tmp_path / "bert.onnx"
+    feeds = _feeds("bert", 2)
+    onnx.save(build_onnx(qmodels["bert"], {k: torch.from_numpy(v) for k, v in feeds.items()}, "fast"), path)
+    run = runtimes.runner(path, runtime)
+    assert np.isfinite(run(feeds)[0]).all()
+    for bad in (64, -3):
+        ids = feeds["input_ids"].copy()
+        ids[0, 2] = bad
+        with pytest.raises(ValueError, match=rf"input_ids must be in \[0, 64\) .*got values from {ids.min()} to {ids.max()}$"):
+            run({**feeds, "input_ids": ids})
+    with pytest.raises(ValueError, match="missing input 'attention_mask'"):
+        run({"input_ids": feeds["input_ids"]})
