@@ -14,6 +14,28 @@ import sys
 SUBCOMMAND_MODULES = ("softq.quant.cli", "softq.calib.cli", "softq.export.cli", "softq.mpc.cli")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="softq",
@@ -39,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.handler(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, PermissionError, RuntimeError) as err:
+    except (ValueError, OSError, RuntimeError, ImportError) as err:  # OSError: FileNotFoundError, PermissionError, ...
         print(f"softq {args.command}: error: {err}", file=sys.stderr)
         return 1
 

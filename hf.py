@@ -163,8 +163,9 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None) -> HF
         raise ModelDirError(f"{path} has a config.json but no weights (model.safetensors or pytorch_model.bin)")
     try:
         model = model_class.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, RuntimeError) as err:
-        raise ModelDirError(f"cannot load the weights in {path}: {str(err).splitlines()[0]}") from None
+    except Exception as err:  # noqa: BLE001 - a truncated safetensors file raises safetensors' own error type
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise ModelDirError(f"cannot load the weights in {path}: {first}") from None
     model.eval()
     tokenizer = None
     if getattr(model, "main_input_name", "input_ids") == "input_ids":
@@ -398,6 +399,8 @@ def recall_at_1(queries: torch.Tensor, corpus: torch.Tensor) -> float:
 def read_text_file(path: str | os.PathLike, what: str = "calibration file") -> list[str]:
     """Texts from a file: one text per line, or JSONL with a ``text`` field per line (``what`` names the file in errors)."""
     path = Path(path)
+    if path.is_dir():
+        raise ModelDirError(f"{what} {path} is a directory, not a text file")
     if not path.is_file():
         raise ModelDirError(f"{what} {path} does not exist")
     try:

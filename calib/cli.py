@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from softq.cli import positive_int
+
 
 def attention_from_args(args: argparse.Namespace) -> dict | None:
     """The ``configure_attention`` keywords the flags ask for (None = vanilla)."""
@@ -93,15 +95,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gated", action="store_true", help="gated attention")
     p.add_argument("--pi", type=float, default=0.5, help="gated attention: initial gate opening pi_init")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=None, help="total steps of the schedule (default: size's budget)")
+    p.add_argument("--steps", type=positive_int, default=None, help="total steps of the schedule (default: size's budget)")
     p.add_argument("--out", required=True, help="run directory (checkpoint.pt and, when done, model/)")
-    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--checkpoint-every", type=positive_int, default=100, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
-    p.add_argument("--stop-after", type=int, default=None, help="stop this invocation after N steps (resume later)")
+    p.add_argument("--stop-after", type=positive_int, default=None, help="stop this invocation after N steps (resume later)")
     p.add_argument("--finetune-gated", metavar="MODEL_DIR", default=None,
                    help="instead of training from scratch: convert this saved model to gated attention "
                         "(function-preserving) and fine-tune it for --steps (default 100) steps at --lr")
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate of --finetune-gated")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=_train)

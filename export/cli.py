@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from softq.cli import positive_int
+
 REFERENCE_NAMES = ("lm", "vit")
 
 
@@ -53,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     h = p.add_argument_group("when MODEL is a Hugging Face model directory (quantized here first)")
     h.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="calibration texts, one per line or JSONL with 'text' (default: Python documentation paragraphs)")
-    h.add_argument("--max-length", type=int, default=128, help="tokens per calibration text (default 128)")
+    h.add_argument("--max-length", type=positive_int, default=128, help="tokens per calibration text (default 128)")
     g = p.add_argument_group("when MODEL is a reference workload")
     g.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
     p.add_argument("--softmax-output", choices=["row", "row_exact", "row_log", "edge"], default="row",
@@ -62,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--softmax-bits", type=int, default=8,
                    help="softmax output bits when MODEL is quantized here (default %(default)s; row_log takes 4; "
                         "0: a float softmax, exported as the 'float' form)")
-    p.add_argument("--calib-size", type=int, default=16, help="calibration windows/images/texts (default 16)")
+    p.add_argument("--calib-size", type=positive_int, default=16, help="calibration windows/images/texts (default 16)")
     g.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
     p.set_defaults(handler=_export)
 
@@ -101,11 +103,18 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
     if (path / "quant_config.json").is_file():
         from softq.quant.io import load
 
+        given = [flag for flag, value, default in (
+            ("--softmax-output", args.softmax_output, "row"), ("--softmax-bits", args.softmax_bits, 8),
+            ("--bias-correction", args.bias_correction, None), ("--calib", args.calib, None),
+            ("--max-length", args.max_length, 128), ("--calib-size", args.calib_size, 16)) if value != default]
+        if given:
+            raise ValueError(f"{' and '.join(given)} apply when MODEL is quantized here; {path} is already quantized "
+                             "(its settings are in its quant_config.json: re-quantize with softq quantize to change them)")
         return load(path)
     from softq import hf
     from softq.workloads.tasks import model_dir_task
 
-    calib = hf.read_text_file(args.calib) if args.calib is not None else None
+    calib = hf.read_text_file(args.calib, "--calib file") if args.calib is not None else None
     task = model_dir_task(hf.load_model_dir(path, max_length=args.max_length), calib, [], calib_size=args.calib_size)
     return softq.quantize(task.model, task.calib, config)
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from softq.cli import positive_float
 
 
 def _per_layer(text: str | None) -> Any:
@@ -15,24 +18,51 @@ def _per_layer(text: str | None) -> Any:
     return text.split(",") if "," in text else text
 
 
-def _load_any(model: str) -> Any:
-    """A model directory (softq save_model or Hugging Face save_pretrained)."""
+def _model_dir(model: str) -> Path:
     path = Path(model)
     if not path.is_dir():
         raise FileNotFoundError(f"{model} is neither 'lm', 'vit' nor a model directory")
+    return path
+
+
+def _load_any(model: str) -> Any:
+    """A model directory (softq save_model or Hugging Face save_pretrained)."""
+    path = _model_dir(model)
     if (path / "weights.pt").is_file():
         from softq.workloads import load_model
 
         return load_student(path) if _has_surrogates(path) else load_model(path)
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(path)
-    cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
-    model = cls.from_pretrained(path).eval()
+    with _quiet_transformers():
+        try:
+            config = transformers.AutoConfig.from_pretrained(path)
+            cls = getattr(transformers, (config.architectures or ["AutoModel"])[0], transformers.AutoModel)
+            model = cls.from_pretrained(path, local_files_only=True).eval()
+        except Exception as err:  # noqa: BLE001 - unreadable config or weights: one line naming the directory
+            first = (str(err).splitlines() or [type(err).__name__])[0]
+            raise ValueError(f"cannot load the model in {path}: {first}") from None
     from softq.hf import sentence_pooling
 
     _drop_unused_pooler(model, sentence_pooling(path)[0])
     return model
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Any:
+    """transformers without its loading bars and 'newly initialized' warnings (a student or a sentence encoder is
+    saved without BERT's pooler on purpose); restored after."""
+    import transformers
+
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
 
 
 def _drop_unused_pooler(model: Any, pooling: str | None) -> None:
@@ -64,6 +94,33 @@ def load_student(path: str | Path) -> Any:
     return _restore_surrogates(load_model(path))
 
 
+def _read_inputs(path: str) -> dict:
+    """``--inputs``: a torch.save'd dict of input tensors (one line if it is not)."""
+    import torch
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--inputs {path} does not exist")
+    try:
+        inputs = torch.load(path, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - truncated, not a torch file, or unpicklable: all one answer
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"--inputs {path} cannot be read as a torch.save'd dict of tensors ({first})") from None
+    if not isinstance(inputs, dict) or not inputs:
+        raise ValueError(f"--inputs {path} holds a {type(inputs).__name__}; expected a dict of input tensors "
+                         "(e.g. a tokenizer's output)")
+    return inputs
+
+
+def _check_inputs(inputs: dict, path: str, model: Any) -> None:
+    """``--inputs`` against the model: its main input present, ids in its vocabulary, shapes it takes."""
+    from softq.calib.data import check_batch
+
+    main = getattr(model, "main_input_name", "input_ids")
+    if main not in inputs:
+        raise ValueError(f"--inputs {path} has no '{main}' (keys: {', '.join(map(str, inputs))})")
+    check_batch(model, inputs, what="--inputs", index=path)
+
+
 def _run(args: argparse.Namespace) -> int:
     import torch
 
@@ -82,11 +139,13 @@ def _run(args: argparse.Namespace) -> int:
     elif args.text:
         return _run_text(args)
     else:
-        model = _load_any(args.student or args.model)
+        _model_dir(args.student or args.model)
         if not args.inputs:
             raise ValueError("a model directory needs --inputs (a torch.save'd dict of input tensors) or, for a text "
                              "model, --text FILE")
-        inputs = torch.load(args.inputs, weights_only=True)
+        inputs = _read_inputs(args.inputs)  # a bad file fails before the model loads
+        model = _load_any(args.student or args.model)
+        _check_inputs(inputs, args.inputs, model)
     softmax, gelu = _per_layer(args.softmax), _per_layer(args.gelu)
     if args.student:
         spec = SurrogateSpec.from_json(model.config.softq_mpc_surrogates)
@@ -134,19 +193,11 @@ def load_text_model(path: str | Path, max_length: int | None = None) -> Any:
     MPC (:func:`_drop_unused_pooler`).  A student written by ``softq mpc distill`` gets its surrogates back.
     """
     import torch
-    import transformers
 
     from softq import hf
 
-    verbosity, bars = transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
-    transformers.logging.set_verbosity_error()  # a student saved without the pooler: no 'newly initialized' noise
-    transformers.utils.logging.disable_progress_bar()
-    try:
+    with _quiet_transformers():
         loaded = hf.load_model_dir(path, max_length=max_length)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
     if not loaded.is_text:
         raise hf.ModelDirError(f"{path} is not a text model; --text and distillation from a text file need one")
     _drop_unused_pooler(loaded.model, loaded.pooling)
@@ -370,6 +421,13 @@ def save_student_dir(student: Any, path: str | Path, source: str | Path, meta: d
 def _distill(args: argparse.Namespace) -> int:
     import torch
 
+    from softq._files import check_writable_parent
+
+    out = Path(args.out)  # before any work: a student is never written over something without --overwrite
+    if (out.exists() or out.is_symlink()) and not args.overwrite:
+        raise FileExistsError(f"--out {out} already exists; pass --overwrite to replace it")
+    check_writable_parent(out)
+
     if args.model not in ("lm", "vit"):
         return _distill_dir(args)
     for flag, value in (("--text", args.text), ("--eval-text", args.eval_text), ("--init", args.init)):
@@ -434,7 +492,7 @@ def register(subparsers: Any) -> None:
     r.add_argument("--world-size", type=int, default=2, help="number of parties (processes)")
     r.add_argument("--provider", choices=("TFP", "TTP"), default="TFP",
                    help="Beaver triples: TFP (party 0 generates them; trusted) or TTP (separate dealer process)")
-    r.add_argument("--timeout", type=float, default=120.0, help="seconds before a silent or missing party is an error")
+    r.add_argument("--timeout", type=positive_float, default=120.0, help="seconds before a silent or missing party is an error")
     r.add_argument("--truncation", choices=("exact", "probabilistic"), default="exact",
                    help="exact (default, never fails) or CrypTen's probabilistic truncation (opt-in)")
     r.add_argument("--range-margin", type=float, default=2.0,
@@ -486,6 +544,7 @@ def register(subparsers: Any) -> None:
                         "--model; its surrogates are kept, --softmax/--gelu/--fit do not apply), e.g. --steps1 0 "
                         "--steps2 1200 for more stage-2 steps (how the 0.98 MiniLM student was trained: docs/results/mpc.md)")
     d.add_argument("--out", required=True, help="directory for the student")
+    d.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     d.set_defaults(handler=_distill)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from softq.cli import positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     q = subparsers.add_parser(
@@ -93,13 +95,13 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                         "(default: paragraphs of Python's documentation)")
     p.add_argument("--eval", type=Path, default=None, metavar="FILE",
                    help="model directory: evaluation texts, same format (default: other documentation paragraphs)")
-    p.add_argument("--max-length", type=int, default=128, help="model directory: tokens per text (default 128)")
-    p.add_argument("--context", type=int, default=None, help="LM window length (default: the model's full context)")
-    p.add_argument("--calib-size", type=int, default=None,
+    p.add_argument("--max-length", type=positive_int, default=128, help="model directory: tokens per text (default 128)")
+    p.add_argument("--context", type=positive_int, default=None, help="LM window length (default: the model's full context)")
+    p.add_argument("--calib-size", type=positive_int, default=None,
                    help="calibration windows/images (default 16) or texts (default 64)")
-    p.add_argument("--eval-limit", type=int, default=None, help="evaluate on at most this many windows/images")
+    p.add_argument("--eval-limit", type=positive_int, default=None, help="evaluate on at most this many windows/images")
     p.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=positive_int, default=None,
                    help="which cached reference model (training steps; default the reference budget)")
     p.add_argument("--size", choices=["reference", "tiny"], default="reference",
                    help="reference model size; 'tiny' trains in seconds (for trying things out)")
@@ -155,8 +157,8 @@ def _task(args: argparse.Namespace):
     from softq import hf
 
     # Read the texts before loading the model: a bad file fails in a second, not after the load.
-    calib = hf.read_text_file(args.calib) if args.calib is not None else None
-    evaluation = hf.read_text_file(args.eval) if args.eval is not None else None
+    calib = hf.read_text_file(args.calib, "--calib file") if args.calib is not None else None
+    evaluation = hf.read_text_file(args.eval, "--eval file") if args.eval is not None else None
     loaded = hf.load_model_dir(args.model, max_length=args.max_length)
     return model_dir_task(loaded, calib, evaluation, calib_size=args.calib_size or 64,
                           eval_limit=args.eval_limit if args.eval_limit is not None else 128)
@@ -166,9 +168,13 @@ def _quantize(args: argparse.Namespace) -> int:
     import softq
     from softq.quant.quantize import smoothing_report
 
+    from softq._files import check_writable_parent
+
     config = _config(args)
-    if args.output is not None and args.output.exists() and not args.overwrite:
-        raise FileExistsError(f"{args.output} already exists; pass --overwrite to replace it")
+    if args.output is not None:  # before any work: a bad path fails in a second, not after calibration
+        if args.output.exists() and not args.overwrite:
+            raise FileExistsError(f"{args.output} already exists; pass --overwrite to replace it")
+        check_writable_parent(args.output)
     task = _task(args)
     qmodel = softq.quantize(task.model, task.calib, config)
     print(f"{task.name}: {config.describe()}")
@@ -192,7 +198,16 @@ def _report(args: argparse.Namespace) -> int:
     from softq.calib import diagnostics
     from softq.quant import sensitivity
 
+    from softq._files import check_writable_parent
+
     config = _config(args)
+    bars = args.plot.with_name(f"{args.plot.stem}-sensitivity{args.plot.suffix}")
+    if args.plot.suffix.lower() != ".png":
+        raise ValueError(f"--plot {args.plot}: expected a .png file name")
+    for path in (args.plot, bars):
+        if path.is_dir():
+            raise IsADirectoryError(f"--plot: {path} is a directory")
+        check_writable_parent(path)
     task = _task(args)
     qmodel = softq.quantize(task.model, task.calib, config)
     results = {"float": diagnostics.collect(task.model, task.calib), config.describe(): diagnostics.collect(qmodel, task.calib)}
@@ -203,7 +218,6 @@ def _report(args: argparse.Namespace) -> int:
         rows = sensitivity.sensitivity(qmodel, lambda m: task.measure(m)[1])
         print("== sensitivity: held-out loss (nats) with one part quantized at a time (worst first)")
         print(sensitivity.format_sensitivity(rows, higher_is_better=False))
-        bars = args.plot.with_name(f"{args.plot.stem}-sensitivity{args.plot.suffix}")
         print(f"sensitivity plot written to {sensitivity.plot_sensitivity(rows, 'held-out loss', bars)}")
     print(f"plot written to {diagnostics.plot(results, args.plot)}")
     return 0

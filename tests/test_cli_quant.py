@@ -27,6 +27,11 @@ def test_quantize_cli_evaluates_and_saves(tmp_path, capsys) -> None:
     # an existing output is not overwritten without --overwrite, and the failure is a clear message
     assert main(["quantize", "vit", "--size", "tiny", "--output", str(out), "--no-eval"]) == 1
     assert "already exists; pass --overwrite" in capsys.readouterr().err
+    # settings that only apply when export quantizes the model itself are refused for a saved one
+    assert main(["export", str(out), "--softmax-bits", "0", "-o", str(tmp_path / "m.onnx")]) == 1
+    err = capsys.readouterr().err
+    assert "--softmax-bits apply when MODEL is quantized here" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "m.onnx").exists()
 
 
 def test_quantize_cli_refuses_bad_bits(tmp_path, capsys) -> None:

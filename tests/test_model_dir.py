@@ -310,22 +310,67 @@ def test_cli_quantize_report_export_on_a_model_dir(folder, tmp_path, capsys) -> 
     ("empty-calib", "is empty"),
     ("binary-calib", "is not UTF-8"),
     ("not-a-model", "no config.json"),
+    ("truncated-weights", "cannot load the weights in"),
+    ("empty-eval", "--eval file"),
+    ("calib-is-a-dir", "is a directory, not a text file"),
+    ("output-under-a-file", "is a file, not a directory"),
+    ("plot-not-png", "expected a .png file name"),
+    ("distill-over-a-dir", "already exists; pass --overwrite"),
+    ("mpc-inputs-not-torch", "cannot be read as a torch.save'd dict of tensors"),
+    ("mpc-inputs-a-list", "holds a list; expected a dict of input tensors"),
+    ("mpc-inputs-out-of-vocab", "token ids must be in [0, "),
 ])
 def test_cli_bad_input_is_one_line_and_writes_nothing(folder, tmp_path, capsys, case, message) -> None:
+    import shutil
+
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "texts.txt").write_text("\n".join(texts(12, 3)))
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "notes.txt").write_text("the user's own file")
+    torch.save([1, 2], tmp_path / "list.pt")
+    torch.save({"input_ids": torch.full((1, 8), 10_000)}, tmp_path / "ids.pt")
+    if case == "truncated-weights":
+        shutil.copytree(folder, tmp_path / "trunc")
+        weights = tmp_path / "trunc" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
     out = ["--output", str(tmp_path / "out")]
     argv = {
         "no-dir": ["quantize", str(tmp_path / "nothing"), *out],
         "empty-calib": ["quantize", str(folder), "--calib", str(tmp_path / "empty.txt"), *out],
         "binary-calib": ["quantize", str(folder), "--calib", str(tmp_path / "binary.txt"), *out],
         "not-a-model": ["export", str(tmp_path), "-o", str(tmp_path / "x.onnx")],
+        "truncated-weights": ["quantize", str(tmp_path / "trunc"), *out],
+        "empty-eval": ["quantize", str(folder), "--eval", str(tmp_path / "empty.txt"), *out],
+        "calib-is-a-dir": ["quantize", str(folder), "--calib", str(tmp_path / "keep"), *out],
+        "output-under-a-file": ["quantize", str(folder), "--output", str(tmp_path / "binary.txt" / "q")],
+        "plot-not-png": ["report", str(folder), "--plot", str(tmp_path / "binary.txt")],
+        "distill-over-a-dir": ["mpc", "distill", "--model", str(folder), "--text", str(tmp_path / "texts.txt"),
+                               "--out", str(tmp_path / "keep")],
+        "mpc-inputs-not-torch": ["mpc", "run", "--model", str(folder), "--inputs", str(tmp_path / "binary.txt")],
+        "mpc-inputs-a-list": ["mpc", "run", "--model", str(folder), "--inputs", str(tmp_path / "list.pt")],
+        "mpc-inputs-out-of-vocab": ["mpc", "run", "--model", str(folder), "--inputs", str(tmp_path / "ids.pt")],
     }[case]
     before = set(tmp_path.iterdir())
     assert main(argv) == 1
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert set(tmp_path.iterdir()) == before
+    assert [p.name for p in (tmp_path / "keep").iterdir()] == ["notes.txt"]
+    assert (tmp_path / "binary.txt").read_bytes() == b"\xff\xfe\x00"
+
+
+@pytest.mark.parametrize("argv", [
+    ["quantize", "DIR", "--max-length", "0"], ["quantize", "DIR", "--calib-size", "-3"],
+    ["quantize", "DIR", "--eval-limit", "0"], ["quantize", "lm", "--context", "0"],
+    ["export", "DIR", "--max-length", "-1", "-o", "x.onnx"], ["mpc", "run", "--model", "vit", "--timeout", "0"],
+])
+def test_cli_numbers_that_cannot_be_meant_are_usage_errors(argv, capsys) -> None:
+    # 0 used to mean "no limit" / "the default" without a word, -3 sliced the texts, -1 crashed in the tokenizer
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert "expected a positive" in capsys.readouterr().err
 
 
 # -- the real pretrained model, when its package is installed ---------------------------------
