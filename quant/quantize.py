@@ -301,6 +301,14 @@ def _held_out_split(batches: list[Batch]) -> tuple[list[Batch], list[Batch]] | N
     return [b for b in batches if not any(b is h for h in held)], held
 
 
+def _first_example(batch: Batch) -> Batch:
+    """``batch`` cut to its first example (every tensor with a batch dimension, when they share one)."""
+    sizes = {v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if len(sizes) != 1:
+        return batch
+    return {k: v[:1] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
+
+
 @torch.no_grad()
 def _outputs(model: nn.Module, batches: list[Batch]) -> list[torch.Tensor]:
     """The model's output rows on ``batches``, one row per token (valid tokens only): its logits where they have
@@ -474,7 +482,7 @@ def fold_smoothing_into_v(qmodel: nn.Module, batches: list[Batch], config: Quant
     for name, lin in linears.items():
         hooks.append(lin.register_forward_hook(record(name)))
     try:
-        run_batches(qmodel, batches[:1])
+        run_batches(qmodel, [_first_example(batches[0])])  # which tensor is which: one example tells
     finally:
         for hook in hooks:
             hook.remove()
