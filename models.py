@@ -24,6 +24,7 @@ ATTENTION_CLASSES: dict[str, tuple[str, ...]] = {
     "deit": ("DeiTSelfAttention", "DeiTAttention"),
 }
 SUPPORTED_FAMILIES = tuple(ATTENTION_CLASSES)
+CAUSAL_FAMILIES = ("gpt2", "opt")  # decoders: every attention row is masked past its own position
 
 
 class UnsupportedModelError(ValueError):

@@ -66,7 +66,7 @@ from softq.export.int_softmax import FORMS as EDGE_FORMS
 from softq.export.int_softmax import (OUT_SCALE, SoftmaxQuant, _Builder, build_relative_codes, build_relative_scores,
                                       build_softmax)
 from softq.export.row_attention import ROW_FORMS, RowQuant, build_row_attention
-from softq.models import is_headless
+from softq.models import CAUSAL_FAMILIES, is_headless, model_family
 from softq.quant.config import FLOAT_INPUT_OUTPUTS
 
 TORCH_OPSET = 18
@@ -926,12 +926,16 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
                           "softmax='fast', or quantize with softmax_input='row' (CLI: --softmax-input row)")
     wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
     feeds = example_feeds(qmodel, example_inputs, names)
+    if softmax == "ort" and model_family(qmodel) in CAUSAL_FAMILIES:
+        raise ExportError(
+            "softmax='ort' cannot export a causal model: QLinearSoftmax has no mask input, so every row's future "
+            "keys would keep a weight and every position's output would be wrong; use softmax='qdq' or 'int'")
     if softmax == "ort" and "attention_mask" in names:
         warnings.warn(
-            "softmax='ort' on a model with attention masks: QLinearSoftmax has no mask input, so masked keys "
-            "enter as the lowest score code and keep a weight exp((qmin - row max) * scale) each "
-            "(negligible for wide score ranges, not for near-flat scores); 'int' and 'qdq' mask exactly",
-            UserWarning, stacklevel=2,
+            "softmax='ort' on a model with attention masks: QLinearSoftmax has no mask input, so in a padded row "
+            "the padding keys enter as the lowest score code and keep a weight exp((qmin - row max) * scale) "
+            "each: outputs of padded inputs are approximate (unpadded inputs are exact); 'int' and 'qdq' mask "
+            "exactly", UserWarning, stacklevel=2,
         )
     _run_once(wrapper, feeds, "the quantized model")
     onnx_model = _trace(wrapper, feeds, names, outputs)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from softq.models import model_family
+from softq.models import CAUSAL_FAMILIES, model_family
 from softq.mpc._crypten_shim import load_crypten
 from softq.mpc.accounting import CommRecorder
 from softq.mpc.approx import ROW_SCALE_LIMIT, accurate_functions, normalize_rows
@@ -41,7 +41,6 @@ from softq.softmax import get_softmax
 
 SECRET_INPUTS = ("input_ids", "pixel_values", "inputs_embeds")
 PUBLIC_INPUTS = ("attention_mask", "token_type_ids", "position_ids")
-CAUSAL_FAMILIES = ("gpt2", "opt")
 # A public value added to a secret must stay far inside CrypTen's fixed-point range
 # (16 fractional bits in a 64-bit ring): an additive -3.4e38 mask would wrap around.
 MAX_PUBLIC_ADDEND = 2.0**30

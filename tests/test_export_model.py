@@ -235,9 +235,20 @@ def test_uint8_weight_storage(quantized):
     np.testing.assert_allclose(out, ref, atol=1e-5)
 
 
-def test_ort_form_on_masked_model_warns(quantized):
-    with pytest.warns(UserWarning, match="QLinearSoftmax has no mask input"):
+def test_ort_form_refuses_causal_models_and_warns_on_padding(quantized):
+    # QLinearSoftmax has no mask input: a causal model's future keys would keep weight at every position
+    with pytest.raises(ExportError, match="softmax='ort' cannot export a causal model"):
         build_onnx(quantized[("gpt2", None)], tiny_inputs("gpt2"), "ort")
+    bert = softq.quantize(tiny_model("bert"), [tiny_inputs("bert", seed=s) for s in range(2)],
+                          softq.QuantConfig(softmax_output="edge"))
+    with pytest.warns(UserWarning, match="outputs of padded inputs are approximate"):
+        model = build_onnx(bert, tiny_inputs("bert"), "ort")
+    inputs = tiny_inputs("bert", seed=5)  # unpadded: exact
+    with torch.no_grad():
+        ref = bert(**inputs).logits.numpy()
+    out = U.run(model, {"input_ids": inputs["input_ids"].numpy(),
+                        "attention_mask": np.ones(tuple(inputs["input_ids"].shape), np.int64)}, "all")[0]
+    np.testing.assert_allclose(out, ref, atol=1e-4 * np.abs(ref).max())
 
 
 def test_float_export_matches_float_model(tmp_path):
