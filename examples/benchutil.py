@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 MODELS = ("bert-base", "minilm", "lm", "vit")
 SEQ = 128
 QDQ = "softq INT8, fast, linears='qdq'"  # the export for OpenVINO (to_onnx(linears="qdq"))
@@ -84,6 +86,33 @@ def interleaved(runs: dict[str, Callable[[], object]], rounds: int, min_seconds:
 
     medians = interleaved_medians({k: repeated(r) for k, r in runs.items()}, rounds, min_seconds)
     return {k: v / reps for k, v in medians.items()}
+
+
+def one_thread_latency(paths: dict[str, Path], feeds_for: Callable[[int], dict], rounds: int, rounds_large: int,
+                       min_seconds: float = 0.0) -> dict[int, dict[str, float]]:
+    """Seconds per call of each ONNX file in onnxruntime (ORT_ENABLE_ALL, one thread) at batches 1 and 32, the
+    files interleaved (:func:`interleaved`); ``{batch: {name: seconds}}``, one of the names ``"FP32"``."""
+    from softq.export import onnx_utils
+
+    lat = {}
+    for size in (1, 32):
+        sessions = {k: onnx_utils.session(p, "all", threads=1) for k, p in paths.items()}
+        feeds = feeds_for(size)
+        lat[size] = interleaved({k: (lambda s=s: s.run(None, feeds)) for k, s in sessions.items()},
+                                rounds if size == 1 else rounds_large, min_seconds)
+    return lat
+
+
+def latency_cells(lat: dict[int, dict[str, float]], name: str) -> list[str]:
+    """Table cells of :func:`one_thread_latency`: FP32's milliseconds, every other file's ratio to it."""
+    return [f"{1e3 * lat[s]['FP32']:.2f} ms" if name == "FP32" else f"{lat[s][name] / lat[s]['FP32']:.3f}"
+            for s in sorted(lat)]
+
+
+def mean_cosine_distance(rows: np.ndarray, reference: np.ndarray) -> float:
+    """Mean of 1 - cos between matching rows (output vectors) of two arrays."""
+    cos = (rows * reference).sum(-1) / (np.linalg.norm(rows, axis=-1) * np.linalg.norm(reference, axis=-1))
+    return float((1 - cos).mean())
 
 
 def timing_sentence(rounds: int, rounds_large: int, min_seconds: float = 0.0) -> str:

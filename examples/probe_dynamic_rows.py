@@ -38,7 +38,8 @@ from onnx import helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_export_speed import Bench  # noqa: E402
-from benchutil import command_line, cpu_description, interleaved, write_atomic  # noqa: E402
+from benchutil import (command_line, cpu_description, latency_cells, mean_cosine_distance,  # noqa: E402
+                       one_thread_latency, write_atomic)
 
 import softq  # noqa: E402
 from softq.export import onnx_utils as U  # noqa: E402
@@ -124,22 +125,14 @@ def probe(name: str, rounds: int, rounds_large: int, min_seconds: float, work: P
     quantize_dynamic(str(paths["FP32"]), str(paths[QD]), per_channel=True, weight_type=QuantType.QInt8)
     ref = None if name in ("lm", "vit") else bench.reference(bench.model)
     fp32 = bench.output_rows(paths["FP32"])
-    lat = {}
-    for size in (1, 32):
-        sessions = {k: U.session(p, "all", threads=1) for k, p in paths.items()}
-        feeds = bench.latency_feeds(size)
-        lat[size] = interleaved({k: (lambda s=s: s.run(None, feeds)) for k, s in sessions.items()},
-                                rounds if size == 1 else rounds_large, min_seconds)
+    lat = one_thread_latency(paths, bench.latency_feeds, rounds, rounds_large, min_seconds)
     lines = [f"## {name} ({replaced} Linear inputs quantized per row)", "",
              "| file | accuracy (ONNX) | distance to FP32 | size / FP32 | 1 thr, batch 1 | 1 thr, batch 32 |",
              "|---|---|---|---|---|---|"]
     size_fp32 = paths["FP32"].stat().st_size
     for k, p in paths.items():
-        out = bench.output_rows(p)
-        cos = (out * fp32).sum(-1) / (np.linalg.norm(out, axis=-1) * np.linalg.norm(fp32, axis=-1))
-        cells = [f"{1e3 * lat[s]['FP32']:.2f} ms" if k == "FP32" else f"{lat[s][k] / lat[s]['FP32']:.3f}" for s in (1, 32)]
-        lines.append(f"| {k} | {bench.accuracy(p, ref):.4f} | {float((1 - cos).mean()):.2e} | "
-                     f"{p.stat().st_size / size_fp32:.2f} | {' | '.join(cells)} |")
+        lines.append(f"| {k} | {bench.accuracy(p, ref):.4f} | {mean_cosine_distance(bench.output_rows(p), fp32):.2e} | "
+                     f"{p.stat().st_size / size_fp32:.2f} | {' | '.join(latency_cells(lat, k))} |")
     return lines + [""]
 
 

@@ -27,15 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_export_speed import Bench  # noqa: E402
-from benchutil import command_line, cpu_description, interleaved, write_atomic  # noqa: E402
+from benchutil import (command_line, cpu_description, latency_cells, mean_cosine_distance,  # noqa: E402
+                       one_thread_latency, write_atomic)
 
 import softq  # noqa: E402
-from softq.export import onnx_utils as U  # noqa: E402
 from softq.export.model_export import to_onnx, to_onnx_float  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,12 +61,7 @@ def probe(name: str, rounds: int, rounds_large: int, work: Path) -> list[str]:
     quantize_dynamic(str(paths["FP32"]), str(paths["ORT quantize_dynamic"]), per_channel=True,
                      weight_type=QuantType.QInt8)
     fp32 = bench.output_rows(paths["FP32"])
-    lat = {}
-    for size in (1, 32):
-        sessions = {k: U.session(p, "all", threads=1) for k, p in paths.items()}
-        feeds = bench.latency_feeds(size)
-        lat[size] = interleaved({k: (lambda s=s: s.run(None, feeds)) for k, s in sessions.items()},
-                                rounds if size == 1 else rounds_large)
+    lat = one_thread_latency(paths, bench.latency_feeds, rounds, rounds_large)
     judged = ("" if errors is None else f"; auto: held-out calibration error {errors[1]:.3g} folded against "
               f"{errors[0]:.3g} unfolded")
     lines = [f"## {name} (smoothing_into_v=True folds {count} attention layers; input smoothing: alpha "
@@ -75,10 +69,8 @@ def probe(name: str, rounds: int, rounds_large: int, work: Path) -> list[str]:
              f"{'LayerNorm-folded inputs only' if qmodel.softq_smoothing_folded_only else 'every input'}{judged})", "",
              "| file | accuracy (ONNX) | distance to FP32 | 1 thr, batch 1 | 1 thr, batch 32 |", "|---|---|---|---|---|"]
     for k, p in paths.items():
-        rows = bench.output_rows(p)
-        cos = (rows * fp32).sum(-1) / (np.linalg.norm(rows, axis=-1) * np.linalg.norm(fp32, axis=-1))
-        cells = [f"{1e3 * lat[s]['FP32']:.2f} ms" if k == "FP32" else f"{lat[s][k] / lat[s]['FP32']:.3f}" for s in (1, 32)]
-        lines.append(f"| {k} | {bench.accuracy(p, ref):.4f} | {float((1 - cos).mean()):.2e} | {' | '.join(cells)} |")
+        lines.append(f"| {k} | {bench.accuracy(p, ref):.4f} | {mean_cosine_distance(bench.output_rows(p), fp32):.2e} | "
+                     f"{' | '.join(latency_cells(lat, k))} |")
     return lines + [""]
 
 
