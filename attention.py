@@ -222,8 +222,13 @@ def softq_attention(
         probs = get_softmax(points.softmax_name)(scores, valid, **points.softmax_params)
         probs = points.probs(probs, valid)
     weights = nn.functional.dropout(probs, p=dropout, training=module.training)
-    out = torch.matmul(weights, value) if points is None else points.pv(weights, points.v(value))
-    if points is not None:
+    if points is None:
+        out = torch.matmul(weights, value)
+    else:
+        v = points.v(value)
+        if weights.dtype != v.dtype:  # a bf16/fp16 model: the quantizers may hand back float32 probs
+            weights = weights.to(v.dtype)
+        out = points.pv(weights, v)
         out = _gated(points, out)
     return out.transpose(1, 2).contiguous(), probs
 
