@@ -135,8 +135,8 @@ def run(
     provider (``"TFP"``: party 0 generates them; ``"TTP"``: a separate dealer
     process).  ``truncation="exact"`` (default) never fails; ``"probabilistic"`` is
     CrypTen's own (see :mod:`softq.mpc.truncation`).  Before any party starts, the
-    plaintext range pass (:mod:`softq.mpc.ranges`) runs on ``calibration`` (default:
-    ``inputs``) and raises :class:`softq.mpc.ranges.RangeError` naming the layer and
+    plaintext range pass (:mod:`softq.mpc.ranges`) runs on ``inputs`` and any ``calibration``
+    batches and raises :class:`softq.mpc.ranges.RangeError` naming the layer and
     op if a value, widened by ``range_margin``, would leave its safe range.  Raises
     :class:`MPCError` naming the failing party.
     """
@@ -157,7 +157,9 @@ def run(
     inputs = {k: v for k, v in inputs.items() if v is not None}
     checked = copy.deepcopy(model)
     configure_surrogates(checked, softmax=softmax, gelu=gelu, softmax_params=softmax_params)
-    check_model(checked, inputs, calibration, range_config)
+    # the run's own inputs are always checked (this launcher holds them); calibration adds batches, it never
+    # replaces them: an input outside every calibrated range used to go to the parties and come back wrong
+    check_model(checked, inputs, None if calibration is None else [*calibration, inputs], range_config)
     del checked
     own_tmp = workdir is None
     tmp = Path(tempfile.mkdtemp(prefix="softq-mpc-")) if own_tmp else Path(workdir)  # type: ignore[arg-type]

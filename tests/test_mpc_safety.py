@@ -179,6 +179,23 @@ def test_run_refuses_before_starting_any_party():
         run(tiny_bert(), bert_inputs(), truncation="sloppy")
 
 
+def test_run_checks_its_inputs_even_with_calibration_batches():
+    # calibration used to replace the inputs in the range pass: pixels 1e4 x the calibrated ones went to the
+    # parties and came back ~4e4 off (logits ~2) without an error
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(2)
+    vit = ViTForImageClassification(ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
+                                              num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                              num_labels=5, initializer_range=0.2)).eval()
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(7))
+    t0 = time.monotonic()
+    with pytest.raises(RangeError, match="refused before any secret was shared"):
+        run(vit, {"pixel_values": pixels * 1e4}, softmax="2quad", gelu="quad", timeout=30,
+            calibration=[{"pixel_values": pixels}])
+    assert time.monotonic() - t0 < 30
+
+
 def test_owner_refuses_on_its_calibration_inputs_and_every_party_stops(tmp_path):
     _scaled_bert("query", 300.0).save_pretrained(tmp_path / "model")
     torch.save(bert_inputs(), tmp_path / "in.pt")
