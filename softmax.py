@@ -53,8 +53,8 @@ def reciprocal(x: Any) -> Any:
     turns on ``functions.reciprocal_all_pos`` because every caller here passes a
     positive denominator, which saves a secure sign computation).
     """
-    if _is_plain(x):
-        return 1.0 / x.clamp_min(TINY)
+    if _is_plain(x):  # TINY, or float16's smallest normal number (TINY itself rounds to 0 there)
+        return 1.0 / x.clamp_min(max(TINY, torch.finfo(x.dtype).tiny))
     return x.reciprocal()
 
 
@@ -79,7 +79,10 @@ def row_max(x: Any, dim: int = -1) -> Any:
 
 
 def _mask(x: Any, valid: torch.Tensor | None) -> Any:
-    return x if valid is None else x * valid
+    if valid is None:
+        return x
+    # plaintext: exact zeros even where x is inf or NaN at a masked key (inf * 0 is NaN); CrypTen: a product
+    return x.masked_fill(valid == 0, 0.0) if _is_plain(x) else x * valid
 
 
 def _valid_count(scores: Any, valid: torch.Tensor | None, dim: int = -1) -> torch.Tensor | float:
@@ -95,6 +98,8 @@ def _valid_count(scores: Any, valid: torch.Tensor | None, dim: int = -1) -> torc
 def _masked_for_max(scores: Any, valid: torch.Tensor | None) -> Any:
     if valid is None:
         return scores
+    if _is_plain(scores):  # the same values, and a NaN or inf at a masked key stays out of the row max
+        return scores.masked_fill(valid == 0, -MASK_PUSH)
     return scores * valid + (valid - 1.0) * MASK_PUSH
 
 
@@ -131,8 +136,8 @@ def clipped_softmax(
     gradient reaches Q and K.  A class-token ViT then never learns (docs/outliers.md);
     alpha < 1 keeps every row alive at initialisation.
     """
-    if alpha < 0 or zeta < 1:
-        raise ValueError(f"clipped softmax needs alpha >= 0 and zeta >= 1, got alpha={alpha}, zeta={zeta}")
+    if not (0 <= alpha < math.inf and 1 <= zeta < math.inf):  # NaN fails both
+        raise ValueError(f"clipped softmax needs finite alpha >= 0 and zeta >= 1, got alpha={alpha}, zeta={zeta}")
     gamma = -alpha / _valid_count(scores, valid, dim)
     p = softmax(scores, valid, dim=dim)
     stretched = p * (zeta - gamma) + gamma
@@ -151,6 +156,8 @@ def softpick(scores: Any, valid: torch.Tensor | None = None, dim: int = -1, eps:
     """
     if not _is_plain(scores):
         raise NotImplementedError("softpick is not offered under MPC (it needs |.|, a secure comparison per entry)")
+    if scores.dtype == torch.float16:  # eps (and e^-m) vanish in float16: 0 / 0 on rows of small scores
+        return softpick(scores.float(), valid, dim, eps).to(scores.dtype)
     m = _masked_for_max(scores, valid).amax(dim=dim, keepdim=True).clamp_min(0.0)
     shifted = (scores - m).masked_fill(valid == 0, -math.inf) if valid is not None else scores - m
     d = shifted.exp() - torch.exp(-m)

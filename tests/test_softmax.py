@@ -225,3 +225,30 @@ def test_compiled_variant_falls_back_to_eager_when_the_compiler_fails(monkeypatc
     torch.testing.assert_close(S.compiled_softmax("clipped")(s, valid, alpha=0.5), out)  # eager from now on
     with pytest.raises(ValueError, match="unknown softmax"):
         S.compiled_softmax("sofmax")
+
+
+@pytest.mark.parametrize("name", sorted(SOFTMAX_VARIANTS))
+def test_non_finite_scores_at_masked_keys_stay_out(name: str) -> None:
+    # the promise is "zero, exactly, wherever valid is 0": a NaN or inf score at a masked key used to come out
+    # as NaN there (inf * 0), and through the row max or row sum spoil the whole row
+    torch.manual_seed(0)
+    scores, valid = torch.randn(2, 3, 4, 5), torch.ones(2, 1, 4, 5)
+    valid[..., 3] = 0
+    ref = get_softmax(name)(scores, valid)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        spoiled = scores.clone()
+        spoiled[..., 3] = bad
+        out = get_softmax(name)(spoiled, valid)
+        assert (out[..., 3] == 0).all() and torch.equal(out, ref), (name, bad)
+
+
+@pytest.mark.parametrize("name", sorted(SOFTMAX_VARIANTS))
+def test_float16_rows_stay_finite(name: str) -> None:
+    # the plaintext denominators' floor (1e-12) and softpick's eps round to 0 in float16: 0 / 0 on rows of
+    # small or non-positive scores
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 4, 5)
+    for scores in (x * 1e-4, -x.abs(), x):
+        assert torch.isfinite(get_softmax(name)(scores.half(), None)).all(), name
+    out = get_softmax(name)(x.half(), torch.zeros(2, 1, 4, 5, dtype=torch.half))  # every key masked: zeros
+    assert torch.isfinite(out).all() and not out.any(), name
