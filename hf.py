@@ -159,6 +159,10 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None) -> HF
     model_class = getattr(transformers, arch, None) if arch else None
     if model_class is None:
         model_class = transformers.AutoModel
+    if (path / "weights.pt").is_file() and not (path / "model.safetensors").is_file():
+        raise ModelDirError(f"{path} is a model written by softq train or softq mpc distill (weights.pt), not a "
+                            "Hugging Face directory; load it in Python with softq.workloads.load_model and pass the "
+                            "model to softq.quantize")
     if not any((path / f).is_file() for f in ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")):
         raise ModelDirError(f"{path} has a config.json but no weights (model.safetensors or pytorch_model.bin)")
     try:

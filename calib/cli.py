@@ -69,17 +69,24 @@ def _train(args: argparse.Namespace) -> int:
     if args.finetune_gated:
         return _finetune_gated(args)
     out = Path(args.out)
+    if out.exists() and not out.is_dir():  # before any step: the first checkpoint would fail after training
+        raise NotADirectoryError(f"--out {out} is a file; give a directory for the checkpoint and the model")
+    if args.resume and args.softmax == "softmax" and (out / "checkpoint.pt").is_file():
+        saved = load_checkpoint(out / "checkpoint.pt")["run"]["attention"]
+        if saved and saved.get("softmax"):  # an explicit exact softmax is a mismatch, not "as saved"
+            raise ValueError(f"--resume: checkpoint was trained with softmax={saved['softmax']!r}, not 'softmax'")
     model, step = train_resumable(
         args.model, size=args.size, seed=args.seed, steps=args.steps, attention=attention_from_args(args),
         family=args.family, checkpoint=out / "checkpoint.pt", checkpoint_every=args.checkpoint_every,
         resume=args.resume, stop_after=args.stop_after, progress=not args.quiet,
     )
-    total = load_checkpoint(out / "checkpoint.pt")["run"]["steps"]
+    run = load_checkpoint(out / "checkpoint.pt")["run"]  # what was trained (a resumed run: the saved settings)
+    total = run["steps"]
     if step < total:
         print(f"stopped at step {step}/{total}; continue with --resume (checkpoint {out / 'checkpoint.pt'})")
         return 0
     return _finish(args, model, step, f"trained {args.model} {args.size} "
-                   f"{W.variant_name(attention_from_args(args))} to step {step}")
+                   f"{W.variant_name(run['attention'])} to step {step}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -161,7 +161,11 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - truncated, empty or not a torch file: all one answer
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"{path} cannot be read (truncated or not a softq training checkpoint: {first})") from None
     if not isinstance(payload, dict) or payload.get("format") != "softq-train-checkpoint-1":
         raise ValueError(f"{path} is not a softq training checkpoint")
     return payload

@@ -122,6 +122,42 @@ def test_train_cli_resume_rejects_other_settings(tmp_path: Path, capsys: pytest.
     assert softq_main(["train", "--model", "vit", "--size", "tiny", "--out", str(tmp_path / "none"),
                        "--quiet", "--resume"]) == 1
     assert "no checkpoint" in capsys.readouterr().err
+    # an explicit exact softmax is a mismatch with a clipped checkpoint, not "as saved"
+    lm = ["train", "--model", "lm", "--size", "tiny", "--out", str(tmp_path / "r"), "--quiet", "--resume"]
+    assert softq_main([*lm, "--softmax", "softmax"]) == 1
+    assert "trained with softmax='clipped', not 'softmax'" in capsys.readouterr().err
+    # resumed without attention flags: it continues as saved, and says so (it used to print "vanilla")
+    assert softq_main(lm) == 0
+    assert "trained lm tiny alpha=4,softmax=clipped to step 6" in capsys.readouterr().out
+    # a model written by softq train is not a Hugging Face directory: one line saying what it is
+    assert softq_main(["quantize", str(tmp_path / "r" / "model"), "--no-eval"]) == 1
+    assert "is a model written by softq train" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [b"", b"hello", None])
+def test_train_cli_unreadable_checkpoint_or_bad_out_is_one_line(tmp_path: Path, capsys, content) -> None:
+    if content is None:  # --out is a file: refused before the first step, not when the first checkpoint is saved
+        (tmp_path / "out").write_text("a file")
+        message = "is a file; give a directory"
+    else:
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "checkpoint.pt").write_bytes(content)
+        message = "cannot be read (truncated or not a softq training checkpoint"
+    assert _train(tmp_path / "out", "--resume") == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_clipped_softmax_refuses_non_finite_parameters(capsys) -> None:
+    from softq.softmax import get_softmax
+
+    scores = torch.randn(1, 4)
+    for params in ({"alpha": float("nan")}, {"alpha": float("inf")}, {"zeta": float("inf")}):
+        with pytest.raises(ValueError, match="clipped softmax needs finite alpha"):
+            get_softmax("clipped")(scores, None, **params)
+    assert softq_main(["train", "--model", "lm", "--size", "tiny", "--steps", "2", "--softmax", "clipped",
+                       "--alpha", "nan", "--out", "unused", "--quiet"]) == 1
+    assert "clipped softmax needs a finite alpha >= 0, got nan" in capsys.readouterr().err
 
 
 def test_train_cli_vit_gated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

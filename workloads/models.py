@@ -119,6 +119,8 @@ def attention_options(
         get_softmax(softmax)  # unknown names fail here, with the list of choices
         attention["softmax"] = softmax
         if softmax == "clipped":
+            if not 0 <= float(alpha) < float("inf"):  # NaN fails too
+                raise ValueError(f"clipped softmax needs a finite alpha >= 0, got {alpha}")
             attention["alpha"] = float(alpha)
     if gated:
         attention.update(gated=True, gate_pi_init=float(pi_init))
