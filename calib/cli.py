@@ -34,7 +34,8 @@ def _finetune_gated(args: argparse.Namespace) -> int:
         raise ValueError("--finetune-gated runs are short and not checkpointed; drop --resume/--stop-after")
     model = W.load_model(args.finetune_gated)
     if model.config.model_type != ("vit" if args.model == "vit" else args.family):
-        raise ValueError(f"{args.finetune_gated} holds a {model.config.model_type} model, not --model {args.model}")
+        wanted = "--model vit" if args.model == "vit" else f"--model lm --family {args.family}"
+        raise ValueError(f"{args.finetune_gated} holds a {model.config.model_type} model, not {wanted}")
     steps = 100 if args.steps is None else args.steps
     model, losses = finetune_to_gated(model, steps, args.pi, lr=args.lr, seed=args.seed, progress=not args.quiet)
     return _finish(args, model, steps, f"gated (pi_init {args.pi}) fine-tuned {steps} steps from {args.finetune_gated}")

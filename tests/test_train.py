@@ -183,4 +183,7 @@ def test_train_cli_finetune_gated_from_saved_model(tmp_path: Path, capsys: pytes
     assert "already has gated attention" in capsys.readouterr().err
     assert softq_main(["train", "--model", "vit", "--finetune-gated", str(tmp_path / "base"),
                        "--out", str(tmp_path / "x"), "--quiet"]) == 1
-    assert "holds a gpt2 model" in capsys.readouterr().err
+    assert "holds a gpt2 model, not --model vit" in capsys.readouterr().err
+    assert softq_main(["train", "--model", "lm", "--family", "opt", "--finetune-gated", str(tmp_path / "base"),
+                       "--out", str(tmp_path / "x"), "--quiet"]) == 1
+    assert "holds a gpt2 model, not --model lm --family opt" in capsys.readouterr().err
