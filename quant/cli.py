@@ -166,9 +166,8 @@ def _task(args: argparse.Namespace):
 
 def _quantize(args: argparse.Namespace) -> int:
     import softq
-    from softq.quant.quantize import smoothing_report
-
     from softq._files import check_writable_parent
+    from softq.quant.quantize import smoothing_report
 
     config = _config(args)
     if args.output is not None:  # before any work: a bad path fails in a second, not after calibration
@@ -195,10 +194,9 @@ def _quantize(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     import softq
+    from softq._files import check_writable_parent
     from softq.calib import diagnostics
     from softq.quant import sensitivity
-
-    from softq._files import check_writable_parent
 
     config = _config(args)
     bars = args.plot.with_name(f"{args.plot.stem}-sensitivity{args.plot.suffix}")
