@@ -21,6 +21,7 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         yield tmp
+        default_mode(tmp)
         if target.exists() or target.is_symlink():
             # a fresh name, so a leftover from an interrupted run is never in the way; a file or a link at
             # ``target`` is moved aside and removed like a directory
@@ -37,6 +38,15 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def default_mode(path: str | os.PathLike) -> None:
+    """Give a file or directory made by ``tempfile.mkstemp`` / ``mkdtemp`` (0600 / 0700: readable by its owner
+    only) the mode ``open`` / ``mkdir`` would have given it (0666 / 0777 less the umask), before it is moved into
+    place: an exported model must be readable by the service that runs it, as other tools' outputs are."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~mask)
 
 
 def check_writable_parent(target: str | os.PathLike) -> None:

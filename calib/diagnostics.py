@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from softq._files import default_mode
 from softq.attention import attention_points
 from softq.calib.data import Batch, run_batches
 from softq.models import transformer_blocks
@@ -253,6 +254,7 @@ def save_figure(fig, path: str | os.PathLike) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=110, format="png")
+        default_mode(tmp)
         os.replace(tmp, target)
     finally:
         plt.close(fig)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from softq import workloads as W
+from softq._files import default_mode
 from softq.models import attention_modules
 
 # Attributes holding the projection right after the attention heads, per family
@@ -150,6 +151,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save(payload, fh)
+        default_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from softq._files import default_mode
+
 MODELS = ("bert-base", "minilm", "lm", "vit")
 SEQ = 128
 QDQ = "softq INT8, fast, linears='qdq'"  # the export for OpenVINO (to_onnx(linears="qdq"))
@@ -236,4 +238,5 @@ def write_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    default_mode(tmp)
     os.replace(tmp, path)

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from softq._files import default_mode
+
 OPT_LEVELS = ("disable", "basic", "extended", "all")
 
 # Ops whose *outputs* are float: none of them may sit inside the integer softmax.
@@ -56,6 +58,7 @@ def save_atomic(model: onnx.ModelProto, path: str | os.PathLike, overwrite: bool
         onnx.checker.check_model(tmp, full_check=True)
         if path.exists() and not overwrite:  # appeared while we were writing
             raise FileExistsError(f"{path} appeared during export; pass overwrite=True to replace it")
+        default_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -226,3 +226,20 @@ def test_layering_no_upward_imports(package: str, forbidden: tuple[str, ...]) ->
             offenders += [f"{path.name}: {n}" for n in names
                           if any(n == f"softq.{f}" or n.startswith(f"softq.{f}.") for f in forbidden)]
     assert offenders == []
+
+
+def test_written_files_get_the_default_mode(tmp_path) -> None:
+    # mkstemp / mkdtemp make 0600 / 0700 entries: a saved model or an exported file was readable by its owner only
+    import os
+
+    from softq.export import to_onnx
+
+    mask = os.umask(0)
+    os.umask(mask)
+    q = softq.quantize(tiny_model("gpt2"), [tiny_inputs("gpt2", seed=s) for s in range(2)],
+                       softq.QuantConfig(input_smoothing=None))
+    saved = io.save(q, tmp_path / "q")
+    onnx_path = to_onnx(q, tmp_path / "q.onnx", tiny_inputs("gpt2"))
+    assert (saved.stat().st_mode & 0o777) == 0o777 & ~mask
+    assert (Path(onnx_path).stat().st_mode & 0o777) == 0o666 & ~mask
+    assert ((saved / "model.pt").stat().st_mode & 0o777) == 0o666 & ~mask

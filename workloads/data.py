@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from softq._files import default_mode
+
 
 HELDOUT_FRACTION = 0.1
 DIGITS_SEED = 0
@@ -34,6 +36,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+        default_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
