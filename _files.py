@@ -40,6 +40,12 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp)
 
 
+def error_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): what a one-line error
+    quotes from a library that failed to read a file."""
+    return (str(err).splitlines() or [type(err).__name__])[0]
+
+
 def default_mode(path: str | os.PathLike) -> None:
     """Give a file or directory made by ``tempfile.mkstemp`` / ``mkdtemp`` (0600 / 0700: readable by its owner
     only) the mode ``open`` / ``mkdir`` would have given it (0666 / 0777 less the umask), before it is moved into

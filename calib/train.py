@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from softq import workloads as W
-from softq._files import default_mode
+from softq._files import default_mode, error_line
 from softq.models import attention_modules
 
 # Attributes holding the projection right after the attention heads, per family
@@ -166,8 +166,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 - truncated, empty or not a torch file: all one answer
-        first = (str(err).splitlines() or [type(err).__name__])[0]
-        raise ValueError(f"{path} cannot be read (truncated or not a softq training checkpoint: {first})") from None
+        raise ValueError(f"{path} cannot be read (truncated or not a softq training checkpoint: {error_line(err)})") from None
     if not isinstance(payload, dict) or payload.get("format") != "softq-train-checkpoint-1":
         raise ValueError(f"{path} is not a softq training checkpoint")
     return payload

@@ -8,6 +8,9 @@ from pathlib import Path
 from softq.cli import positive_int
 
 REFERENCE_NAMES = ("lm", "vit")
+# defaults of the options that only apply when export quantizes MODEL itself (a saved model refuses others)
+QUANTIZE_DEFAULTS = {"softmax_output": "row", "softmax_bits": 8, "bias_correction": None, "calib": None,
+                     "max_length": 128, "calib_size": 16}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -55,16 +58,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     h = p.add_argument_group("when MODEL is a Hugging Face model directory (quantized here first)")
     h.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="calibration texts, one per line or JSONL with 'text' (default: Python documentation paragraphs)")
-    h.add_argument("--max-length", type=positive_int, default=128, help="tokens per calibration text (default 128)")
+    h.add_argument("--max-length", type=positive_int, default=QUANTIZE_DEFAULTS["max_length"], help="tokens per calibration text (default 128)")
     g = p.add_argument_group("when MODEL is a reference workload")
     g.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
-    p.add_argument("--softmax-output", choices=["row", "row_exact", "row_log", "edge"], default="row",
+    p.add_argument("--softmax-output", choices=["row", "row_exact", "row_log", "edge"],
+                   default=QUANTIZE_DEFAULTS["softmax_output"],
                    help="softmax output codes when MODEL is quantized here (default %(default)s; bias correction "
                         "is exported for edge only)")
-    p.add_argument("--softmax-bits", type=int, default=8,
+    p.add_argument("--softmax-bits", type=int, default=QUANTIZE_DEFAULTS["softmax_bits"],
                    help="softmax output bits when MODEL is quantized here (default %(default)s; row_log takes 4; "
                         "0: a float softmax, exported as the 'float' form)")
-    p.add_argument("--calib-size", type=positive_int, default=16, help="calibration windows/images/texts (default 16)")
+    p.add_argument("--calib-size", type=positive_int, default=QUANTIZE_DEFAULTS["calib_size"], help="calibration windows/images/texts (default 16)")
     g.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
     p.set_defaults(handler=_export)
 
@@ -103,10 +107,8 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
     if (path / "quant_config.json").is_file():
         from softq.quant.io import load
 
-        given = [flag for flag, value, default in (
-            ("--softmax-output", args.softmax_output, "row"), ("--softmax-bits", args.softmax_bits, 8),
-            ("--bias-correction", args.bias_correction, None), ("--calib", args.calib, None),
-            ("--max-length", args.max_length, 128), ("--calib-size", args.calib_size, 16)) if value != default]
+        given = ["--" + name.replace("_", "-") for name, default in QUANTIZE_DEFAULTS.items()
+                 if getattr(args, name) != default]
         if given:
             raise ValueError(f"{' and '.join(given)} apply when MODEL is quantized here; {path} is already quantized "
                              "(its settings are in its quant_config.json: re-quantize with softq quantize to change them)")

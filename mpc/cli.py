@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from softq._files import error_line
 from softq.cli import positive_float
 
 
@@ -40,8 +41,7 @@ def _load_any(model: str) -> Any:
             cls = getattr(transformers, (config.architectures or ["AutoModel"])[0], transformers.AutoModel)
             model = cls.from_pretrained(path, local_files_only=True).eval()
         except Exception as err:  # noqa: BLE001 - unreadable config or weights: one line naming the directory
-            first = (str(err).splitlines() or [type(err).__name__])[0]
-            raise ValueError(f"cannot load the model in {path}: {first}") from None
+            raise ValueError(f"cannot load the model in {path}: {error_line(err)}") from None
     from softq.hf import sentence_pooling
 
     _drop_unused_pooler(model, sentence_pooling(path)[0])
@@ -103,8 +103,7 @@ def _read_inputs(path: str) -> dict:
     try:
         inputs = torch.load(path, weights_only=True)
     except Exception as err:  # noqa: BLE001 - truncated, not a torch file, or unpicklable: all one answer
-        first = (str(err).splitlines() or [type(err).__name__])[0]
-        raise ValueError(f"--inputs {path} cannot be read as a torch.save'd dict of tensors ({first})") from None
+        raise ValueError(f"--inputs {path} cannot be read as a torch.save'd dict of tensors ({error_line(err)})") from None
     if not isinstance(inputs, dict) or not inputs:
         raise ValueError(f"--inputs {path} holds a {type(inputs).__name__}; expected a dict of input tensors "
                          "(e.g. a tokenizer's output)")

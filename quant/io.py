@@ -24,7 +24,7 @@ import transformers
 from torch import nn
 from torch.nn.utils import parametrize
 
-from softq._files import atomic_directory
+from softq._files import atomic_directory, error_line
 from softq.attention import configure_from_config
 from softq.quant.config import EMBEDDING_MIN_ROWS, QuantConfig
 from softq.quant.quantize import is_quantized, prepare, set_mode
@@ -123,7 +123,7 @@ def load(path: str | os.PathLike) -> nn.Module:
     try:
         hf_config = transformers.AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as err:
-        raise ValueError(f"{source / 'config.json'}: {str(err).splitlines()[0]}") from None
+        raise ValueError(f"{source / 'config.json'}: {error_line(err)}") from None
     arch = (hf_config.architectures or [None])[0]
     model_class = getattr(transformers, arch, None) if arch else None
     if model_class is None:
@@ -134,8 +134,7 @@ def load(path: str | os.PathLike) -> nn.Module:
     try:
         state = torch.load(source / "model.pt", map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - truncated, not a torch file, or unpicklable: all one answer
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"{source / 'model.pt'} cannot be read (truncated or not saved by softq: {first})") from None
+        raise ValueError(f"{source / 'model.pt'} cannot be read (truncated or not saved by softq: {error_line(err)})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{source / 'model.pt'} is not a state dict saved by softq")
     modules = dict(model.named_modules())
