@@ -13,7 +13,9 @@ Representation (``QuantConfig.softmax_output``, ``b`` = softmax output bits, ``L
 
 The core maps integer score codes ``x`` (grid of :class:`SoftmaxQuant`) and
 uint8 V codes ``v`` (scale ``S_v``, zero point ``z``) to the float output
-``y = P.V``.  ``E.(v - z)`` is one ``MatMulInteger`` into int32; the division
+``y = P.V``.  ``E.(v - z)`` is one integer GEMM into int32 (``int`` form: ``MatMulInteger``; ``fast``:
+``MatMul`` of two ``DequantizeLinear`` with scale 1, which onnxruntime runs as one ``MatMulIntegerToFloat``,
+its integer GEMM writing float32 accumulators, a Cast pass fewer); the division
 comes *after* the GEMM, once per output element (``L_q * d`` divisions, not
 ``L_q * L_k``).  For ``"row"`` the row sum comes from the same GEMM: V gets a
 constant column ``z + 1`` (or ``z - 1`` when ``z = 255``), whose
@@ -58,7 +60,10 @@ entry (checked by :class:`RowQuant`), so the export feeds the core no mask excep
 
 int32 safety: ``|E.(v - z)| <= L * max|v - z| * L_k``; rows longer than
 :meth:`RowQuant.max_keys` are refused (about 33k keys with asymmetric uint8 V and
-8-bit codes, 66k with symmetric V stored as uint8 around 128).
+8-bit codes, 66k with symmetric V stored as uint8 around 128).  A runtime that computes the ``fast``
+form's ``DequantizeLinear -> MatMul`` in float32 instead of an integer GEMM gets the accumulators exactly
+while they stay below 2**24 (always for rows of up to 258 keys with 8-bit codes: 255 * 255 * 258), and
+within float32 rounding (relative 6e-8) beyond.
 """
 
 from __future__ import annotations
@@ -388,15 +393,24 @@ def build_row_attention(
             den_i = b.at_least(b.reduce("ReduceSum", e16, -1), "one", 1, np.int32)
             den_f = b.op("Cast", [den_i], to=TensorProto.FLOAT)
     v_zp = b.const("v_zp", rq.v_zero_point, np.uint8)
+
+    def gemm(values: str) -> str:
+        """``E.(v - z)`` as float32: ``fast``: ``MatMul(DQ(E, 1, 0), DQ(v, 1, z))``, which onnxruntime runs as one
+        MatMulIntegerToFloat (its integer GEMM; the accumulators exactly, no Cast pass); ``int``: the integer
+        ``MatMulInteger`` and a Cast (integer only up to the accumulators)."""
+        e_zp = b.const("e_zp0", 0, np.uint8)
+        if form == "fast":
+            one = b.const("gemm_one", 1.0, np.float32)
+            return b.op("MatMul", [b.op("DequantizeLinear", [e, one, e_zp]), b.op("DequantizeLinear", [values, one, v_zp])])
+        return b.op("Cast", [b.op("MatMulInteger", [e, values, e_zp, v_zp])], to=TensorProto.FLOAT)
+
     if rq.sums_codes:
         code, sign = rq.sum_column
         # V [b, h, k, d] padded with one column of ``code`` at the end of d: one Pad instead of
         # Shape/Slice/Concat/Expand/Concat
         pads = b.const("pad_last", [0, 0, 0, 0, 0, 0, 0, 1], np.int64)
         v_col = b.op("Pad", [v, pads, b.const("sum_code", code, np.uint8)], mode="constant")
-        acc = b.op("MatMulInteger", [e, v_col, b.const("e_zp0", 0, np.uint8), v_zp])
-        # one Cast of the [..., d + 1] accumulators (the same float32 values as casting each part)
-        acc_f = b.op("Cast", [acc], to=TensorProto.FLOAT)
+        acc_f = gemm(v_col)  # one GEMM (and Cast) of the [..., d + 1] accumulators
         axes = b.const("last", [-1], np.int64)
         num_f = b.op("Slice", [acc_f, b.const("zero64", [0], np.int64), b.const("m1", [-1], np.int64), axes])
         den_f = b.op("Slice", [acc_f, b.const("m1b", [-1], np.int64), b.const("big", [INT32_MAX], np.int64), axes])
@@ -405,8 +419,7 @@ def build_row_attention(
         if empty_rows:  # a fully masked row: all E = 0, so 0 / 1 = 0
             den_f = b.at_least(den_f, "one_f", 1.0, np.float32)
     else:
-        num_f = b.op("Cast", [b.op("MatMulInteger", [e, v, b.const("e_zp0", 0, np.uint8), v_zp])],
-                     to=TensorProto.FLOAT)
+        num_f = gemm(v)
     scaled = b.op("Mul", [den_f, b.const("c", rq.den_factor(form), np.float32)])
     b.op("Div", [num_f, scaled], out=y)
     if probs is not None:  # effective probabilities E / den (the scale 1/S_v of c removed again)

@@ -127,7 +127,8 @@ def test_score_scale_folds_into_the_query_dequantization(smoothed, graphs, famil
     consts.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in fused.graph.node if n.op_type == "Constant"})
     made = {o: n for n in fused.graph.node for o in n.output}
     readers = _readers(fused)
-    scores = [n for n in fused.graph.node if n.op_type == "MatMul"]  # the linears are MatMulInteger now
+    # the linears are MatMulInteger now; the row core's GEMM is a MatMul of codes dequantized at scale 1
+    scores = [n for n in fused.graph.node if n.op_type == "MatMul" and "/core/" not in n.name]
     layers = smoothed[family].config.num_hidden_layers
     assert len(scores) == layers
     head_dim = smoothed[family].config.hidden_size // smoothed[family].config.num_attention_heads
@@ -301,9 +302,11 @@ def test_qdq_linears_keep_the_dequantize_matmul_form(smoothed, graphs, tmp_path)
     qmodel = smoothed["gpt2"]
     example = tiny_inputs("gpt2")
     qdq = build_onnx(qmodel, example, "fast", linears="qdq")
-    # the only MatMulIntegers left are the attention cores' GEMMs
-    assert all("/core/" in n.name for n in qdq.graph.node if n.op_type == "MatMulInteger")
-    assert sum(1 for n in qdq.graph.node if n.op_type == "MatMul") >= _n_linear(qmodel)
+    # no MatMulInteger left: the Linears and the attention cores' GEMMs are all DequantizeLinear -> MatMul
+    assert not [n for n in qdq.graph.node if n.op_type == "MatMulInteger"]
+    cores = sum(1 for n in qdq.graph.node if n.op_type == "MatMul" and "/core/" in n.name)
+    assert cores == qmodel.config.num_hidden_layers
+    assert sum(1 for n in qdq.graph.node if n.op_type == "MatMul") >= _n_linear(qmodel) + cores
     readers = _readers(qdq)
     assert not [n for n in qdq.graph.node if n.op_type == "LayerNormalization"
                 and any(r.op_type == "Mul" for r in readers.get(n.output[0], []))]  # smoothing still folded
@@ -335,11 +338,14 @@ def test_dynamic_linears_fuse_into_dynamic_quantize_matmul(smoothed, graphs, tmp
     made = {o: n for n in static.graph.node for o in n.output}
     inputs = {made[n.input[0]].input[0] for n in static.graph.node if n.op_type == "MatMulInteger" and "/core/" not in n.name}
     assert len(dql) == len(inputs) and {d.input[0] for d in dql} == inputs  # (Q, K and V share one)
-    cores = [n for n in dynamic.graph.node if n.op_type == "MatMulInteger" and "/core/" in n.name]
-    assert len(cores) == layers and not any(c.input[0] in {o for d in dql for o in d.output} for c in cores)
+    made = {o: n for n in dynamic.graph.node for o in n.output}
+    cores = [n for n in dynamic.graph.node if n.op_type == "MatMul" and "/core/" in n.name]
+    assert len(cores) == layers
+    assert not any(made[c.input[0]].input[0] in {o for d in dql for o in d.output} for c in cores)
     U.session(dynamic, "all", optimized_path=str(tmp_path / "opt.onnx"))
     opt = [n.op_type for n in onnx.load(str(tmp_path / "opt.onnx")).graph.node]
-    assert opt.count("DynamicQuantizeMatMul") >= 3 * layers and "MatMulInteger" in opt  # the cores stay
+    # the cores stay static: MatMulIntegerToFloat from their DequantizeLinear(scale 1) -> MatMul
+    assert opt.count("DynamicQuantizeMatMul") >= 3 * layers and opt.count("MatMulIntegerToFloat") >= layers
     _, feeds = _feeds(family, seed=11)
     ref = U.run(graphs[family][0], feeds, "all")[0]
     out = U.run(dynamic, feeds, "all")[0]

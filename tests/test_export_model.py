@@ -533,14 +533,23 @@ ROW_CASES = ([(f, r, "row", form) for f in ("gpt2", "vit") for r in ("row", "row
 
 
 @pytest.mark.parametrize("family,representation,softmax_input,form", ROW_CASES)
-def test_row_codes_parity_with_torch(quantized, family, representation, softmax_input, form):
+def test_row_codes_parity_with_torch(quantized, family, representation, softmax_input, form, tmp_path):
     """torch normalises before P.V, the graph after the integer GEMM: equal up to float rounding, which
     can flip a later activation code at a rounding tie (a few rows); probabilities within float noise.
     Score codes (softmax_input='row') and float scores (the default)."""
     qmodel = quantized[(family, representation, softmax_input)]
     model = build_onnx(qmodel, tiny_inputs(family), form, probs_outputs=True)
-    core_gemms = [n for n in model.graph.node if n.op_type == "MatMulInteger" and "/core/" in n.name]
+    # the core's GEMM E.(v - z): int, MatMulInteger; fast, MatMul of the codes dequantized at scale 1, which
+    # onnxruntime runs as MatMulIntegerToFloat (the integer GEMM, no Cast pass), so no float MatMul is left
+    gemm = "MatMulInteger" if form == "int" else "MatMul"
+    core_gemms = [n for n in model.graph.node if n.op_type == gemm and "/core/" in n.name]
     assert len(core_gemms) == qmodel.config.num_hidden_layers
+    if form == "fast":
+        made = {o: n for n in model.graph.node for o in n.output}
+        assert all(made[i].op_type == "DequantizeLinear" for n in core_gemms for i in n.input)
+        optimized = U.optimized_op_types(model, "all", str(tmp_path))
+        assert "MatMul" not in optimized and "MatMulInteger" not in optimized
+        assert optimized.count("MatMulIntegerToFloat") >= 2 * qmodel.config.num_hidden_layers  # Q.K and P.V
     if form == "int":
         inside = [n for n in model.graph.node if "/core/" in n.name and n.op_type not in ("Cast", "Mul", "Div")]
         assert not {n.op_type for n in inside} & {"Exp", "Softmax", "DequantizeLinear", "QuantizeLinear"}
