@@ -945,6 +945,7 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
     onnx_model = onnx_utils.prune(onnx_model)
     check_exportable_ops(onnx_model, softmax)
     onnx_model.producer_name = "softq"
+    _mark_max_length(onnx_model, qmodel, names)
     onnx.checker.check_model(onnx_model, full_check=True)
     return onnx_model
 
@@ -963,8 +964,21 @@ def build_onnx_float(model: nn.Module, example_inputs: Any, pooling: str | None 
     feeds = example_feeds(model, example_inputs, names)
     _run_once(wrapper, feeds, "the float model")
     onnx_model = onnx_utils.prune(_trace(wrapper, feeds, names, outputs))
+    _mark_max_length(onnx_model, model, names)
     onnx.checker.check_model(onnx_model, full_check=True)
     return onnx_model
+
+
+def _mark_max_length(onnx_model: onnx.ModelProto, model: nn.Module, names: list[str]) -> None:
+    """Record a text model's longest sequence (its position table) in the file's metadata, which
+    :func:`softq.export.runtimes.runner` checks: past it onnxruntime raises, OpenVINO reads out of bounds."""
+    from softq.export.runtimes import MAX_LENGTH_KEY
+
+    config = getattr(model, "config", None)
+    if names[0] == "input_ids" and any(isinstance(getattr(config, a, None), int)
+                                       for a in ("n_positions", "max_position_embeddings")):
+        entry = onnx_model.metadata_props.add()
+        entry.key, entry.value = MAX_LENGTH_KEY, str(_max_positions(model))
 
 
 def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> None:
@@ -1015,7 +1029,10 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     ``"qdq"``: ``DequantizeLinear -> MatMul``, the pattern OpenVINO's int8 path
     recognises (all-MiniLM-L6-v2 at batch 1, one thread, docs/results/export_speed.md:
     OpenVINO 0.51x FP32 with ``"qdq"``, 1.30x with ``"integer"``; onnxruntime 0.46x /
-    0.45x; tract 1.37x / 0.94x).  Same codes and function either way (float rounding aside).
+    0.45x; tract 1.37x / 0.94x).  Same codes and function either way (float rounding aside), with one
+    exception in onnxruntime: where a Linear's input is 2-D (OPT's fc1 and fc2), its ``MatMulAddFusion``
+    makes the ``"qdq"`` form a quantized Gemm whose bias it rounds to int32 at the accumulator's scale (a
+    rounding the integer form does not have: its bias stays float32); the ``"integer"`` form matches torch there.
     ``"dynamic"``: the integer form with each Linear input quantized per call on its own
     range (``DynamicQuantizeLinear``, what ``quantize_dynamic`` does; onnxruntime fuses it
     into ``DynamicQuantizeMatMul``) instead of the calibrated grid; Q, K, V and the

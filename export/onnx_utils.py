@@ -242,6 +242,9 @@ def dedupe(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     seen: dict[bytes, onnx.NodeProto] = {}
     kept: list[onnx.NodeProto] = []
     removed = 0
+    # element types known without shape inference: inputs, initializers, Casts' outputs
+    types = {i.name: i.type.tensor_type.elem_type for i in graph.input}
+    types.update((i.name, i.data_type) for i in graph.initializer)
     for node in graph.node:
         for i, name in enumerate(node.input):
             if name in rename:
@@ -249,6 +252,15 @@ def dedupe(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         if node.op_type in ("If", "Loop", "Scan") or any(o in outputs for o in node.output):
             kept.append(node)
             continue
+        cast_to = next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" else None
+        if cast_to is not None:
+            if types.get(node.input[0]) == cast_to:
+                # a Cast to the type its input already has (OPT's ``attention_mask.long()``): tract evaluates
+                # CumSum of such a Cast as a symbolic dimension and fails, OpenVINO names the input after it
+                rename[node.output[0]] = node.input[0]
+                removed += 1
+                continue
+            types[node.output[0]] = cast_to
         if node.op_type == "Identity":  # the exporter's way of sharing equal parameters: a plain rename
             rename[node.output[0]] = node.input[0]
             removed += 1

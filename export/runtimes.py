@@ -23,12 +23,14 @@ export tests check every form in each runtime installed here, and
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from importlib.util import find_spec
 
 import numpy as np
 
 RUNTIMES = ("onnxruntime", "tract", "openvino")
+MAX_LENGTH_KEY = "softq.max_length"  # metadata of softq's text files: the longest sequence the model takes
 
 Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
 
@@ -79,7 +81,12 @@ def _openvino(path: str, threads: int) -> Runner:
     compiled = ov.Core().compile_model(path, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
                                                       "INFERENCE_NUM_THREADS": int(threads)})
     request = compiled.create_infer_request()
-    names = [i.get_any_name() for i in compiled.inputs]
+    import onnx
+
+    # a port can carry several names (OpenVINO merges a node into an input and names the port after both):
+    # the file's own input name
+    declared = {i.name for i in onnx.load(path, load_external_data=False).graph.input}
+    names = [next((n for n in sorted(port.get_names()) if n in declared), port.get_any_name()) for port in compiled.inputs]
     outputs = list(compiled.outputs)
 
     def run(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -89,14 +96,29 @@ def _openvino(path: str, threads: int) -> Runner:
     return run
 
 
-def _inputs_and_bounds(path: str) -> tuple[list[str], dict[str, int]]:
-    """The file's input names, and for each input that indexes a table directly (``Gather`` of an initializer:
-    token ids, positions) the number of rows it may index."""
+@dataclass
+class _Spec:
+    """What a file's inputs accept: names, the declared dims (an int where fixed, the symbol's name where dynamic),
+    for each input that indexes a table directly the rows it may index, and the longest sequence (metadata)."""
+
+    names: list[str]
+    dims: dict[str, list[int | str | None]]
+    bounds: dict[str, int]
+    max_length: int | None
+
+
+def _spec(path: str) -> _Spec:
+    """The file's inputs, and for each input that indexes a table directly (``Gather`` of an initializer:
+    token ids) the number of rows it may index."""
     import onnx
 
-    graph = onnx.load(path, load_external_data=False).graph
+    model = onnx.load(path, load_external_data=False)
+    graph = model.graph
     tables = {t.name: tuple(t.dims) for t in graph.initializer}
-    names = [i.name for i in graph.input if i.name not in tables]
+    inputs = [i for i in graph.input if i.name not in tables]
+    names = [i.name for i in inputs]
+    dims = {i.name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                     for d in i.type.tensor_type.shape.dim] for i in inputs if i.type.tensor_type.HasField("shape")}
     for node in graph.node:  # tables held by Constant nodes
         value = next((a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
         if node.op_type == "Constant" and value is not None:
@@ -105,35 +127,76 @@ def _inputs_and_bounds(path: str) -> tuple[list[str], dict[str, int]]:
     for node in graph.node:
         if node.op_type == "Gather" and len(node.input) == 2 and node.input[1] in names and node.input[0] in tables:
             axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-            dims = tables[node.input[0]]
-            if -len(dims) <= axis < len(dims):
-                bounds[node.input[1]] = min(bounds.get(node.input[1], dims[axis]), dims[axis])
-    return names, bounds
+            table = tables[node.input[0]]
+            if -len(table) <= axis < len(table):
+                bounds[node.input[1]] = min(bounds.get(node.input[1], table[axis]), table[axis])
+    meta = {p.key: p.value for p in model.metadata_props}
+    length = meta.get(MAX_LENGTH_KEY)
+    return _Spec(names, dims, bounds, int(length) if length and length.isdigit() else None)
+
+
+def _check_feeds(spec: _Spec, feeds: object) -> dict[str, np.ndarray]:
+    """The feeds the file takes, checked (one ``ValueError`` naming the input and the problem)."""
+    if not isinstance(feeds, Mapping):
+        raise ValueError(f"feeds must be a dict of arrays by input name, got {type(feeds).__name__}")
+    missing = [n for n in spec.names if n not in feeds]
+    if missing:
+        raise ValueError(f"missing input {', '.join(map(repr, missing))} (the file takes {', '.join(spec.names)})")
+    extra = [n for n in feeds if n not in spec.names]
+    types = feeds.get("token_type_ids") if "token_type_ids" in extra else None
+    if types is not None:
+        if np.asarray(types).any():
+            raise ValueError("token_type_ids has nonzero values, but this file takes one segment (it was exported "
+                             "with token type 0 for every token): a sentence pair would be read as one segment")
+        extra.remove("token_type_ids")  # all 0: what the file computes
+    if extra:
+        raise ValueError(f"unexpected input {', '.join(map(repr, extra))} (the file takes {', '.join(spec.names)})")
+    arrays = {n: np.asarray(feeds[n]) for n in spec.names}
+    symbols: dict[str, tuple[str, int]] = {}
+    for name, declared in spec.dims.items():
+        shape = arrays[name].shape
+        if len(shape) != len(declared):
+            raise ValueError(f"{name} must have {len(declared)} dimensions {_dims_text(declared)}, got shape {shape}")
+        for axis, (want, got) in enumerate(zip(declared, shape)):
+            if isinstance(want, int) and want > 0 and got != want:
+                raise ValueError(f"{name} must have shape {_dims_text(declared)}, got {shape}: dimension {axis} "
+                                 f"is fixed to {want} in this file")
+            if isinstance(want, str):
+                seen = symbols.setdefault(want, (name, got))
+                if seen[1] != got:
+                    raise ValueError(f"{name} has {got} along '{want}' where {seen[0]} has {seen[1]}: the two must agree")
+    if spec.max_length is not None:
+        for name in ("input_ids", "attention_mask"):
+            if name in arrays and arrays[name].ndim == 2 and arrays[name].shape[1] > spec.max_length:
+                raise ValueError(f"{name} has {arrays[name].shape[1]} tokens; this model takes at most "
+                                 f"{spec.max_length} (its position table)")
+    for name, rows in spec.bounds.items():
+        ids = arrays[name]
+        if ids.size and (ids.min() < 0 or ids.max() >= rows):
+            raise ValueError(f"{name} must be in [0, {rows}) (the table it indexes has {rows} rows), "
+                             f"got values from {ids.min()} to {ids.max()}")
+    return arrays
+
+
+def _dims_text(dims: list) -> str:
+    return "[" + ", ".join(str(d) if d is not None else "?" for d in dims) + "]"
 
 
 def runner(path: str | os.PathLike, runtime: str = "onnxruntime", threads: int = 1) -> Runner:
     """A function running the ONNX file at ``path`` in ``runtime`` on the CPU with ``threads`` threads.
 
-    Feeds are checked first (one ``ValueError`` naming the input): every input of the file present, and ids
-    that index a table (token ids) inside it.  Runtimes differ there: onnxruntime raises, OpenVINO reads out of
-    bounds and returns numbers, tract aborts the process, and ONNX's Gather takes negative ids as counted from
-    the end, where the torch model raises."""
+    Feeds are checked first (one ``ValueError`` naming the input): every input of the file present and no other
+    (``token_type_ids`` of all zeros aside: what the file computes), shapes of the declared rank with the fixed
+    dimensions (a ViT's image size) and the dynamic ones agreeing between inputs, sequences no longer than the
+    model's position table (``softq.max_length`` in the file's metadata), and ids that index a table (token
+    ids) inside it.  Runtimes differ there: onnxruntime raises, OpenVINO reads out of bounds or reshapes and
+    returns numbers, tract aborts the process, ONNX's Gather takes negative ids as counted from the end, where
+    the torch model raises, and an input the file does not take (a sentence pair's token types) would be
+    ignored."""
     if not available(runtime):
         raise ImportError(f"runtime {runtime!r} is not installed (pip install {runtime})")
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive integer, got {threads!r}")
     run = {"onnxruntime": _onnxruntime, "tract": _tract, "openvino": _openvino}[runtime](str(path), threads)
-    names, bounds = _inputs_and_bounds(str(path))
-
-    def checked(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        missing = [n for n in names if n not in feeds]
-        if missing:
-            raise ValueError(f"missing input {', '.join(map(repr, missing))} (the file takes {', '.join(names)})")
-        for name, rows in bounds.items():
-            ids = np.asarray(feeds[name])
-            if ids.size and (ids.min() < 0 or ids.max() >= rows):
-                raise ValueError(f"{name} must be in [0, {rows}) (the table it indexes has {rows} rows), "
-                                 f"got values from {ids.min()} to {ids.max()}")
-        return run(feeds)
-
-    return checked
+    spec = _spec(str(path))
+    return lambda feeds: run(_check_feeds(spec, feeds))
