@@ -127,6 +127,33 @@ def test_encrypted_student_from_a_text_file(distilled, capsys, tmp_path):
     assert "cosine to" in out and str(teacher) in out
 
 
+def test_encrypted_model_from_a_text_file_reports_the_encryption_error(distilled, capsys):
+    """Without a student the encryption's error is judged against the same surrogates in plaintext (before: the
+    exact model, so the surrogates' approximation, cosine far below 1, was reported as the encrypted error), and
+    the surrogates' own cost, the cosine to the exact model, on its own."""
+    root, teacher, corpus, student = distilled
+    texts = root / "eval.txt"
+    texts.write_text("\n".join(_sentences(2, 1000)) + "\n")
+    capsys.readouterr()
+    code = main(["mpc", "run", "--model", str(teacher), "--text", str(texts), "--seq-len", "16", "--json",
+                 "--timeout", "120"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["max_abs_error"] < 2e-2 and summary["min_cosine_to_plaintext"] > 0.9999
+    assert "with the same surrogates (softmax 2quad, GELU quad)" in out
+    from softq.mpc.cli import load_text_model
+    from softq.mpc.surrogates import configure_surrogates
+
+    t = load_text_model(teacher, 16)
+    batch = [t.tokenize(texts.read_text().splitlines(), max_length=16)]
+    exact = t.encode(batch)
+    configure_surrogates(t.model, softmax="2quad", gelu="quad")
+    cos = torch.nn.functional.cosine_similarity(t.encode(batch), exact)
+    assert float(cos.min()) < 0.999  # the surrogates cost something on this teacher: the two figures differ
+    assert 1 - summary["mean_cosine_to_model"] == pytest.approx(1 - float(cos.mean()), rel=0.3)
+
+
 def test_bad_text_distillation_input_gets_one_line(distilled, capsys, tmp_path):
     root, teacher, corpus, student = distilled
     empty = tmp_path / "empty.txt"
