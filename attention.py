@@ -412,13 +412,17 @@ def configure_attention(
 
 
 @torch.no_grad()
-def init_constant_sinks(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) -> int:
+def init_constant_sinks(model: nn.Module, batches: Iterable[torch.Tensor | Mapping[str, torch.Tensor]]) -> int:
     """Start every :class:`ConstantSink` of ``model`` at the mean key and value its layer computes at position 0
-    over ``batches`` (run with the sinks passing keys and values through).  Returns the rows seen per layer."""
+    over ``batches`` (run with the sinks passing keys and values through).  Returns the rows seen per layer.
+    ``batches`` as ``softq.quantize``'s calibration data: tensors (the main input) or dicts of tensors."""
+    from softq.calib.data import as_batches
+
     sinks = [m.softq.sink for _, m in attention_modules(model)
              if getattr(m, "softq", None) is not None and m.softq.sink is not None]
     if not sinks:
         raise ValueError("the model has no constant sinks; configure_attention(model, constant_sink=True) first")
+    batches = as_batches(model, batches)
     was = model.training
     model.eval()
     for s in sinks:

@@ -215,7 +215,7 @@ def bench_e2e(args: argparse.Namespace) -> None:
         "cost only). *Distilled* = MPCFormer two-stage distillation "
         f"({args.distill_steps} + {args.distill_steps} steps) from the plaintext exact model"
         + (", the student's Quad GELU and 2Quad softmax first fitted to the teacher's activations "
-           "(`softq.mpc.distill(fit=True)`)." if args.fit else " (a plain copy with the surrogates swapped in)."),
+           "(`softq.mpc.distill.distill(..., fit=True)`)." if args.fit else " (a plain copy with the surrogates swapped in)."),
         "",
         "| Model | Surrogates | Distilled | Acc. plain | Acc. enc. | Max abs logit error | Argmax agree | Rounds | MB | Wall s | LAN s | WAN s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -679,7 +679,7 @@ def main() -> int:
     e.add_argument("--encrypt-undistilled", action="store_true", help="also run the undistilled surrogates encrypted")
     e.add_argument("--threads", type=int, default=1)
     e.add_argument("--fit", action=argparse.BooleanOptionalAction, default=False,
-                   help="fit the students' surrogates to the teacher before distilling (softq.mpc.distill(fit=True))")
+                   help="fit the students' surrogates to the teacher before distilling (softq.mpc.distill.distill(..., fit=True))")
     m = sub.add_parser("minilm")
     m.add_argument("--runs", type=int, default=3, help="repeated exact-path runs")
     m.add_argument("--sentences", type=int, default=2)
@@ -702,7 +702,7 @@ def main() -> int:
                     help="stage 2 also minimises this multiple of the hidden-state MSE")
     md.add_argument("--normalize-hidden", action=argparse.BooleanOptionalAction, default=False,
                     help="divide each hidden-state channel by the teacher's standard deviation in the MSE terms "
-                         "(softq.mpc.distill(normalize_hidden=True))")
+                         "(softq.mpc.distill.distill(..., normalize_hidden=True))")
     md.add_argument("--init", default=None, metavar="KEY",
                     help="continue from the cached student KEY (a file stem in ~/.cache/softq/minilm-distill)")
     md.add_argument("--encrypt", action=argparse.BooleanOptionalAction, default=True,
@@ -717,7 +717,7 @@ def main() -> int:
                     help="the docs/results/mpc.md block to write (default: named after --text and --fit; a "
                          "--no-encrypt run writes its plaintext cosines only when given one)")
     md.add_argument("--fit", action=argparse.BooleanOptionalAction, default=True,
-                    help="fit the fresh student's surrogates to the teacher first (softq.mpc.distill(fit=True); "
+                    help="fit the fresh student's surrogates to the teacher first (softq.mpc.distill.distill(..., fit=True); "
                          "--no-fit: MPCFormer's plain copy, the earlier blocks)")
     t = sub.add_parser("truncation")
     t.add_argument("--magnitude", type=float, default=1000.0)

@@ -54,6 +54,9 @@ def test_sinks_start_at_the_first_tokens_mean_keys_and_values(tokenizer) -> None
         ref = model(**one).last_hidden_state
     configure_attention(model, constant_sink=True)
     assert init_constant_sinks(model, [one]) == 2
+    # bare tensors are the main input, as in softq.quantize's calibration data (a TypeError before)
+    assert init_constant_sinks(model, [one["input_ids"]]) == 2
+    assert init_constant_sinks(model, [one]) == 2  # back to the masked batch for the checks below
     with torch.no_grad():
         out = model(**one).last_hidden_state
     assert torch.allclose(out, ref, atol=1e-5)
