@@ -136,7 +136,7 @@ def sentence_pooling(path: Path) -> tuple[str | None, bool]:
     return pooling, normalize
 
 
-def load_model_dir(path: str | os.PathLike, max_length: int | None = None) -> HFModel:
+def load_model_dir(path: str | os.PathLike, max_length: int | None = None, default_length: int | None = None) -> HFModel:
     """Load a Hugging Face model directory (plain or sentence-transformers) with its tokenizer.
 
     Raises :class:`ModelDirError` (or ``softq.models.UnsupportedModelError``) with one
@@ -188,9 +188,14 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None) -> HF
         except (OSError, ValueError, TypeError) as err:
             raise ModelDirError(f"cannot load the tokenizer in {path}: {error_line(err)}") from None
     pooling, normalize = sentence_pooling(path)
-    if max_length is None:
+    positions = next((v for v in (getattr(config, a, None) for a in ("max_position_embeddings", "n_positions"))
+                      if isinstance(v, int) and v > 0), None)
+    if max_length is None:  # ``default_length``, else the sentence-transformers setting, else 128
         st = path / "sentence_bert_config.json"
-        max_length = int(_read_json(st).get("max_seq_length", 128)) if st.is_file() else 128
+        max_length = default_length or (int(_read_json(st).get("max_seq_length", 128)) if st.is_file() else 128)
+        max_length = min(max_length, positions or max_length)  # the default never asks for more than the model has
+    elif positions is not None and max_length > positions:
+        raise ModelDirError(f"a maximum length of {max_length} tokens is more than {path} takes ({positions} positions)")
     return HFModel(model, tokenizer, path, pooling, normalize, max_length)
 
 

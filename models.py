@@ -32,8 +32,19 @@ class UnsupportedModelError(ValueError):
 
 
 def is_headless(model: nn.Module) -> bool:
-    """A bare encoder/decoder (``BertModel``, ``GPT2Model``, ``ViTModel``...): no task head, no logits."""
+    """A bare encoder/decoder (``BertModel``, ``GPT2Model``, ``ViTModel``...): no task head, no logits.  A Hugging Face
+    model is its own ``base_model`` exactly when it has no head (``BertLMHeadModel``'s name ends in "Model" too, and
+    its head is ``cls``)."""
+    base = getattr(model, "base_model", None)
+    if isinstance(base, nn.Module):
+        return base is model
     return type(model).__name__.endswith("Model") and not hasattr(model, "lm_head") and not hasattr(model, "classifier")
+
+
+def output_fields(output: object) -> str:
+    """The fields of a Hugging Face model output, for a message saying which one is missing."""
+    keys = getattr(output, "keys", None)
+    return ", ".join(keys()) if callable(keys) else type(output).__name__
 
 
 def model_family(model: nn.Module) -> str:

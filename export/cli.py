@@ -10,7 +10,7 @@ from softq.cli import positive_int
 REFERENCE_NAMES = ("lm", "vit")
 # defaults of the options that only apply when export quantizes MODEL itself (a saved model refuses others)
 QUANTIZE_DEFAULTS = {"softmax_output": "row", "softmax_bits": 8, "bias_correction": None, "calib": None,
-                     "max_length": 128, "calib_size": 16}
+                     "max_length": None, "calib_size": 16}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     h = p.add_argument_group("when MODEL is a Hugging Face model directory (quantized here first)")
     h.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="calibration texts, one per line or JSONL with 'text' (default: Python documentation paragraphs)")
-    h.add_argument("--max-length", type=positive_int, default=QUANTIZE_DEFAULTS["max_length"], help="tokens per calibration text (default 128)")
+    h.add_argument("--max-length", type=positive_int, default=QUANTIZE_DEFAULTS["max_length"], help="tokens per calibration text (default 128, or the model's positions if fewer)")
     g = p.add_argument_group("when MODEL is a reference workload")
     g.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
     p.add_argument("--softmax-output", choices=["row", "row_exact", "row_log", "edge"],
@@ -117,7 +117,8 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
     from softq.workloads.tasks import model_dir_task
 
     calib = hf.read_text_file(args.calib, "--calib file") if args.calib is not None else None
-    task = model_dir_task(hf.load_model_dir(path, max_length=args.max_length), calib, [], calib_size=args.calib_size)
+    task = model_dir_task(hf.load_model_dir(path, max_length=args.max_length, default_length=128), calib, [],
+                          calib_size=args.calib_size)
     return softq.quantize(task.model, task.calib, config)
 
 

@@ -66,7 +66,7 @@ from softq.export.int_softmax import FORMS as EDGE_FORMS
 from softq.export.int_softmax import (OUT_SCALE, SoftmaxQuant, _Builder, build_relative_codes, build_relative_scores,
                                       build_softmax)
 from softq.export.row_attention import ROW_FORMS, RowQuant, build_row_attention
-from softq.models import CAUSAL_FAMILIES, is_headless, model_family
+from softq.models import CAUSAL_FAMILIES, is_headless, model_family, output_fields
 from softq.quant.config import FLOAT_INPUT_OUTPUTS
 
 TORCH_OPSET = 18
@@ -562,7 +562,7 @@ class _TextWrapper(nn.Module):
             extra["position_ids"] = torch.cumsum(mask, dim=1) * mask - 1
         out = self.model(input_ids=input_ids, attention_mask=pad, use_cache=False, **extra)
         if self.outputs == ("logits",):
-            return out.logits
+            return _logits(out, self.model)
         hidden = out.last_hidden_state
         if self.outputs == ("last_hidden_state",):
             return hidden
@@ -576,7 +576,15 @@ class _VisionWrapper(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         out = self.model(pixel_values=pixel_values)
-        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+        return out.last_hidden_state if is_headless(self.model) else _logits(out, self.model)
+
+
+def _logits(out: Any, model: nn.Module) -> torch.Tensor:
+    logits = getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor):  # question answering, pre-training heads...
+        raise ExportError(f"{type(model).__name__} outputs {output_fields(out)} and no logits; softq exports models "
+                          "with one logits output and headless encoders (last_hidden_state)")
+    return logits
 
 
 def wrap_for_export(model: nn.Module, pooling: str | None = None,
@@ -985,6 +993,8 @@ def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> 
     try:
         with torch.no_grad():
             wrapper(*feeds.values())
+    except ExportError:
+        raise
     except (RuntimeError, IndexError, ValueError) as err:
         shapes = {k: tuple(v.shape) for k, v in feeds.items()}
         raise ExportError(f"example inputs {shapes} do not fit {what}: {err}") from err

@@ -95,7 +95,8 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                         "(default: paragraphs of Python's documentation)")
     p.add_argument("--eval", type=Path, default=None, metavar="FILE",
                    help="model directory: evaluation texts, same format (default: other documentation paragraphs)")
-    p.add_argument("--max-length", type=positive_int, default=128, help="model directory: tokens per text (default 128)")
+    p.add_argument("--max-length", type=positive_int, default=None,
+                   help="model directory: tokens per text (default 128, or the model's positions if fewer)")
     p.add_argument("--context", type=positive_int, default=None, help="LM window length (default: the model's full context)")
     p.add_argument("--calib-size", type=positive_int, default=None,
                    help="calibration windows/images (default 16) or texts (default 64)")
@@ -159,7 +160,7 @@ def _task(args: argparse.Namespace):
     # Read the texts before loading the model: a bad file fails in a second, not after the load.
     calib = hf.read_text_file(args.calib, "--calib file") if args.calib is not None else None
     evaluation = hf.read_text_file(args.eval, "--eval file") if args.eval is not None else None
-    loaded = hf.load_model_dir(args.model, max_length=args.max_length)
+    loaded = hf.load_model_dir(args.model, max_length=args.max_length, default_length=128)
     return model_dir_task(loaded, calib, evaluation, calib_size=args.calib_size or 64,
                           eval_limit=args.eval_limit if args.eval_limit is not None else 128)
 

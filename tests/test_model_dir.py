@@ -144,6 +144,50 @@ def test_model_dir_saved_with_softq_attention_loads_the_same_model(tmp_path, cap
         hf.load_model_dir(tmp_path / "clipped")
 
 
+def test_model_dir_heads_without_logits_are_refused_before_calibration(tmp_path, capsys) -> None:
+    """Question answering / pre-training heads have no single logits output: one line from quantize and export,
+    before any calibration (AttributeError tracebacks after a full calibration before).  BertLMHeadModel has a
+    head (``cls``), though its name ends in "Model": it is not taken for a headless encoder."""
+    from softq.models import is_headless
+
+    config = transformers.BertConfig(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+    path = tmp_path / "qa"
+    transformers.BertForQuestionAnswering(config).save_pretrained(path)
+    _tokenizer(path).save_pretrained(path)
+    for command in (["quantize", str(path)], ["export", str(path), "-o", str(tmp_path / "qa.onnx")]):
+        assert main(command) != 0
+        err = capsys.readouterr().err
+        assert "BertForQuestionAnswering outputs start_logits, end_logits and no logits" in err, err
+        assert "Traceback" not in err and "calibrating" not in err
+    assert not (tmp_path / "qa.onnx").exists()
+    # the default length (128) is capped at the model's 64 positions (a tensor size mismatch before); asked for, refused
+    assert hf.load_model_dir(path).max_length == 64
+    with pytest.raises(hf.ModelDirError, match="a maximum length of 100 tokens is more than .* takes \\(64 positions\\)"):
+        hf.load_model_dir(path, max_length=100)
+    assert not is_headless(transformers.BertLMHeadModel(transformers.BertConfig(**{**config.to_dict(), "is_decoder": True})))
+    assert is_headless(transformers.BertModel(config))
+
+
+def test_cli_cosine_of_large_logits_is_exact(tmp_path, capsys) -> None:
+    """The model-directory task's cosine over each example's flattened logits (tokens x vocabulary) is summed in
+    float64: in float32 a 30k-word head read the float model against itself as 1.00018."""
+    config = transformers.BertConfig(vocab_size=30000, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=64)
+    path = tmp_path / "mlm"
+    torch.manual_seed(0)
+    transformers.BertForMaskedLM(config).save_pretrained(path)
+    _tokenizer(path).save_pretrained(path)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(texts(8, 5)))
+    evaluation = tmp_path / "eval.txt"
+    evaluation.write_text("\n".join(texts(8, 6)))
+    assert main(["quantize", str(path), "--calib", str(calib), "--eval", str(evaluation), "--max-length", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "float     cosine to FP32: 1.00000" in out, out
+    assert float(re.search(r"quantized cosine to FP32: ([0-9.]+)", out).group(1)) <= 1.0
+
+
 def test_model_dir_without_tokenizer_or_with_unsupported_family(tmp_path) -> None:
     tiny_bert().save_pretrained(tmp_path / "bare")
     with pytest.raises(hf.ModelDirError, match="has no tokenizer"):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from softq.models import is_headless
+from softq.models import is_headless, output_fields
 from softq.workloads.cache import reference_lm, reference_vit
 from softq.workloads.data import (
     CharTokenizer, digits_data, lm_batches, lm_calib_inputs, lm_eval_inputs, perplexity, vit_batches,
@@ -155,13 +155,20 @@ def model_dir_task(
     eval_texts = eval_texts if eval_texts is not None else hf.text_split("eval", eval_limit)
     calib = loaded.batches(calib_texts[:calib_size], batch_size)
     eval_inputs = loaded.batches(eval_texts, batch_size)
+    if not is_headless(loaded.model):  # a head without one logits output (question answering...): before any work
+        with torch.no_grad():
+            out = loaded.model.eval()(**{k: v[:1] for k, v in calib[0].items()})
+        if not isinstance(getattr(out, "logits", None), torch.Tensor):
+            raise ValueError(f"{loaded.path}: {type(loaded.model).__name__} outputs {output_fields(out)} and no "
+                             "logits; softq's model-directory commands take headless encoders (sentence embeddings) "
+                             "and models with one logits output: quantize it from Python with softq.quantize")
 
     @torch.no_grad()
     def outputs(m: nn.Module, inputs: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         if is_headless(loaded.model):
-            return loaded.encode(inputs, m)
+            return loaded.encode(inputs, m).double()
         m.eval()
-        return torch.cat([m(**b).logits.flatten(1) for b in inputs])
+        return torch.cat([m(**b).logits.flatten(1) for b in inputs]).double()  # float32 sums drift over 4M logits
 
     reference: list[torch.Tensor] = []
 
