@@ -41,6 +41,16 @@ def is_headless(model: nn.Module) -> bool:
     return type(model).__name__.endswith("Model") and not hasattr(model, "lm_head") and not hasattr(model, "classifier")
 
 
+def image_size(config: object) -> tuple[int, int] | None:
+    """(height, width) of a vision config's ``image_size``: an int (square) or a pair."""
+    size = getattr(config, "image_size", None)
+    if isinstance(size, int):
+        return size, size
+    if isinstance(size, (tuple, list)) and len(size) == 2 and all(isinstance(v, int) for v in size):
+        return int(size[0]), int(size[1])
+    return None
+
+
 def output_fields(output: object) -> str:
     """The fields of a Hugging Face model output, for a message saying which one is missing."""
     keys = getattr(output, "keys", None)

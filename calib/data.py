@@ -81,12 +81,14 @@ def check_batch(model: nn.Module, batch: Mapping[str, torch.Tensor], index: int 
         if not px.is_floating_point():
             raise CalibrationDataError(f"{what} {index}: pixel_values are {str(px.dtype).replace('torch.', '')}; pass "
                                        "float images normalised as the model was trained (its image processor's output)")
+        from softq.models import image_size
+
         channels = getattr(config, "num_channels", None)
-        size = getattr(config, "image_size", None)
-        expected = f"[batch, {channels}, {size}, {size}]"
+        size = image_size(config)
+        expected = f"[batch, {channels}, {size[0]}, {size[1]}]" if size else f"[batch, {channels}, height, width]"
         if px.dim() != 4 or (channels is not None and px.shape[1] != channels):
             raise CalibrationDataError(f"{what} {index}: pixel_values must be {expected}, got shape {tuple(px.shape)}")
-        if isinstance(size, int) and tuple(px.shape[2:]) != (size, size):
+        if size is not None and tuple(px.shape[2:]) != size:
             raise CalibrationDataError(f"{what} {index}: pixel_values must be {expected}, got shape {tuple(px.shape)}")
 
 

@@ -78,7 +78,9 @@ def _example_inputs(model):  # noqa: ANN001, ANN202
 
     cfg = model.config
     if getattr(model, "main_input_name", "input_ids") == "pixel_values":
-        return {"pixel_values": torch.zeros(1, int(getattr(cfg, "num_channels", 3)), cfg.image_size, cfg.image_size)}
+        from softq.models import image_size
+
+        return {"pixel_values": torch.zeros(1, int(getattr(cfg, "num_channels", 3)), *image_size(cfg))}
     return {"input_ids": torch.arange(16).remainder(cfg.vocab_size).unsqueeze(0)}
 
 

@@ -66,7 +66,7 @@ from softq.export.int_softmax import FORMS as EDGE_FORMS
 from softq.export.int_softmax import (OUT_SCALE, SoftmaxQuant, _Builder, build_relative_codes, build_relative_scores,
                                       build_softmax)
 from softq.export.row_attention import ROW_FORMS, RowQuant, build_row_attention
-from softq.models import CAUSAL_FAMILIES, is_headless, model_family, output_fields
+from softq.models import CAUSAL_FAMILIES, image_size, is_headless, model_family, output_fields
 from softq.quant.config import FLOAT_INPUT_OUTPUTS
 
 TORCH_OPSET = 18
@@ -639,7 +639,7 @@ def example_feeds(model: nn.Module, example_inputs: Any, names: list[str]) -> di
             raise ExportError(f"example attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(main.shape)}")
     else:
         cfg = model.config
-        want = (int(getattr(cfg, "num_channels", 3)), int(cfg.image_size), int(cfg.image_size))
+        want = (int(getattr(cfg, "num_channels", 3)), *image_size(cfg))
         if main.ndim != 4 or tuple(main.shape[1:]) != want:
             raise ExportError(f"example pixel_values must have shape [batch, {want[0]}, {want[1]}, {want[2]}], "
                               f"got {tuple(main.shape)}")

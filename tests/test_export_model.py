@@ -260,6 +260,28 @@ def test_float_export_matches_float_model(tmp_path):
     np.testing.assert_allclose(out, ref, atol=1e-4)
 
 
+def test_non_square_vit_exports_and_matches_torch(tmp_path):
+    """A ViT whose config has image_size=(height, width) (Hugging Face accepts it): export checked the example
+    against int(image_size) and failed with a TypeError traceback; the calibration check said [b, c, (h, w), (h, w)]."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=(16, 24), patch_size=4, num_channels=1, num_labels=10, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=32, intermediate_size=64)).eval()
+    g = torch.Generator().manual_seed(3)
+    calib = [torch.randn(4, 1, 16, 24, generator=g) for _ in range(3)]
+    with pytest.raises(ValueError, match=r"pixel_values must be \[batch, 1, 16, 24\], got shape \(4, 1, 24, 16\)"):
+        softq.quantize(model, [calib[0].transpose(2, 3)])
+    qmodel = softq.quantize(model, calib)
+    x = torch.randn(3, 1, 16, 24, generator=g)
+    path = to_onnx(qmodel, tmp_path / "vit.onnx", x[:1])
+    out = U.session(path, "all").run(None, {"pixel_values": x.numpy()})[0]
+    with torch.no_grad():
+        ref = qmodel(pixel_values=x).logits.numpy()
+    assert np.abs(out - ref).max() <= LOGIT_TOL * np.abs(ref).max()
+
+
 def test_short_names_same_graph_smaller_file(quantized, tmp_path):
     """names='short' (default) renames internal tensors and drops node names only: same ops in the same
     order, bit-identical outputs at both optimisation levels, the inputs and outputs keep their names."""
