@@ -187,6 +187,10 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None, defau
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, TypeError) as err:
             raise ModelDirError(f"cannot load the tokenizer in {path}: {error_line(err)}") from None
+        if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+            # GPT-2 and OPT-style tokenizers ship without one; batches are padded (the attention mask marks the
+            # padding, so which token fills it does not matter), as transformers itself suggests
+            tokenizer.pad_token = tokenizer.eos_token
     pooling, normalize = sentence_pooling(path)
     positions = next((v for v in (getattr(config, a, None) for a in ("max_position_embeddings", "n_positions"))
                       if isinstance(v, int) and v > 0), None)

@@ -169,6 +169,28 @@ def test_model_dir_heads_without_logits_are_refused_before_calibration(tmp_path,
     assert is_headless(transformers.BertModel(config))
 
 
+def test_cli_on_a_gpt2_dir_whose_tokenizer_has_no_pad_token(tmp_path, capsys) -> None:
+    """GPT-2 tokenizers ship without a pad token, and softq pads calibration batches: transformers refused ("Asking
+    to pad but the tokenizer does not have a padding token"), with a fix the CLI user cannot apply."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts(200, 7), vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"])
+    tok = transformers.GPT2TokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<|endoftext|>",
+                                         eos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    assert tok.pad_token is None
+    path = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2,
+                                                         n_head=4, bos_token_id=0, eos_token_id=0)).save_pretrained(path)
+    tok.save_pretrained(path)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(texts(8, 5)))
+    assert main(["quantize", str(path), "--calib", str(calib), "--eval", str(calib), "--output", str(tmp_path / "q")]) == 0
+    assert "quantized cosine to FP32" in capsys.readouterr().out
+    assert main(["export", str(tmp_path / "q"), "-o", str(tmp_path / "q.onnx")]) == 0
+
+
 def test_cli_cosine_of_large_logits_is_exact(tmp_path, capsys) -> None:
     """The model-directory task's cosine over each example's flattened logits (tokens x vocabulary) is summed in
     float64: in float32 a 30k-word head read the float model against itself as 1.00018."""
