@@ -12,6 +12,8 @@ residual layout (channel groups, and scales of their own for the prefix tokens:
 
 from __future__ import annotations
 
+import argparse
+
 import functools
 import sys
 import time
@@ -81,4 +83,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # --help; no options
     sys.exit(main())
