@@ -166,7 +166,8 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None, defau
         raise ModelDirError(f"{path} is a model written by softq train or softq mpc distill (weights.pt), not a "
                             "Hugging Face directory; load it in Python with softq.workloads.load_model and pass the "
                             "model to softq.quantize")
-    if not any((path / f).is_file() for f in ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")):
+    if not any((path / f).is_file() for f in ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                                               "pytorch_model.bin.index.json")):
         raise ModelDirError(f"{path} has a config.json but no weights (model.safetensors or pytorch_model.bin)")
     softq_attention = getattr(config, "softq_softmax", None) is not None
     try:
@@ -187,19 +188,21 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None, defau
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, TypeError) as err:
             raise ModelDirError(f"cannot load the tokenizer in {path}: {error_line(err)}") from None
-        if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        if tokenizer.pad_token is None:
             # GPT-2 and OPT-style tokenizers ship without one; batches are padded (the attention mask marks the
-            # padding, so which token fills it does not matter), as transformers itself suggests
-            tokenizer.pad_token = tokenizer.eos_token
+            # padding, so which token fills it does not matter): EOS, as transformers itself suggests, else UNK,
+            # else the token of id 0
+            tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.convert_ids_to_tokens(0)
     pooling, normalize = sentence_pooling(path)
-    positions = next((v for v in (getattr(config, a, None) for a in ("max_position_embeddings", "n_positions"))
-                      if isinstance(v, int) and v > 0), None)
+    from softq.models import max_tokens
+
+    positions = max_tokens(config)
     if max_length is None:  # ``default_length``, else the sentence-transformers setting, else 128
         st = path / "sentence_bert_config.json"
         max_length = default_length or (int(_read_json(st).get("max_seq_length", 128)) if st.is_file() else 128)
         max_length = min(max_length, positions or max_length)  # the default never asks for more than the model has
     elif positions is not None and max_length > positions:
-        raise ModelDirError(f"a maximum length of {max_length} tokens is more than {path} takes ({positions} positions)")
+        raise ModelDirError(f"a maximum length of {max_length} tokens is more than {path} takes (at most {positions})")
     return HFModel(model, tokenizer, path, pooling, normalize, max_length)
 
 

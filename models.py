@@ -41,6 +41,17 @@ def is_headless(model: nn.Module) -> bool:
     return type(model).__name__.endswith("Model") and not hasattr(model, "lm_head") and not hasattr(model, "classifier")
 
 
+def max_tokens(config: object) -> int | None:
+    """The longest sequence a text model takes (its position table), or None where the config has no such limit.
+    RoBERTa's positions start after its padding index (``pad_token_id + 1``): a 514-row table takes 512 tokens."""
+    positions = next((v for v in (getattr(config, a, None) for a in ("max_position_embeddings", "n_positions"))
+                      if isinstance(v, int) and v > 0), None)
+    if positions is not None and getattr(config, "model_type", None) == "roberta":
+        pad = getattr(config, "pad_token_id", None)
+        positions -= (pad if isinstance(pad, int) else 1) + 1
+    return positions
+
+
 def image_size(config: object) -> tuple[int, int] | None:
     """(height, width) of a vision config's ``image_size``: an int (square) or a pair."""
     size = getattr(config, "image_size", None)

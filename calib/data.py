@@ -45,14 +45,6 @@ def as_batches(model: nn.Module, data: Iterable[torch.Tensor | Mapping[str, torc
     return batches
 
 
-def _max_positions(config: object) -> int | None:
-    for attr in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
 def check_batch(model: nn.Module, batch: Mapping[str, torch.Tensor], index: int | str = 0,
                 what: str = "calibration batch") -> None:
     """Raise a :class:`CalibrationDataError` naming the batch and input if ``batch`` cannot be right."""
@@ -70,7 +62,9 @@ def check_batch(model: nn.Module, batch: Mapping[str, torch.Tensor], index: int 
         vocab = getattr(config, "vocab_size", None)
         if vocab is not None and ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
             raise CalibrationDataError(f"{what} {index}: token ids must be in [0, {vocab}), got [{ids.min().item()}, {ids.max().item()}]")
-        limit = _max_positions(config)
+        from softq.models import max_tokens
+
+        limit = max_tokens(config)
         if limit is not None and ids.shape[1] > limit:
             raise CalibrationDataError(f"{what} {index}: sequence length {ids.shape[1]} exceeds the model's {limit} positions")
     mask = batch.get("attention_mask")

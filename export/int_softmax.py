@@ -608,7 +608,8 @@ def softmax_model(
     g = build_softmax(form, "x", "y", q, axis=axis, valid="valid" if with_valid else None, beta=beta, opset=opset)
     inputs = [helper.make_tensor_value_info("x", q.in_onnx_type, dims)]
     if with_valid:
-        inputs.append(helper.make_tensor_value_info("valid", TensorProto.BOOL, dims))
+        # symbols of its own: a mask broadcast along any axis ([1, 1, q, k]) is a valid feed
+        inputs.append(helper.make_tensor_value_info("valid", TensorProto.BOOL, [f"v{i}" for i in range(rank)]))
     graph = helper.make_graph(g.nodes, f"softq_softmax_{form}", inputs,
                               [helper.make_tensor_value_info("y", q.out_onnx_type, dims)], g.initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in g.opset_imports.items()],

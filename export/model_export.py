@@ -66,7 +66,7 @@ from softq.export.int_softmax import FORMS as EDGE_FORMS
 from softq.export.int_softmax import (OUT_SCALE, SoftmaxQuant, _Builder, build_relative_codes, build_relative_scores,
                                       build_softmax)
 from softq.export.row_attention import ROW_FORMS, RowQuant, build_row_attention
-from softq.models import CAUSAL_FAMILIES, image_size, is_headless, model_family, output_fields
+from softq.models import CAUSAL_FAMILIES, image_size, is_headless, max_tokens, model_family, output_fields
 from softq.quant.config import FLOAT_INPUT_OUTPUTS
 
 TORCH_OPSET = 18
@@ -971,7 +971,7 @@ def build_onnx_float(model: nn.Module, example_inputs: Any, pooling: str | None 
     wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
     feeds = example_feeds(model, example_inputs, names)
     _run_once(wrapper, feeds, "the float model")
-    onnx_model = onnx_utils.prune(_trace(wrapper, feeds, names, outputs))
+    onnx_model = onnx_utils.drop_identity_casts(onnx_utils.prune(_trace(wrapper, feeds, names, outputs)))
     _mark_max_length(onnx_model, model, names)
     onnx.checker.check_model(onnx_model, full_check=True)
     return onnx_model
@@ -982,11 +982,10 @@ def _mark_max_length(onnx_model: onnx.ModelProto, model: nn.Module, names: list[
     :func:`softq.export.runtimes.runner` checks: past it onnxruntime raises, OpenVINO reads out of bounds."""
     from softq.export.runtimes import MAX_LENGTH_KEY
 
-    config = getattr(model, "config", None)
-    if names[0] == "input_ids" and any(isinstance(getattr(config, a, None), int)
-                                       for a in ("n_positions", "max_position_embeddings")):
+    limit = max_tokens(getattr(model, "config", None))
+    if names[0] == "input_ids" and limit is not None:
         entry = onnx_model.metadata_props.add()
-        entry.key, entry.value = MAX_LENGTH_KEY, str(_max_positions(model))
+        entry.key, entry.value = MAX_LENGTH_KEY, str(limit)
 
 
 def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> None:

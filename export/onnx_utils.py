@@ -204,6 +204,34 @@ def prune(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def drop_identity_casts(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Remove Casts to the type their input already has (OPT's ``attention_mask.long()`` of an int64 mask; types
+    known without shape inference: inputs, initializers, Casts' outputs).  tract evaluates a CumSum of such a
+    Cast as a symbolic dimension and fails; OpenVINO merges it into the input and names the port after it."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    types = {i.name: i.type.tensor_type.elem_type for i in graph.input}
+    types.update((i.name, i.data_type) for i in graph.initializer)
+    rename: dict[str, str] = {}
+    kept: list[onnx.NodeProto] = []
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = rename.get(name, name)
+        cast_to = next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" else None
+        if cast_to is not None and node.output[0] not in outputs:
+            if types.get(node.input[0]) == cast_to:
+                rename[node.output[0]] = node.input[0]
+                continue
+            types[node.output[0]] = cast_to
+        kept.append(node)
+    del graph.node[:]
+    graph.node.extend(kept)
+    infos = [vi for vi in graph.value_info if vi.name not in rename]
+    del graph.value_info[:]
+    graph.value_info.extend(infos)
+    return model
+
+
 def dedupe(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """Merge nodes that compute the same thing (common subexpressions); returns (model, nodes removed).
 
@@ -215,6 +243,7 @@ def dedupe(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     merge them (its own common-subexpression pass compares the scale tensors by
     name), so each layer quantized its input three times.
     """
+    drop_identity_casts(model)
     graph = model.graph
     outputs = {o.name for o in graph.output}
     rename: dict[str, str] = {}
@@ -242,9 +271,6 @@ def dedupe(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     seen: dict[bytes, onnx.NodeProto] = {}
     kept: list[onnx.NodeProto] = []
     removed = 0
-    # element types known without shape inference: inputs, initializers, Casts' outputs
-    types = {i.name: i.type.tensor_type.elem_type for i in graph.input}
-    types.update((i.name, i.data_type) for i in graph.initializer)
     for node in graph.node:
         for i, name in enumerate(node.input):
             if name in rename:
@@ -252,15 +278,6 @@ def dedupe(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         if node.op_type in ("If", "Loop", "Scan") or any(o in outputs for o in node.output):
             kept.append(node)
             continue
-        cast_to = next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" else None
-        if cast_to is not None:
-            if types.get(node.input[0]) == cast_to:
-                # a Cast to the type its input already has (OPT's ``attention_mask.long()``): tract evaluates
-                # CumSum of such a Cast as a symbolic dimension and fails, OpenVINO names the input after it
-                rename[node.output[0]] = node.input[0]
-                removed += 1
-                continue
-            types[node.output[0]] = cast_to
         if node.op_type == "Identity":  # the exporter's way of sharing equal parameters: a plain rename
             rename[node.output[0]] = node.input[0]
             removed += 1

@@ -152,6 +152,35 @@ def test_runner_refuses_ids_outside_the_table_and_missing_inputs(qmodels, tmp_pa
 
 
 @pytest.mark.parametrize("runtime", [pytest.param("onnxruntime"), *OTHERS])
+def test_longest_sequence_of_roberta_and_opt_files(tmp_path, runtime):
+    """RoBERTa's positions start after its padding index: a 130-row table takes 128 tokens (the metadata said 130,
+    and OpenVINO returned an empty output for 129); OPT's FP32 file runs in tract too (its int64 -> int64 Cast of
+    the mask, which tract cannot take into the CumSum of the positions, is dropped there as in the INT8 file)."""
+    from softq.export.model_export import to_onnx_float
+
+    model = tiny_model("roberta")
+    assert model.config.max_position_embeddings == 130 and model.config.pad_token_id == 1
+    qmodel = softq.quantize(model, [tiny_inputs("roberta", seed=30 + i) for i in range(2)])
+    path = to_onnx(qmodel, tmp_path / "roberta.onnx", tiny_inputs("roberta"))
+    run = runtimes.runner(path, runtime)
+    feeds = {k: np.ones((1, 128), np.int64) * (3 if k == "input_ids" else 1) for k in ("input_ids", "attention_mask")}
+    assert np.isfinite(run(feeds)[0]).all() and run(feeds)[0].shape == (1, 3)
+    with pytest.raises(ValueError, match="input_ids has 129 tokens; this model takes at most 128"):
+        run({k: np.ones((1, 129), np.int64) for k in feeds})
+    opt = tiny_model("opt")
+    example = tiny_inputs("opt")
+    path = to_onnx_float(opt, tmp_path / "opt_fp32.onnx", example)
+    graph = onnx.load(path).graph
+    assert not [n for n in graph.node if n.op_type == "Cast" and n.input[0] == "attention_mask"
+                and n.attribute[0].i == onnx.TensorProto.INT64]  # the int64 mask's identity Cast
+    ids = example["input_ids"].numpy()
+    out = runtimes.runner(path, runtime)({"input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
+    with torch.no_grad():
+        ref = opt(**example).logits.numpy()
+    np.testing.assert_allclose(out, ref, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("runtime", [pytest.param("onnxruntime"), *OTHERS])
 def test_runner_refuses_feeds_the_file_would_misread(qmodels, tmp_path, runtime):
     """Without the checks OpenVINO returns numbers for a sequence longer than the position table (read out of
     bounds) and for a ViT image of another size, tract aborts the process on the first, and every runtime

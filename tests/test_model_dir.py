@@ -163,7 +163,7 @@ def test_model_dir_heads_without_logits_are_refused_before_calibration(tmp_path,
     assert not (tmp_path / "qa.onnx").exists()
     # the default length (128) is capped at the model's 64 positions (a tensor size mismatch before); asked for, refused
     assert hf.load_model_dir(path).max_length == 64
-    with pytest.raises(hf.ModelDirError, match="a maximum length of 100 tokens is more than .* takes \\(64 positions\\)"):
+    with pytest.raises(hf.ModelDirError, match="a maximum length of 100 tokens is more than .* takes \\(at most 64\\)"):
         hf.load_model_dir(path, max_length=100)
     assert not is_headless(transformers.BertLMHeadModel(transformers.BertConfig(**{**config.to_dict(), "is_decoder": True})))
     assert is_headless(transformers.BertModel(config))
@@ -189,6 +189,11 @@ def test_cli_on_a_gpt2_dir_whose_tokenizer_has_no_pad_token(tmp_path, capsys) ->
     assert main(["quantize", str(path), "--calib", str(calib), "--eval", str(calib), "--output", str(tmp_path / "q")]) == 0
     assert "quantized cosine to FP32" in capsys.readouterr().out
     assert main(["export", str(tmp_path / "q"), "-o", str(tmp_path / "q.onnx")]) == 0
+    # neither pad nor EOS token: the UNK token pads (the error before said to set pad_token in Python)
+    bare = transformers.GPT2TokenizerFast(tokenizer_object=bpe._tokenizer, bos_token=None, eos_token=None,
+                                          unk_token="<|endoftext|>")
+    bare.save_pretrained(path)
+    assert hf.load_model_dir(path).tokenizer.pad_token == "<|endoftext|>"
 
 
 def test_cli_cosine_of_large_logits_is_exact(tmp_path, capsys) -> None:
