@@ -224,12 +224,17 @@ def drop_identity_casts(model: onnx.ModelProto) -> onnx.ModelProto:
                 continue
             types[node.output[0]] = cast_to
         kept.append(node)
+    _keep_nodes(graph, kept, rename)
+    return model
+
+
+def _keep_nodes(graph: onnx.GraphProto, kept: list[onnx.NodeProto], renamed: dict[str, str]) -> None:
+    """The graph's nodes become ``kept``; the shapes recorded for tensors renamed away are dropped."""
     del graph.node[:]
     graph.node.extend(kept)
-    infos = [vi for vi in graph.value_info if vi.name not in rename]
+    infos = [vi for vi in graph.value_info if vi.name not in renamed]
     del graph.value_info[:]
     graph.value_info.extend(infos)
-    return model
 
 
 def dedupe(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
@@ -298,11 +303,7 @@ def dedupe(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
             continue
         seen[key] = node
         kept.append(node)
-    del graph.node[:]
-    graph.node.extend(kept)
-    infos = [vi for vi in graph.value_info if vi.name not in rename]
-    del graph.value_info[:]
-    graph.value_info.extend(infos)
+    _keep_nodes(graph, kept, rename)
     return model, removed
 
 
