@@ -482,11 +482,8 @@ def _row_quant(name: str, points: nn.Module, q: SoftmaxQuant | None) -> RowQuant
 
 
 def _max_positions(model: nn.Module) -> int:
-    cfg = model.config
-    for attr in ("n_positions", "max_position_embeddings"):
-        if isinstance(getattr(cfg, attr, None), int):
-            return int(getattr(cfg, attr))
-    return 4096
+    """The longest sequence the model takes (:func:`softq.models.max_tokens`), 4096 where its config sets none."""
+    return max_tokens(getattr(model, "config", None)) or 4096
 
 
 def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
@@ -982,7 +979,7 @@ def _mark_max_length(onnx_model: onnx.ModelProto, model: nn.Module, names: list[
     :func:`softq.export.runtimes.runner` checks: past it onnxruntime raises, OpenVINO reads out of bounds."""
     from softq.export.runtimes import MAX_LENGTH_KEY
 
-    limit = max_tokens(getattr(model, "config", None))
+    limit = max_tokens(getattr(model, "config", None))  # (None where the config sets no limit: no entry)
     if names[0] == "input_ids" and limit is not None:
         entry = onnx_model.metadata_props.add()
         entry.key, entry.value = MAX_LENGTH_KEY, str(limit)

@@ -410,7 +410,7 @@ def build_row_attention(
         # Shape/Slice/Concat/Expand/Concat
         pads = b.const("pad_last", [0, 0, 0, 0, 0, 0, 0, 1], np.int64)
         v_col = b.op("Pad", [v, pads, b.const("sum_code", code, np.uint8)], mode="constant")
-        acc_f = gemm(v_col)  # one GEMM (and Cast) of the [..., d + 1] accumulators
+        acc_f = gemm(v_col)  # one GEMM of the [..., d + 1] accumulators, numerators and row sums
         axes = b.const("last", [-1], np.int64)
         num_f = b.op("Slice", [acc_f, b.const("zero64", [0], np.int64), b.const("m1", [-1], np.int64), axes])
         den_f = b.op("Slice", [acc_f, b.const("m1b", [-1], np.int64), b.const("big", [INT32_MAX], np.int64), axes])

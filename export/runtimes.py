@@ -54,11 +54,9 @@ def _onnxruntime(path: str, threads: int) -> Runner:
     return lambda feeds: sess.run(None, {n: feeds[n] for n in names})
 
 
-def _tract(path: str, threads: int) -> Runner:
-    import onnx
+def _tract(path: str, threads: int, names: list[str]) -> Runner:
     import tract
 
-    names = [i.name for i in onnx.load(path, load_external_data=False).graph.input]
     cache: dict[tuple, object] = {}
 
     def run(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -75,17 +73,14 @@ def _tract(path: str, threads: int) -> Runner:
     return run
 
 
-def _openvino(path: str, threads: int) -> Runner:
+def _openvino(path: str, threads: int, declared: list[str]) -> Runner:
     import openvino as ov
 
     compiled = ov.Core().compile_model(path, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
                                                       "INFERENCE_NUM_THREADS": int(threads)})
     request = compiled.create_infer_request()
-    import onnx
-
     # a port can carry several names (OpenVINO merges a node into an input and names the port after both):
     # the file's own input name
-    declared = {i.name for i in onnx.load(path, load_external_data=False).graph.input}
     names = [next((n for n in sorted(port.get_names()) if n in declared), port.get_any_name()) for port in compiled.inputs]
     outputs = list(compiled.outputs)
 
@@ -197,6 +192,9 @@ def runner(path: str | os.PathLike, runtime: str = "onnxruntime", threads: int =
         raise ImportError(f"runtime {runtime!r} is not installed (pip install {runtime})")
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive integer, got {threads!r}")
-    run = {"onnxruntime": _onnxruntime, "tract": _tract, "openvino": _openvino}[runtime](str(path), threads)
     spec = _spec(str(path))
+    if runtime == "onnxruntime":
+        run = _onnxruntime(str(path), threads)
+    else:  # the file's input names (tract: in their order; OpenVINO: to find them among a port's names)
+        run = {"tract": _tract, "openvino": _openvino}[runtime](str(path), threads, spec.names)
     return lambda feeds: run(_check_feeds(spec, feeds))
