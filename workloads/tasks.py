@@ -183,7 +183,8 @@ def model_dir_task(
 
 def _mean_cosine64(a: torch.Tensor, b: torch.Tensor) -> float:
     """Mean cosine of the rows of ``a`` and ``b`` summed in float64 one row at a time: over a row of tokens x
-    vocabulary logits (4M values) float32 sums drift by 2e-4 (a model read against itself as 1.00018), and
+    vocabulary logits (millions of values) float32 sums drift by as much as the quantization loss (the float
+    model read against itself above 1; tests/test_model_dir.py), and
     float64 copies of the whole [n, tokens x vocabulary] outputs would double the peak memory."""
     total = 0.0
     for x, y in zip(a, b):
