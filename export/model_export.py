@@ -496,7 +496,8 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
     for key, (name, points) in enumerate(attention_points(model)):
         layers[key] = info = _softmax_params(name, points, key)
         if info["representation"] == "edge":
-            # longer inputs than calibrated: torch falls back to the per-head beta for them
+            # rows past the calibrated ones take the per-head beta (SoftmaxOutputQuantizer.beta_for)
+            info["beta_rows"] = 0 if info["beta"] is None else info["beta"].shape[2]
             info["beta"] = _extend_rows(info["beta"], info["beta_head"], _max_positions(model))
         elif info["representation"] != "float":
             try:
@@ -672,6 +673,29 @@ def _init(name: str, value: np.ndarray) -> TensorProto:
     return numpy_helper.from_array(np.asarray(value), name)
 
 
+def _rows_for_length(prefix: str, info: dict[str, Any], table: np.ndarray, head: np.ndarray, scores: str,
+                     name: str) -> tuple[list, list, str]:
+    """Nodes picking per-row values (``table``: [1, h, positions, 1], rows past the calibrated ones hold the
+    per-head value ``head``) for the current query length, as ``SoftmaxOutputQuantizer.beta_for`` does: a causal
+    model's rows by position (the table sliced to the length), a bidirectional model's per-row values at the
+    calibrated length only, ``head`` for every row at other lengths."""
+    inits = [_init(f"{prefix}{name}_rows", table), _init(f"{prefix}i2", np.array([2], np.int64)),
+             _init(f"{prefix}i0", np.array([0], np.int64))]
+    sliced = f"{prefix}{name}" if info["causal_rows"] else f"{prefix}{name}_sliced"
+    nodes = [helper.make_node("Shape", [scores], [f"{prefix}shape"], name=f"{prefix}Shape"),
+             helper.make_node("Gather", [f"{prefix}shape", f"{prefix}i2"], [f"{prefix}qlen"], name=f"{prefix}Gather", axis=0),
+             helper.make_node("Slice", [f"{prefix}{name}_rows", f"{prefix}i0", f"{prefix}qlen", f"{prefix}i2"],
+                              [sliced], name=f"{prefix}Slice")]
+    if not info["causal_rows"]:
+        inits += [_init(f"{prefix}calibrated_rows", np.array([info["beta_rows"]], np.int64)),
+                  _init(f"{prefix}{name}_head", head)]
+        nodes += [helper.make_node("Equal", [f"{prefix}qlen", f"{prefix}calibrated_rows"], [f"{prefix}at_rows"],
+                                   name=f"{prefix}Equal"),
+                  helper.make_node("Where", [f"{prefix}at_rows", sliced, f"{prefix}{name}_head"], [f"{prefix}{name}"],
+                                   name=f"{prefix}Where")]
+    return nodes, inits, f"{prefix}{name}"
+
+
 def _beta_nodes(prefix: str, info: dict[str, Any], scores: str, form: str) -> tuple[list, list, str | None, np.ndarray | None]:
     """Nodes giving beta for the current query length, or a static beta for the int form.
 
@@ -680,40 +704,22 @@ def _beta_nodes(prefix: str, info: dict[str, Any], scores: str, form: str) -> tu
     beta = info["beta"]
     if beta is None:
         return [], [], None, None
-    # Per-row beta is sliced to the query length at run time (rows past the calibrated ones hold the
-    # per-head beta, see _export_copy).  torch does the same for causal models and for inputs as long as
-    # the calibration windows (always, for ViT); for other lengths of non-causal models torch uses the
-    # per-head beta for every row.
     static = beta if beta.shape[2] == 1 else None
     if form == "int":
-        source = static if static is not None else beta
-        values = source.astype(np.float64)
-        return [], [], None, values
-    nodes, inits = [], []
+        return [], [], None, (static if static is not None else beta).astype(np.float64)
     if static is not None:
-        inits.append(_init(f"{prefix}beta", static.astype(np.float32)))
-        return nodes, inits, f"{prefix}beta", None
-    inits += [_init(f"{prefix}beta_rows", beta.astype(np.float32)), _init(f"{prefix}i2", np.array([2], np.int64)),
-              _init(f"{prefix}i0", np.array([0], np.int64))]
-    nodes += [helper.make_node("Shape", [scores], [f"{prefix}shape"], name=f"{prefix}Shape"),
-              helper.make_node("Gather", [f"{prefix}shape", f"{prefix}i2"], [f"{prefix}qlen"], name=f"{prefix}Gather", axis=0),
-              helper.make_node("Slice", [f"{prefix}beta_rows", f"{prefix}i0", f"{prefix}qlen", f"{prefix}i2"],
-                               [f"{prefix}beta"], name=f"{prefix}Slice")]
-    return nodes, inits, f"{prefix}beta", None
+        return [], [_init(f"{prefix}beta", static.astype(np.float32))], f"{prefix}beta", None
+    nodes, inits, name = _rows_for_length(prefix, info, beta.astype(np.float32),
+                                          info["beta_head"].astype(np.float32), scores, "beta")
+    return nodes, inits, name, None
 
 
-def _int_beta_rows(prefix: str, beta: np.ndarray, scores: str) -> tuple[list, list, str]:
-    """Per-row rounding constants of the int form, sliced to the query length."""
+def _int_beta_rows(prefix: str, info: dict[str, Any], scores: str) -> tuple[list, list, str]:
+    """Per-row rounding constants of the int form for the current query length (see :func:`_rows_for_length`)."""
     from softq.export.int_softmax import rounding_constants
 
-    c = rounding_constants(beta)
-    inits = [_init(f"{prefix}round_rows", c), _init(f"{prefix}i2", np.array([2], np.int64)),
-             _init(f"{prefix}i0", np.array([0], np.int64))]
-    nodes = [helper.make_node("Shape", [scores], [f"{prefix}shape"], name=f"{prefix}Shape"),
-             helper.make_node("Gather", [f"{prefix}shape", f"{prefix}i2"], [f"{prefix}qlen"], name=f"{prefix}Gather", axis=0),
-             helper.make_node("Slice", [f"{prefix}round_rows", f"{prefix}i0", f"{prefix}qlen", f"{prefix}i2"],
-                              [f"{prefix}round_point"], name=f"{prefix}Slice")]
-    return nodes, inits, f"{prefix}round_point"
+    return _rows_for_length(prefix, info, rounding_constants(info["beta"]), rounding_constants(info["beta_head"]),
+                            scores, "round_point")
 
 
 def _edge_core(p: str, info: dict[str, Any], form: str, scores: str, valid_b: str | None, probs: str,
@@ -729,8 +735,8 @@ def _edge_core(p: str, info: dict[str, Any], form: str, scores: str, valid_b: st
     inits += binits
     sm_beta = None
     if form == "int" and beta_static is not None:
-        if beta_static.shape[2] > 1:  # causal per-row: slice the constants at run time
-            rnodes, rinits, _ = _int_beta_rows(p, beta_static, scores)
+        if beta_static.shape[2] > 1:  # per-row: the constants for the query length, picked at run time
+            rnodes, rinits, _ = _int_beta_rows(p, info, scores)
             nodes += rnodes
             inits += rinits
             sm_beta = np.zeros((1, 1, 1, 1))  # placeholder, replaced below

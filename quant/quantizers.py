@@ -358,16 +358,28 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         self.beta_head = (err.sum(1) / count.sum(1).clamp_min(1)).reshape(1, -1, 1, 1).to(self.scale.dtype)
 
     def beta_for(self, q: torch.Tensor) -> torch.Tensor | None:
-        """The correction for a [b, h, q_len, k_len] output (rows sliced or averaged as needed)."""
+        """The correction for a [b, h, q_len, k_len] output.
+
+        Per-row beta (``head_row``) belongs to a row's position.  A causal model's row at position i sees
+        keys 0..i whatever the sequence's length, so rows keep their calibrated beta at any length, rows past
+        the calibrated ones take the per-head beta, and with a KV cache the ``q_len`` query rows are the
+        positions ``k_len - q_len`` onwards.  A bidirectional row sees the whole sequence: its per-row beta
+        holds at the calibrated length only, other lengths take the per-head beta for every row.  The ONNX
+        export computes the same (``softq.export.model_export._beta_nodes``).
+        """
         if self.beta.numel() == 0:
             return None
         rows = self.beta.shape[2]
         if rows == 1:
             return self.beta
-        q_len = q.shape[-2]
-        if q_len == rows or (self.causal_rows and q_len < rows):
-            return self.beta[:, :, :q_len]
-        return self.beta_head
+        q_len, k_len = q.shape[-2], q.shape[-1]
+        if not self.causal_rows:
+            return self.beta if q_len == rows == k_len else self.beta_head
+        start = max(k_len - q_len, 0)
+        beta = self.beta
+        if start + q_len > rows:
+            beta = torch.cat([beta, self.beta_head.expand(1, -1, start + q_len - rows, 1)], dim=2)
+        return beta[:, :, start:start + q_len]
 
     def extra_repr(self) -> str:
         corr = "none" if self.beta.numel() == 0 else f"{self.granularity} {tuple(self.beta.shape)}"

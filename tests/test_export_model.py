@@ -16,6 +16,7 @@ from onnx import numpy_helper
 import softq
 from softq.attention import attention_points, configure_attention
 from softq.export import onnx_utils as U
+from softq.export.int_softmax import rounding_constants
 from softq.export.model_export import ExportError, build_onnx, to_onnx, to_onnx_float
 
 STEP = 2.0**-8
@@ -72,7 +73,7 @@ def quantized() -> _Quantized:
 
 def _feeds(family: str, inputs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     feeds = {k: v.numpy() for k, v in inputs.items()}
-    if family == "gpt2" and "attention_mask" not in feeds:
+    if family in ("gpt2", "bert") and "attention_mask" not in feeds:
         feeds["attention_mask"] = np.ones_like(feeds["input_ids"])
     return feeds
 
@@ -380,18 +381,42 @@ def test_cli_export(quantized, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "q"]
 
 
-def test_head_row_correction_and_signed_scores(quantized):
-    """Per-(head, row) beta of a causal LM is sliced to the query length in the graph; signed
-    (symmetric) softmax inputs give an int8 QLinearSoftmax."""
-    lm = quantized[("gpt2", "head_row")]
-    for form in ("int",):  # qdq shares the beta slicing (Add after DQ) and is covered with per-head beta
-        sess = U.session(build_onnx(lm, tiny_inputs("gpt2"), form), "all")
-        for seq in (9, 40):  # shorter and longer than the calibration windows (24)
-            inputs = tiny_inputs("gpt2", batch=1, seq=seq, seed=seq)
-            with torch.no_grad():
-                ref = lm(**inputs).logits.numpy()
-            out = sess.run(None, _feeds("gpt2", inputs))[0]
-            assert np.abs(out - ref).max() / np.abs(ref).max() <= LOGIT_TOL
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_head_row_correction_matches_torch_at_every_length(quantized, family):
+    """Per-(head, row) beta in the graph is torch's function at lengths other than the calibration windows (24):
+    a causal model keeps each calibrated row's beta and gives later rows the per-head one, a bidirectional model
+    takes the per-head beta for every row at other lengths (SoftmaxOutputQuantizer.beta_for); the int form folds
+    the same betas into its rounding constants."""
+    model = quantized[(family, "head_row")]
+    probs = attention_points(model)[0][1].probs
+    assert probs.causal_rows == (family == "gpt2") and probs.beta.shape[2] == 24
+    float_probs: list[torch.Tensor] = []
+    handles = [p.probs.register_forward_hook(lambda _m, args, _out: float_probs.append(args[0].detach()))
+               for _, p in attention_points(model)]
+    sessions = {form: U.session(build_onnx(model, tiny_inputs(family), form, probs_outputs=True), "all")
+                for form in ("qdq", "int")}
+    try:
+        for seq in (9, 24, 40):
+            inputs = tiny_inputs(family, batch=1, seq=seq, seed=seq)
+            float_probs.clear()
+            ref_logits, ref_probs = _torch_run(model, inputs)
+            for form, sess in sessions.items():
+                outs = sess.run(None, _feeds(family, inputs))
+                assert np.abs(outs[0] - ref_logits).max() / np.abs(ref_logits).max() <= LOGIT_TOL, (form, seq)
+                for (_, points), p, r, f in zip(attention_points(model), outs[1:], ref_probs, float_probs):
+                    if form == "int":  # codes floor(2**8 p + c / 2**8): beta in the rounding point c, no Add
+                        c = rounding_constants(points.probs.beta_for(f).numpy().astype(np.float64))
+                        r = np.minimum(np.floor(f.numpy().astype(np.float64) * 256 + c / 256), 255) / 256
+                    # a wrong row's beta moves its entries (per-row and per-head betas differ by > 1e-5, a few
+                    # hundredths of a step); float ties may flip a code (an entry 2**-8 apart)
+                    assert (np.abs(p - r) <= 1e-6).mean() > 0.99, (form, seq, np.abs(p - r).max())
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_signed_scores_give_an_int8_qlinear_softmax():
+    """Signed (symmetric) softmax inputs give an int8 QLinearSoftmax."""
     vit = softq.quantize(tiny_model("vit"), _calib("vit"), softq.QuantConfig(act_symmetric=True, softmax_output="edge",
                                                                       softmax_input="tensor"))
     model = build_onnx(vit, tiny_inputs("vit"), "ort")

@@ -214,6 +214,44 @@ def test_changing_a_future_token_does_not_move_earlier_logits() -> None:
     assert not torch.allclose(a[:, 15:], b[:, 15:])
 
 
+def test_head_row_beta_follows_the_row_position() -> None:
+    """Per-row beta by position: a causal model's calibrated rows keep theirs at any length, later rows and a KV
+    cache's query rows (the last positions) take theirs or the per-head beta; a bidirectional model uses per-row
+    beta at the calibrated length only."""
+    quantizer = SoftmaxOutputQuantizer(bits=8, num_heads=2)
+    quantizer.beta = torch.arange(8.0).reshape(1, 2, 4, 1)  # head h, row r: 4h + r
+    quantizer.beta_head = torch.tensor([-1.0, -2.0]).reshape(1, 2, 1, 1)
+
+    def rows(q_len: int, k_len: int) -> list[list[float]]:
+        return quantizer.beta_for(torch.zeros(1, 2, q_len, k_len)).expand(1, 2, q_len, 1)[0, :, :, 0].tolist()
+
+    quantizer.causal_rows = True
+    assert rows(2, 2) == [[0, 1], [4, 5]]
+    assert rows(6, 6) == [[0, 1, 2, 3, -1, -1], [4, 5, 6, 7, -2, -2]]
+    assert rows(1, 3) == [[2], [6]]  # generating position 2 with positions 0-1 cached
+    assert rows(2, 5) == [[3, -1], [7, -2]]
+    quantizer.causal_rows = False
+    assert rows(4, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert rows(3, 3) == [[-1] * 3, [-2] * 3]
+    assert rows(5, 5) == [[-1] * 5, [-2] * 5]
+
+
+def test_cached_decoding_with_head_row_correction_equals_the_full_pass() -> None:
+    """With a KV cache the query rows are the last positions: they get those positions' beta (not row 0's)."""
+    qmodel = softq.quantize(tiny_model("gpt2"), calib_for("gpt2"), softq.QuantConfig(bias_correction="head_row",
+                                                                                         softmax_output="edge"))
+    ids = tiny_inputs("gpt2", batch=1, seq=12, seed=3)["input_ids"]
+    with torch.no_grad():
+        full = qmodel(input_ids=ids, use_cache=False).logits
+        out = qmodel(input_ids=ids[:, :8], use_cache=True)
+        steps, past = [out.logits], out.past_key_values
+        for t in range(8, 12):
+            out = qmodel(input_ids=ids[:, t:t + 1], past_key_values=past, use_cache=True)
+            steps.append(out.logits)
+            past = out.past_key_values
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5 * float(full.abs().max()))
+
+
 def test_bias_correction_beta_is_the_mean_rounding_error_over_valid_entries() -> None:
     torch.manual_seed(0)
     quantizer = SoftmaxOutputQuantizer(bits=4, num_heads=3)
