@@ -121,6 +121,12 @@ class _QDQFn(torch.autograd.Function):
     def symbolic(g, x, scale: float, zp: int, qmin: int, qmax: int, signed: bool):  # noqa: ANN001
         s = g.op("Constant", value_t=torch.tensor(scale, dtype=torch.float32))
         z = g.op("Constant", value_t=_zp_tensor(zp, signed))
+        if (qmin, qmax) == (-127, 127) and not zp:
+            # symmetric codes stop at -127, QuantizeLinear at -128: clip the float input first (a float Clip
+            # keeps the QuantizeLinear -> DequantizeLinear pair that onnxruntime fuses into integer kernels)
+            bound = float(np.float32(127 * np.float32(scale)))
+            x = g.op("Clip", x, g.op("Constant", value_t=torch.tensor(-bound, dtype=torch.float32)),
+                     g.op("Constant", value_t=torch.tensor(bound, dtype=torch.float32)))
         q = g.op("QuantizeLinear", x, s, z)
         if (qmin, qmax) != ((-128, 127) if signed else (0, 255)) and (qmin, qmax) != (-127, 127):
             # fewer than 8 bits: saturate to the narrower integer range

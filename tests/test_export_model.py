@@ -430,6 +430,29 @@ def test_signed_scores_give_an_int8_qlinear_softmax():
     assert np.abs(out - ref).max() / np.abs(ref).max() <= LOGIT_TOL
 
 
+def test_symmetric_activations_saturate_at_minus_127_as_in_torch(tmp_path):
+    """act_symmetric codes stop at -127 in torch; QuantizeLinear alone would saturate at -128. Inputs wider than
+    the calibrated range reach the bound at many points: the graph matches torch to float rounding."""
+    import transformers
+
+    torch.manual_seed(0)  # weights 10x the default spread: activations with tails past the calibrated range
+    vit = transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, num_labels=10, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=32, intermediate_size=64, initializer_range=0.2)).eval()
+    g = torch.Generator().manual_seed(0)
+    calib = [torch.randn(2, 3, 16, 16, generator=g) for _ in range(3)]
+    vit = softq.quantize(vit, calib, softq.QuantConfig(act_symmetric=True))
+    x = 10 * torch.randn(4, 3, 16, 16, generator=g)
+    with torch.no_grad():
+        ref = vit(pixel_values=x).logits.numpy()
+    model = build_onnx(vit, {"pixel_values": calib[0]}, "fast")
+    out = U.run(model, {"pixel_values": x.numpy()}, "all")[0]  # 4e-2 apart when QuantizeLinear saturated at -128
+    assert np.abs(out - ref).max() / np.abs(ref).max() <= 1e-5
+    # the float Clip before QuantizeLinear keeps every GEMM on onnxruntime's integer kernels
+    ops = U.optimized_op_types(model, "all", tmp_path)
+    assert "MatMulIntegerToFloat" in ops and "MatMul" not in ops and "MatMulInteger" not in ops, sorted(set(ops))
+
+
 def test_int8_embeddings_by_default(quantized):
     """QuantConfig.embedding_bits=8 (default): int8 tables with one scale per row in torch and in the file,
     the same outputs as torch; embeddings="float" stores the same tables dequantized (a larger file)."""
