@@ -80,6 +80,12 @@ def model_family(model: nn.Module) -> str:
     return family
 
 
+def is_causal(model: nn.Module) -> bool:
+    """Whether the model's self-attention is causal: GPT-2 and OPT, and BERT / RoBERTa built as decoders
+    (``is_decoder=True``: ``BertLMHeadModel``, ``RobertaForCausalLM``), which decode with a KV cache too."""
+    return model_family(model) in CAUSAL_FAMILIES or bool(getattr(model.config, "is_decoder", False))
+
+
 def attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(name, module) of every attention module that calls the attention interface, in order."""
     wanted = ATTENTION_CLASSES[model_family(model)]

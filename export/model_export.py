@@ -66,7 +66,7 @@ from softq.export.int_softmax import FORMS as EDGE_FORMS
 from softq.export.int_softmax import (OUT_SCALE, SoftmaxQuant, _Builder, build_relative_codes, build_relative_scores,
                                       build_softmax)
 from softq.export.row_attention import ROW_FORMS, RowQuant, build_row_attention
-from softq.models import CAUSAL_FAMILIES, image_size, is_headless, max_tokens, model_family, output_fields
+from softq.models import image_size, is_causal, is_headless, max_tokens, output_fields
 from softq.quant.config import FLOAT_INPUT_OUTPUTS
 
 TORCH_OPSET = 18
@@ -600,8 +600,11 @@ def wrap_for_export(model: nn.Module, pooling: str | None = None,
     sentence embedding ``sentence_embedding`` (L2-normalised with ``normalize``).
     """
     from softq.hf import POOLING_MODES
-    from softq.models import attention_modules
 
+    if getattr(getattr(model, "config", None), "add_cross_attention", False):
+        raise ExportError(f"softq exports self-attention models; this {type(model).__name__} has cross-attention "
+                          "layers (add_cross_attention=True: it reads encoder_hidden_states), which the export does "
+                          "not take")
     headless = is_headless(model)
     if pooling is not None and (pooling not in POOLING_MODES or not headless):
         raise ExportError(f"pooling={pooling!r}: a sentence embedding needs a headless text encoder and one of "
@@ -610,8 +613,8 @@ def wrap_for_export(model: nn.Module, pooling: str | None = None,
         return _VisionWrapper(model).eval(), ["pixel_values"], ["last_hidden_state" if headless else "logits"]
     outputs = ("logits",) if not headless else ("last_hidden_state",) if pooling is None else (
         "last_hidden_state", "sentence_embedding")
-    causal = any(bool(getattr(m, "is_causal", False)) for _, m in attention_modules(model))
-    return _TextWrapper(model, causal, outputs, pooling, normalize).eval(), ["input_ids", "attention_mask"], list(outputs)
+    return (_TextWrapper(model, is_causal(model), outputs, pooling, normalize).eval(), ["input_ids", "attention_mask"],
+            list(outputs))
 
 
 def example_feeds(model: nn.Module, example_inputs: Any, names: list[str]) -> dict[str, torch.Tensor]:
@@ -943,7 +946,7 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
                           "softmax='fast', or quantize with softmax_input='row' (CLI: --softmax-input row)")
     wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
     feeds = example_feeds(qmodel, example_inputs, names)
-    if softmax == "ort" and model_family(qmodel) in CAUSAL_FAMILIES:
+    if softmax == "ort" and is_causal(qmodel):
         raise ExportError(
             "softmax='ort' cannot export a causal model: QLinearSoftmax has no mask input, so every row's future "
             "keys would keep a weight and every position's output would be wrong; use softmax='qdq' or 'int'")

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from softq.models import CAUSAL_FAMILIES, model_family
+from softq.models import is_causal
 from softq.mpc._crypten_shim import load_crypten
 from softq.mpc.accounting import CommRecorder
 from softq.mpc.approx import ROW_SCALE_LIMIT, accurate_functions, normalize_rows
@@ -81,7 +81,7 @@ def example_inputs(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], publ
             kwargs[name] = torch.zeros(shape, dtype=torch.long)
         else:
             kwargs[name] = torch.zeros(shape, dtype=torch.float32)
-    if model_family(model) in CAUSAL_FAMILIES:
+    if is_causal(model):
         kwargs["use_cache"] = False
     return kwargs
 
@@ -89,7 +89,7 @@ def example_inputs(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], publ
 def export_model(model: nn.Module, kwargs: Mapping[str, Any]) -> torch.export.ExportedProgram:
     """``torch.export`` the surrogate-configured model at a fixed shape (no dynamic dims)."""
     model.eval()
-    if model_family(model) in CAUSAL_FAMILIES:
+    if is_causal(model):
         model.config.use_cache = False
     with exporting(model), torch.no_grad():
         return torch.export.export(model, (), dict(kwargs), strict=False)

@@ -256,9 +256,10 @@ class QuantConfig:
             than the text or patch tokens': a DeiT's CLS and distillation tokens
             start at exactly 0 and its logits read only those rows).  ``"auto"``
             (default): the family's special prefix tokens (BERT/RoBERTa [CLS] 1,
-            ViT CLS 1, DeiT CLS + distillation 2); ``0`` for none.  Causal LMs
-            (GPT-2, OPT) take 0 only: with a KV cache a decoding step's one row is
-            not position 0.  The special tokens must be the first rows: right padding,
+            ViT CLS 1, DeiT CLS + distillation 2); ``0`` for none.  Causal models
+            (GPT-2, OPT, BERT / RoBERTa with ``is_decoder``) take 0 only: with a KV
+            cache a decoding step's one row is not position 0.  The special tokens
+            must be the first rows: right padding,
             as BERT/RoBERTa tokenizers pad (left-padded batches would give a pad
             token [CLS]'s scales).  Exported as slices with Q/DQ pairs of their own.
             Measured: DeiT / ViT from a config, relative logit error 0.35 -> 0.039

@@ -37,7 +37,7 @@ from softq.calib.data import Batch, as_batches, run_batches
 from softq.calib.observers import MinMaxObserver, make_observer
 from softq.calib.smoothquant import (InputGroup, InputRecorder, post_ln, skipped, smooth, smooth_inputs,
                                      smoothable_linears, smoothing_scales)
-from softq.models import conv1d_to_linear, model_family
+from softq.models import conv1d_to_linear, is_causal, model_family
 from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN, AUTO_SMOOTHING_RATIO, AUTO_SMOOTHING_TIE, PREFIX_TOKENS, QuantConfig, softmax_input_span
 from softq.quant.quantizers import (ActQuantizer, BiasShift, QEmbedding, QLinear, RowScoresQuantizer,
                                     SoftmaxOutputQuantizer, WeightOnly, quantize_weight_only)
@@ -63,10 +63,12 @@ def _act(config: QuantConfig, groups: int | str = 1, prefix: int = 0) -> ActQuan
 def residual_prefix(model: nn.Module, config: QuantConfig) -> int:
     """How many leading positions get residual-stream scales of their own (``QuantConfig.residual_prefix``)."""
     family = model_family(model)
+    causal = is_causal(model)
     if config.residual_prefix == "auto":
-        return PREFIX_TOKENS.get(family, 0)
-    if config.residual_prefix and family not in PREFIX_TOKENS:
-        raise ValueError(f"residual_prefix applies to encoders ({', '.join(PREFIX_TOKENS)}); a {family} model "
+        return 0 if causal else PREFIX_TOKENS.get(family, 0)
+    if config.residual_prefix and (causal or family not in PREFIX_TOKENS):
+        what = f"a {family} decoder (is_decoder=True)" if family in PREFIX_TOKENS else f"a {family} model"
+        raise ValueError(f"residual_prefix applies to encoders ({', '.join(PREFIX_TOKENS)}); {what} "
                          "decodes with a KV cache, where a step's first row is not position 0; use residual_prefix=0 "
                          "(what 'auto' picks for it)")
     return int(config.residual_prefix)

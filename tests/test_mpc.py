@@ -19,6 +19,7 @@ import torch
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
+    BertLMHeadModel,
     GPT2Config,
     GPT2LMHeadModel,
     ViTConfig,
@@ -185,6 +186,23 @@ def test_gpt2_without_cache_and_causal_mask(crypten1):
     changed[0, -1] = (ids[0, -1] + 1) % 40  # a future token must not move earlier logits
     out2, _ = encrypted_local(crypten1, model, {"input_ids": changed}, "2relu", "tanh")
     assert (out2[0, :-1] - out[0, :-1]).abs().max() < 1e-3
+
+
+def test_bert_decoder_without_cache_and_causal_mask(crypten1):
+    """A BERT built as a decoder (is_decoder=True) is causal like GPT-2: exported without its KV cache (torch.export
+    refused the DynamicCache output with a long traceback) and no future token reaches an earlier position."""
+    torch.manual_seed(0)
+    model = BertLMHeadModel(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=64, max_position_embeddings=32, is_decoder=True,
+                                       initializer_range=0.2)).eval()
+    ids = torch.randint(0, 40, (1, 8), generator=torch.Generator().manual_seed(6))
+    out, plain = encrypted_local(crypten1, model, {"input_ids": ids}, "2relu", "tanh")
+    scale = float(plain.abs().max())  # fixed-point errors grow with the logits
+    assert out.shape == (1, 8, 40) and (out - plain).abs().max() < 1e-2 * scale
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] + 1) % 40
+    out2, _ = encrypted_local(crypten1, model, {"input_ids": changed}, "2relu", "tanh")
+    assert (out2[0, :-1] - out[0, :-1]).abs().max() < 1e-3 * scale
 
 
 def test_vit_encrypted_matches_plaintext(crypten1):

@@ -82,6 +82,46 @@ def test_auto_prefix_follows_the_family_and_causal_lms_are_refused() -> None:
     assert norms and all(len(m.input_act.prefix) == 1 for m in norms)
 
 
+def bert_decoder(**extra) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.BertLMHeadModel(transformers.BertConfig(
+        vocab_size=64, max_position_embeddings=64, is_decoder=True, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=32, intermediate_size=64, initializer_range=0.2, **extra)).eval()
+
+
+def test_bert_decoder_gets_no_prefix_and_decodes_with_a_cache_as_in_one_pass() -> None:
+    """A BERT built as a decoder (is_decoder=True) is causal: 'auto' gives it no prefix rows (a cached step's
+    row 0 is not position 0: its logits were 15% off the full pass with [CLS]'s scales), an explicit one is refused."""
+    model = bert_decoder()
+    assert residual_prefix(model, RQ()) == 0
+    with pytest.raises(ValueError, match="bert decoder .*KV cache"):
+        softq.quantize(model, [tiny_inputs("bert")], RQ(residual_prefix=1))
+    qmodel = softq.quantize(model, [tiny_inputs("bert", seed=s) for s in range(3)], RQ())
+    ids = tiny_inputs("bert", batch=1, seq=12, seed=5)["input_ids"]
+    with torch.no_grad():
+        full = qmodel(input_ids=ids, use_cache=False).logits
+        out = qmodel(input_ids=ids[:, :8], use_cache=True)
+        steps, past = [out.logits], out.past_key_values
+        for t in range(8, 12):
+            out = qmodel(input_ids=ids[:, t:t + 1], past_key_values=past, use_cache=True)
+            steps.append(out.logits)
+            past = out.past_key_values
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5 * float(full.abs().max()))
+
+
+def test_bert_decoder_export_refuses_what_it_cannot_mask_or_read(tmp_path) -> None:
+    """softmax='ort' (QLinearSoftmax: no mask) is refused for a BERT decoder as for GPT-2; a model with
+    cross-attention is refused in one line (the graph would drop the encoder states and read 1.3 off)."""
+    from softq.export.model_export import ExportError, build_onnx, to_onnx_float
+
+    qmodel = softq.quantize(bert_decoder(), [tiny_inputs("bert", seed=s) for s in range(2)],
+                            softq.QuantConfig(softmax_output="edge"))
+    with pytest.raises(ExportError, match="cannot export a causal model"):
+        build_onnx(qmodel, tiny_inputs("bert"), "ort")
+    with pytest.raises(ExportError, match="cross-attention"):
+        to_onnx_float(bert_decoder(add_cross_attention=True), str(tmp_path / "x.onnx"), tiny_inputs("bert"))
+
+
 def test_prefix_scales_save_load_and_export_with_parity(tmp_path) -> None:
     from softq.export import to_onnx
     from softq.quant.io import load, save
