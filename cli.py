@@ -25,6 +25,12 @@ def positive_int(text: str) -> int:
     return value
 
 
+def calib_size_kwargs(args: argparse.Namespace) -> dict[str, int]:
+    """``--calib-size`` when given, else nothing: the task's own default (``reference_task``: 16 windows or images,
+    ``model_dir_task``: 64 texts), the same for ``softq quantize`` and ``softq export``."""
+    return {} if args.calib_size is None else {"calib_size": args.calib_size}
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite number above 0."""
     try:

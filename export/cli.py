@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from softq.cli import positive_int
+from softq.cli import calib_size_kwargs, positive_int
 
 REFERENCE_NAMES = ("lm", "vit")
 # defaults of the options that only apply when export quantizes MODEL itself (a saved model refuses others)
 QUANTIZE_DEFAULTS = {"softmax_output": "row", "softmax_bits": 8, "bias_correction": None, "calib": None,
-                     "max_length": None, "calib_size": 16}
+                     "max_length": None, "calib_size": None}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--softmax-bits", type=int, default=QUANTIZE_DEFAULTS["softmax_bits"],
                    help="softmax output bits when MODEL is quantized here (default %(default)s; row_log takes 4; "
                         "0: a float softmax, exported as the 'float' form)")
-    p.add_argument("--calib-size", type=positive_int, default=QUANTIZE_DEFAULTS["calib_size"], help="calibration windows/images/texts (default 16)")
+    p.add_argument("--calib-size", type=positive_int, default=QUANTIZE_DEFAULTS["calib_size"], help="calibration windows/images (default 16) or texts (default 64), as softq quantize")
     g.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
     p.set_defaults(handler=_export)
 
@@ -101,7 +101,7 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
     if args.model in REFERENCE_NAMES:
         from softq.workloads.tasks import reference_task
 
-        task = reference_task(args.model, calib_size=args.calib_size, seed=args.seed)
+        task = reference_task(args.model, seed=args.seed, **calib_size_kwargs(args))
         return softq.quantize(task.model, task.calib, config)
     path = Path(args.model)
     if not path.is_dir():
@@ -120,7 +120,7 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
 
     calib = hf.read_text_file(args.calib, "--calib file") if args.calib is not None else None
     task = model_dir_task(hf.load_model_dir(path, max_length=args.max_length, default_length=128), calib, [],
-                          calib_size=args.calib_size)
+                          **calib_size_kwargs(args))
     return softq.quantize(task.model, task.calib, config)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from softq.cli import positive_int
+from softq.cli import calib_size_kwargs, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -153,16 +153,16 @@ def _task(args: argparse.Namespace):
     if args.model in REFERENCE_NAMES:
         if args.calib is not None or args.eval is not None:
             raise ValueError("--calib/--eval take text files for a model directory, not the reference workloads")
-        return reference_task(args.model, context=args.context, calib_size=args.calib_size or 16,
-                              eval_limit=args.eval_limit, seed=args.seed, size=args.size, steps=args.steps)
+        return reference_task(args.model, context=args.context, eval_limit=args.eval_limit, seed=args.seed,
+                              size=args.size, steps=args.steps, **calib_size_kwargs(args))
     from softq import hf
 
     # Read the texts before loading the model: a bad file fails in a second, not after the load.
     calib = hf.read_text_file(args.calib, "--calib file") if args.calib is not None else None
     evaluation = hf.read_text_file(args.eval, "--eval file") if args.eval is not None else None
     loaded = hf.load_model_dir(args.model, max_length=args.max_length, default_length=128)
-    return model_dir_task(loaded, calib, evaluation, calib_size=args.calib_size or 64,
-                          eval_limit=args.eval_limit if args.eval_limit is not None else 128)
+    return model_dir_task(loaded, calib, evaluation, eval_limit=args.eval_limit if args.eval_limit is not None else 128,
+                          **calib_size_kwargs(args))
 
 
 def _quantize(args: argparse.Namespace) -> int:
@@ -215,8 +215,8 @@ def _report(args: argparse.Namespace) -> int:
     if not args.no_sensitivity:
         # Held-out loss, not the headline metric: it is continuous, so small effects still rank.
         rows = sensitivity.sensitivity(qmodel, lambda m: task.measure(m)[1])
-        print("== sensitivity: held-out loss (nats) with one part quantized at a time (worst first)")
+        print(f"== sensitivity: {task.loss_name} with one part quantized at a time (worst first)")
         print(sensitivity.format_sensitivity(rows, higher_is_better=False))
-        print(f"sensitivity plot written to {sensitivity.plot_sensitivity(rows, 'held-out loss', bars)}")
+        print(f"sensitivity plot written to {sensitivity.plot_sensitivity(rows, task.loss_name, bars)}")
     print(f"plot written to {diagnostics.plot(results, args.plot)}")
     return 0

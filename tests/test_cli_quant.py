@@ -53,7 +53,7 @@ def test_report_cli_prints_tables_and_writes_plot(tmp_path, capsys) -> None:
     png = tmp_path / "r.png"
     assert main(["report", "lm", "--size", "tiny", "--eval-limit", "2", "--plot", str(png)]) == 0
     text = capsys.readouterr().out
-    assert "sink-rate" in text and "kurtosis" in text and "sensitivity" in text and "all (W8A8)" in text
+    assert "sink-rate" in text and "kurtosis" in text and "sensitivity: held-out loss (nats)" in text and "all (W8A8)" in text
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "r-sensitivity.png").read_bytes()[:4] == b"\x89PNG"
 

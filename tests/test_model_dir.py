@@ -374,6 +374,25 @@ def test_diagnostics_find_post_ln_outliers_at_layernorm_inputs(folder) -> None:
 # -- the command line on a model directory ---------------------------------------------------
 
 
+def test_export_and_quantize_calibrate_a_model_dir_alike(folder, tmp_path, monkeypatch, capsys) -> None:
+    """`softq export DIR` quantizes as `softq quantize DIR` does: the same default calibration (it took 16 texts to
+    quantize's 64, a different model from the same folder), or the --calib-size given to either."""
+    from softq.workloads import tasks
+
+    seen = []
+
+    def record(loaded, calib, evaluation, **kwargs):
+        seen.append(kwargs.get("calib_size"))
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(tasks, "model_dir_task", record)
+    for extra in ([], ["--calib-size", "5"]):
+        assert main(["quantize", str(folder), *extra]) == 1
+        assert main(["export", str(folder), "-o", str(tmp_path / "m.onnx"), *extra]) == 1
+    assert "recorded" in capsys.readouterr().err
+    assert seen == [None, None, 5, 5]  # None: model_dir_task's own default, for both commands
+
+
 def test_cli_quantize_report_export_on_a_model_dir(folder, tmp_path, capsys) -> None:
     calib = tmp_path / "calib.txt"
     calib.write_text("\n".join(texts(16, 3)))
@@ -406,9 +425,11 @@ def test_cli_quantize_report_export_on_a_model_dir(folder, tmp_path, capsys) -> 
     assert not any(n.name for n in default)
     assert sum(n.op_type == "MatMulInteger" for n in default) >= 4 * cores  # Q/K/V (one GEMM), 3 Linears a layer
     png = tmp_path / "r.png"
-    assert main(["report", str(folder), "--calib", str(calib), "--eval", str(evaluation), "--plot", str(png),
-                 "--no-sensitivity"]) == 0
-    assert "LN-input inf-norm" in capsys.readouterr().out and png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["report", str(folder), "--calib", str(calib), "--eval", str(evaluation), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "LN-input inf-norm" in out and png.read_bytes()[:4] == b"\x89PNG"
+    # a model directory's sensitivity is 1 - cosine to FP32, not a loss in nats
+    assert "sensitivity: held-out 1 - mean cosine to FP32" in out and "nats" not in out
 
 
 @pytest.mark.parametrize("case, message", [

@@ -53,13 +53,15 @@ class Task:
     higher_is_better: bool
     _measure: Callable[[nn.Module, list[dict[str, torch.Tensor]]], tuple[float, float]]
     source: Any = None  # the softq.hf.HFModel a model-directory task was built from
+    loss_name: str = "held-out loss (nats)"  # what measure()'s second value is, for reports
 
     def evaluate(self, model: nn.Module | None = None) -> float:
         """The task's headline metric (perplexity or top-1 %)."""
         return self.measure(model)[0]
 
     def measure(self, model: nn.Module | None = None) -> tuple[float, float]:
-        """(metric, mean held-out cross-entropy in nats) from one pass over the held-out set.
+        """(metric, loss) from one pass over the held-out set: the mean cross-entropy in nats (reference tasks) or
+        ``1 - mean cosine`` to FP32 (model directories); :attr:`loss_name` says which.
 
         The loss is continuous, so it resolves what top-1 on a few hundred images cannot.
         """
@@ -178,7 +180,8 @@ def model_dir_task(
         cos = _mean_cosine64(outputs(m, inputs), reference[0])
         return cos, 1.0 - cos
 
-    return Task(loaded.path.name, loaded.model, calib, eval_inputs, "cosine to FP32", True, cosine_measure, loaded)
+    return Task(loaded.path.name, loaded.model, calib, eval_inputs, "cosine to FP32", True, cosine_measure, loaded,
+                "held-out 1 - mean cosine to FP32")
 
 
 def _mean_cosine64(a: torch.Tensor, b: torch.Tensor) -> float:
