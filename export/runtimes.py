@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.util import find_spec
 
 import numpy as np
@@ -100,6 +100,7 @@ class _Spec:
     dims: dict[str, list[int | str | None]]
     bounds: dict[str, int]
     max_length: int | None
+    dtypes: dict[str, np.dtype] = field(default_factory=dict)
 
 
 def _spec(path: str) -> _Spec:
@@ -127,7 +128,9 @@ def _spec(path: str) -> _Spec:
                 bounds[node.input[1]] = min(bounds.get(node.input[1], table[axis]), table[axis])
     meta = {p.key: p.value for p in model.metadata_props}
     length = meta.get(MAX_LENGTH_KEY)
-    return _Spec(names, dims, bounds, int(length) if length and length.isdigit() else None)
+    dtypes = {i.name: np.dtype(onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)) for i in inputs
+              if i.type.tensor_type.elem_type}
+    return _Spec(names, dims, bounds, int(length) if length and length.isdigit() else None, dtypes)
 
 
 def _check_feeds(spec: _Spec, feeds: object) -> dict[str, np.ndarray]:
@@ -146,7 +149,7 @@ def _check_feeds(spec: _Spec, feeds: object) -> dict[str, np.ndarray]:
         extra.remove("token_type_ids")  # all 0: what the file computes
     if extra:
         raise ValueError(f"unexpected input {', '.join(map(repr, extra))} (the file takes {', '.join(spec.names)})")
-    arrays = {n: np.asarray(feeds[n]) for n in spec.names}
+    arrays = {n: _as_type(n, np.asarray(feeds[n]), spec.dtypes.get(n)) for n in spec.names}
     symbols: dict[str, tuple[str, int]] = {}
     for name, declared in spec.dims.items():
         shape = arrays[name].shape
@@ -171,6 +174,21 @@ def _check_feeds(spec: _Spec, feeds: object) -> dict[str, np.ndarray]:
             raise ValueError(f"{name} must be in [0, {rows}) (the table it indexes has {rows} rows), "
                              f"got values from {ids.min()} to {ids.max()}")
     return arrays
+
+
+def _as_type(name: str, array: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
+    """``array`` as the file's input type: integers converted where every value fits (a tokenizer's int32 ids for an
+    int64 input), floats to the file's float type (float64 images for a float32 input), anything else refused."""
+    if dtype is None or array.dtype == dtype:
+        return array
+    if array.dtype.kind in "iub" and dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if not array.size or (array.min() >= info.min and array.max() <= info.max):
+            return array.astype(dtype)
+        raise ValueError(f"{name} has values from {array.min()} to {array.max()}, outside the file's {dtype} input")
+    if array.dtype.kind == "f" and dtype.kind == "f":
+        return array.astype(dtype)
+    raise ValueError(f"{name} must be {dtype}, got {array.dtype}")
 
 
 def _dims_text(dims: list) -> str:

@@ -206,11 +206,16 @@ def test_runner_refuses_feeds_the_file_would_misread(qmodels, tmp_path, runtime)
     np.testing.assert_array_equal(run({**feeds, "token_type_ids": np.zeros_like(pair)})[0], ref)  # what it computes
     with pytest.raises(ValueError, match=r"unexpected input 'position_ids' \(the file takes input_ids, attention_mask\)"):
         run({**feeds, "position_ids": pair})
+    # a tokenizer's int32 ids convert to the file's int64 (onnxruntime raised its own INVALID_ARGUMENT)
+    np.testing.assert_array_equal(run({k: v.astype(np.int32) for k, v in feeds.items()})[0], ref)
+    with pytest.raises(ValueError, match="attention_mask must be int64, got float32"):
+        run({**feeds, "attention_mask": feeds["attention_mask"].astype(np.float32)})
     vit = tmp_path / "vit.onnx"
     pixels = _feeds("vit", 3)["pixel_values"]
     to_onnx(qmodels["vit"], vit, torch.from_numpy(pixels))
     run = runtimes.runner(vit, runtime)
     assert run({"pixel_values": pixels})[0].shape == (2, qmodels["vit"].config.num_labels)
+    np.testing.assert_array_equal(run({"pixel_values": pixels.astype(np.float64)})[0], run({"pixel_values": pixels})[0])
     wide = np.zeros(pixels.shape[:2] + (pixels.shape[2] * 2, pixels.shape[3] * 2), np.float32)
     with pytest.raises(ValueError, match=rf"pixel_values must have shape \[.*\], got {re.escape(str(wide.shape))}: "
                                          rf"dimension 2 is fixed to {pixels.shape[2]}"):
