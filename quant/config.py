@@ -191,9 +191,11 @@ class QuantConfig:
             without smoothing, 0.9879 at 0.5).  The search costs calibration time: on MiniLM
             6.17x one FP32 pass over the calibration set (5.97x in the run before), 1.43x with
             the gate alone; 8.49x since the weight bias correction's pass (minilm.md).
-            With a single calibration example or another observer there is nothing to hold
-            out or no shared pass, and "auto" applies alpha 0.8 where some Linear input's
-            widest channel exceeds 16x its median one, else nothing.
+            With another observer there is no shared pass, and "auto" applies alpha 0.8
+            where some Linear input's widest channel exceeds 16x its median one, else
+            nothing.  With a single calibration example there is nothing to hold out:
+            "auto" does not smooth (all-MiniLM-L6-v2 calibrated on one text, "hi", read
+            cosine 0.65 to FP32 on everyday text with that gate's alpha 0.8, 0.98 without).
             ``quantize`` records the choice (``softq_input_smoothing``,
             ``softq_smoothing_folded_only``, and the candidates' errors in
             ``softq_smoothing_errors`` and ``softq_folded_smoothing_errors``);

@@ -168,7 +168,12 @@ def quantize(
     wants_search = len(alphas) > 1 and config.observer == "minmax"
     split = _held_out_split(batches) if wants_search or fold_auto else None
     search = split is not None and wants_search
-    if len(alphas) > 1 and not search:
+    # a single calibration example: nothing to judge a smoothing on, and per-channel scales from one input's few
+    # tokens do not carry to others (all-MiniLM-L6-v2 calibrated on "hi": cosine 0.65 smoothed, 0.98 not)
+    unjudged = wants_search and not search
+    if unjudged:
+        alphas = (None,)
+    elif len(alphas) > 1 and not search:
         alphas = (AUTO_SMOOTHING_ALPHA,)
     min_ratio = AUTO_SMOOTHING_RATIO if config.input_smoothing == "auto" and not search else 0.0
     # Min-max ranges of a smoothed input follow from its per-channel ranges, so smoothing is decided
@@ -212,6 +217,7 @@ def quantize(
     # what was chosen, for reports: the alpha (None: no smoothing), whether only the LayerNorm-folded inputs got
     # it, and, after "auto"'s search, each candidate's error on the held-out calibration batches (:func:`output_error`)
     qmodel.softq_input_smoothing, qmodel.softq_smoothing_errors = alpha, errors
+    qmodel.softq_smoothing_unjudged = unjudged
     qmodel.softq_smoothing_folded_only = folded and alpha is not None
     qmodel.softq_folded_smoothing_errors = folded_errors
     # the attention outputs' smoothing moved into V (before the weight bias correction sees the rows); "auto":
@@ -242,6 +248,9 @@ def smoothing_report(qmodel: nn.Module) -> str:
         smoothed = any(m.input_scale.numel() for m in qmodel.modules() if isinstance(m, QLinear))
         return f"input smoothing: {'yes (alpha not recorded)' if smoothed else 'none'}"
     text = f"input smoothing: {name(qmodel.softq_input_smoothing)}"
+    if getattr(qmodel, "softq_smoothing_unjudged", False):
+        text += (" (auto: a single calibration example leaves none to hold out and judge a smoothing on; "
+                 "calibrate on more examples)")
     if getattr(qmodel, "softq_smoothing_folded_only", False):
         text += " at the inputs that fold into a LayerNorm"
     errors = getattr(qmodel, "softq_smoothing_errors", None)

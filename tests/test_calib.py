@@ -396,10 +396,12 @@ def test_auto_input_smoothing_prefers_the_scales_that_fold_into_layernorms(famil
 
 
 def test_auto_input_smoothing_without_a_search_keeps_the_outlier_gate() -> None:
-    """With another observer (no shared-pass search) or a single calibration example (nothing to hold out), "auto"
-    smooths at AUTO_SMOOTHING_ALPHA only where some Linear input's widest channel exceeds AUTO_SMOOTHING_RATIO
-    times its median one.  A single batch of several examples is cut along them and searched."""
+    """With another observer (no shared-pass search) "auto" smooths at AUTO_SMOOTHING_ALPHA only where some Linear
+    input's widest channel exceeds AUTO_SMOOTHING_RATIO times its median one; a single calibration example
+    (nothing to hold out) is not smoothed, and the report says why.  A single batch of several examples is cut
+    along them and searched."""
     from softq.quant.config import AUTO_SMOOTHING_ALPHA
+    from softq.quant.quantize import smoothing_report
     from softq.quant.quantizers import QLinear
 
     calib = [tiny_inputs("bert", seed=s) for s in range(3)]
@@ -411,11 +413,14 @@ def test_auto_input_smoothing_without_a_search_keeps_the_outlier_gate() -> None:
     with torch.no_grad():
         model.bert.encoder.layer[0].attention.output.LayerNorm.weight[3] = 40.0
     one = [tiny_inputs("bert", batch=1, seed=0)]
-    for batches, config in ((calib, cfg), (one, softq.QuantConfig())):
-        smoothed = softq.quantize(model, batches, config)
-        assert smoothed.softq_input_smoothing == AUTO_SMOOTHING_ALPHA and smoothed.softq_smoothing_errors is None
-        assert all(m.input_scale.numel() for m in smoothed.modules() if isinstance(m, QLinear))
-    assert softq.quantize(tiny_model("bert"), one).softq_input_smoothing is None
+    smoothed = softq.quantize(model, calib, cfg)
+    assert smoothed.softq_input_smoothing == AUTO_SMOOTHING_ALPHA and smoothed.softq_smoothing_errors is None
+    assert all(m.input_scale.numel() for m in smoothed.modules() if isinstance(m, QLinear))
+    single = softq.quantize(model, one)  # the outlier channel is there, but one example cannot tell
+    assert single.softq_input_smoothing is None and single.softq_smoothing_errors is None
+    assert not any(m.input_scale.numel() for m in single.modules() if isinstance(m, QLinear))
+    assert "single calibration example" in smoothing_report(single)
+    assert "single" not in smoothing_report(smoothed)
     assert softq.quantize(model, [tiny_inputs("bert", batch=4, seed=0)]).softq_smoothing_errors is not None
 
 
