@@ -27,7 +27,8 @@ def positive_int(text: str) -> int:
 
 def calib_size_kwargs(args: argparse.Namespace) -> dict[str, int]:
     """``--calib-size`` when given, else nothing: the task's own default (``reference_task``: 16 windows or images,
-    ``model_dir_task``: 64 texts), the same for ``softq quantize`` and ``softq export``."""
+    ``model_dir_task``: 64 of a --calib file, else its 132 built-in texts), the same for ``softq quantize`` and
+    ``softq export``."""
     return {} if args.calib_size is None else {"calib_size": args.calib_size}
 
 

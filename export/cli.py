@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "sentence-transformers files, else mean pooling)")
     h = p.add_argument_group("when MODEL is a Hugging Face model directory (quantized here first)")
     h.add_argument("--calib", type=Path, default=None, metavar="FILE",
-                   help="calibration texts, one per line or JSONL with 'text' (default: Python documentation paragraphs)")
+                   help="calibration texts, one per line or JSONL with 'text' (default: Python documentation paragraphs and short everyday English, softq.hf.calibration_texts)")
     h.add_argument("--max-length", type=positive_int, default=QUANTIZE_DEFAULTS["max_length"], help="tokens per calibration text (default 128, or the model's positions if fewer)")
     g = p.add_argument_group("when MODEL is a reference workload")
     g.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--softmax-bits", type=int, default=QUANTIZE_DEFAULTS["softmax_bits"],
                    help="softmax output bits when MODEL is quantized here (default %(default)s; row_log takes 4; "
                         "0: a float softmax, exported as the 'float' form)")
-    p.add_argument("--calib-size", type=positive_int, default=QUANTIZE_DEFAULTS["calib_size"], help="calibration windows/images (default 16) or texts (default 64), as softq quantize")
+    p.add_argument("--calib-size", type=positive_int, default=QUANTIZE_DEFAULTS["calib_size"], help="calibration windows/images (default 16) or texts (default: the first 64 of --calib, or all 132 built-in ones), as softq quantize")
     g.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
     p.set_defaults(handler=_export)
 

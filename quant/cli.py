@@ -92,14 +92,14 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                         "table stays float; 1 quantizes every table)")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="model directory: calibration texts, one per line or JSONL with a 'text' field "
-                        "(default: paragraphs of Python's documentation)")
+                        "(default: paragraphs of Python's documentation and short everyday English)")
     p.add_argument("--eval", type=Path, default=None, metavar="FILE",
                    help="model directory: evaluation texts, same format (default: other documentation paragraphs)")
     p.add_argument("--max-length", type=positive_int, default=None,
                    help="model directory: tokens per text (default 128, or the model's positions if fewer)")
     p.add_argument("--context", type=positive_int, default=None, help="LM window length (default: the model's full context)")
     p.add_argument("--calib-size", type=positive_int, default=None,
-                   help="calibration windows/images (default 16) or texts (default 64)")
+                   help="calibration windows/images (default 16) or texts (default: the first 64 of --calib, or all 132 built-in ones)")
     p.add_argument("--eval-limit", type=positive_int, default=None, help="evaluate on at most this many windows/images")
     p.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
     p.add_argument("--steps", type=positive_int, default=None,

@@ -131,12 +131,15 @@ def vit_task(model: nn.Module, *, calib_size: int = 16, eval_limit: int | None =
     return Task("vit", model, calib, eval_inputs, "top-1 %", True, lambda m, inputs: _classify(m, inputs, labels))
 
 
+CALIB_FILE_TEXTS = 64  # model_dir_task: calibration texts taken from a given list (--calib) by default
+
+
 def model_dir_task(
     loaded: Any,
     calib_texts: list[str] | None = None,
     eval_texts: list[str] | None = None,
     *,
-    calib_size: int = 64,
+    calib_size: int | None = None,
     eval_limit: int | None = 128,
     batch_size: int = 16,
 ) -> Task:
@@ -144,8 +147,10 @@ def model_dir_task(
 
     Headless encoders are compared on their sentence embedding (the directory's
     sentence-transformers pooling, else mean pooling), models with a head on their
-    logits (per example).  Calibration texts default to paragraphs of Python's
-    documentation, the evaluation texts to disjoint ones (``softq.hf.text_split``).
+    logits (per example).  Calibration texts default to :func:`softq.hf.calibration_texts`
+    (Python documentation paragraphs and short everyday English; ``calib_size``: that many,
+    else all 132; of given texts the first ``calib_size``, else 64), the evaluation texts to
+    paragraphs disjoint from the calibration ones (``softq.hf.text_split``).
     The loss used by the sensitivity ranking is ``1 - mean cosine``.
     """
     from softq import hf
@@ -153,9 +158,10 @@ def model_dir_task(
     if not loaded.is_text:
         raise ValueError(f"{loaded.path}: softq's model-directory commands take text models; "
                          "quantize vision models from Python with softq.quantize(model, calib_images)")
-    calib_texts = calib_texts if calib_texts is not None else hf.text_split("calib", calib_size)
+    calib_texts = (calib_texts[:calib_size or CALIB_FILE_TEXTS] if calib_texts is not None
+                   else hf.calibration_texts(calib_size))
     eval_texts = eval_texts if eval_texts is not None else hf.text_split("eval", eval_limit)
-    calib = loaded.batches(calib_texts[:calib_size], batch_size)
+    calib = loaded.batches(calib_texts, batch_size)
     eval_inputs = loaded.batches(eval_texts, batch_size)
     if not is_headless(loaded.model):  # a head without one logits output (question answering...): before any work
         with torch.no_grad():
