@@ -142,7 +142,8 @@ class QuantConfig:
             model's calibrated rows keep theirs at any length (rows past them
             take the per-head one; with a KV cache the query rows are their
             positions), a bidirectional model's hold at the calibrated
-            length only, the per-head beta for every row otherwise.
+            length only, the per-head beta for every row otherwise (and
+            always when the calibration batches had several lengths).
         smoothquant_alpha: SmoothQuant migration strength in [0, 1] applied to
             Linear layers fed by a LayerNorm, or ``None`` to skip.
         input_smoothing: SmoothQuant's per-channel migration for any Linear input,

@@ -93,7 +93,7 @@ def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
     quantize_weight_only(model, config.weight_bits, config.embedding_bits, config.exclude)
 
 
-def _attach_attention_quantizers(points: AttentionPoints, config: QuantConfig) -> None:
+def _attach_attention_quantizers(points: AttentionPoints, config: QuantConfig, causal: bool) -> None:
     points.q = _act(config)
     points.k = _act(config)
     points.v = _act(config)
@@ -105,6 +105,7 @@ def _attach_attention_quantizers(points: AttentionPoints, config: QuantConfig) -
             points.scores = _act(config)
         points.probs = SoftmaxOutputQuantizer(config.softmax_bits, points.num_heads, config.softmax_scale,
                                               config.softmax_output)
+        points.probs.causal_rows = causal  # per-row bias correction by position (SoftmaxOutputQuantizer.beta_for)
 
 
 def act_quantizers(model: nn.Module) -> list[nn.Module]:
@@ -447,8 +448,9 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
     layers = attention_points(model)
     _replace_modules(model, config)
     prefix = residual_prefix(model, config) if config.residual_quantized else 0
+    causal = is_causal(model)
     for _, points in layers:
-        _attach_attention_quantizers(points, config)
+        _attach_attention_quantizers(points, config, causal)
         points.prefix_rows = prefix
     model.softq_quant_config = config
     return model

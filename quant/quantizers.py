@@ -271,7 +271,8 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         self.register_buffer("beta_head", torch.zeros(0))  # per-head fallback for other row counts
         self.max_seen = 0.0
         self.granularity: str | None = None
-        self.causal_rows = False  # beta per query row can be sliced for shorter causal inputs
+        self.causal_rows = False  # the model is causal (set by quantize): per-row beta goes by position
+        self._lengths: set[int] = set()  # query lengths seen while measuring the bias
         self.measuring = False
         self._err_sum: torch.Tensor | None = None
         self._count: torch.Tensor | None = None
@@ -322,6 +323,7 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         self.granularity = granularity
         self.measuring = True
         self._err_sum = self._count = None
+        self._lengths = set()
 
     def _accumulate(self, probs: torch.Tensor, q: torch.Tensor, valid: torch.Tensor | None) -> None:
         err = (probs - q).detach()
@@ -338,9 +340,7 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
             n = min(self._err_sum.shape[1], err_hq.shape[1])
             self._err_sum = self._err_sum[:, :n] + err_hq[:, :n]
             self._count = self._count[:, :n] + cnt_hq[:, :n]
-        if valid is not None and valid.shape[-2] > 1:
-            v = torch.broadcast_to(valid, err.shape)[0, 0]
-            self.causal_rows = bool(torch.equal(v, torch.ones_like(v).tril()))
+        self._lengths.add(int(err.shape[-2]))
 
     def finish_bias_measurement(self) -> None:
         err, count = self._err_sum, self._count
@@ -352,8 +352,10 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
             beta = (err.sum() / count.sum().clamp_min(1)).reshape(1, 1, 1, 1)
         elif self.granularity == "head":
             beta = (err.sum(1) / count.sum(1).clamp_min(1)).reshape(1, -1, 1, 1)
-        else:  # head_row
+        elif self.causal_rows or len(self._lengths) == 1:  # head_row
             beta = (err / count.clamp_min(1)).reshape(1, err.shape[0], err.shape[1], 1)
+        else:  # a bidirectional row's error depends on the whole length: calibrated on several, no row is "the" row
+            beta = (err.sum(1) / count.sum(1).clamp_min(1)).reshape(1, -1, 1, 1)
         self.beta = beta.to(self.scale.dtype)
         self.beta_head = (err.sum(1) / count.sum(1).clamp_min(1)).reshape(1, -1, 1, 1).to(self.scale.dtype)
 
@@ -364,8 +366,9 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         keys 0..i whatever the sequence's length, so rows keep their calibrated beta at any length, rows past
         the calibrated ones take the per-head beta, and with a KV cache the ``q_len`` query rows are the
         positions ``k_len - q_len`` onwards.  A bidirectional row sees the whole sequence: its per-row beta
-        holds at the calibrated length only, other lengths take the per-head beta for every row.  The ONNX
-        export computes the same (``softq.export.model_export._beta_nodes``).
+        holds at the calibrated length only, other lengths take the per-head beta for every row (calibrated on
+        several lengths, it is per-head: :meth:`finish_bias_measurement`).  The ONNX export computes the same
+        (``softq.export.model_export._beta_nodes``).
         """
         if self.beta.numel() == 0:
             return None

@@ -237,9 +237,16 @@ def test_head_row_beta_follows_the_row_position() -> None:
 
 
 def test_cached_decoding_with_head_row_correction_equals_the_full_pass() -> None:
-    """With a KV cache the query rows are the last positions: they get those positions' beta (not row 0's)."""
-    qmodel = softq.quantize(tiny_model("gpt2"), calib_for("gpt2"), softq.QuantConfig(bias_correction="head_row",
-                                                                                         softmax_output="edge"))
+    """With a KV cache the query rows are the last positions: they get those positions' beta (not row 0's).
+    Calibrated on right-padded batches as a tokenizer pads them (the model's causality is the model's, not read
+    off a calibration mask: a padded first example had made it bidirectional, 0.9% off)."""
+    calib = calib_for("gpt2")
+    for batch in calib:
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        batch["attention_mask"][0, -5:] = 0
+    qmodel = softq.quantize(tiny_model("gpt2"), calib, softq.QuantConfig(bias_correction="head_row",
+                                                                          softmax_output="edge"))
+    assert all(points.probs.causal_rows for _, points in attention_points(qmodel))
     ids = tiny_inputs("gpt2", batch=1, seq=12, seed=3)["input_ids"]
     with torch.no_grad():
         full = qmodel(input_ids=ids, use_cache=False).logits
@@ -250,6 +257,18 @@ def test_cached_decoding_with_head_row_correction_equals_the_full_pass() -> None
             steps.append(out.logits)
             past = out.past_key_values
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5 * float(full.abs().max()))
+
+
+def test_bidirectional_head_row_calibrated_on_several_lengths_is_per_head() -> None:
+    """A bidirectional row's rounding error depends on the sequence's length: calibrated on one length, per-row
+    beta (used at that length); on several, no row of one length stands for the others: the per-head beta."""
+    one = softq.quantize(tiny_model("bert"), [tiny_inputs("bert", seq=20, seed=s) for s in range(2)],
+                         softq.QuantConfig(bias_correction="head_row", softmax_output="edge"))
+    mixed = softq.quantize(tiny_model("bert"), [tiny_inputs("bert", seq=n, seed=s) for s, n in enumerate((20, 16))],
+                           softq.QuantConfig(bias_correction="head_row", softmax_output="edge"))
+    for (_, a), (_, b) in zip(attention_points(one), attention_points(mixed)):
+        assert not a.probs.causal_rows and a.probs.beta.shape == (1, 4, 20, 1)
+        assert b.probs.beta.shape == (1, 4, 1, 1)
 
 
 def test_bias_correction_beta_is_the_mean_rounding_error_over_valid_entries() -> None:
