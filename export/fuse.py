@@ -161,6 +161,9 @@ def fuse_linears(model: onnx.ModelProto, dynamic: bool = False) -> int:
         quant = g.made_by(a_dq.input[0], "QuantizeLinear")
         if dynamic and quant is not None:
             x = quant.input[0]
+            clip = g.made_by(x, "Clip")  # the static grid's bound of symmetric codes (model_export._QDQFn)
+            if clip is not None:  # the dynamic grid takes the tensor's own range
+                x = clip.input[0]
             if x not in dynamic_of:
                 dynamic_of[x] = (f"{x}/dyn_codes", f"{x}/dyn_scale", f"{x}/dyn_zp")
                 nodes.append(helper.make_node("DynamicQuantizeLinear", [x], list(dynamic_of[x]), name=f"{x}/DynamicQuantize"))

@@ -827,8 +827,17 @@ def _quantized_core(p: str, info: dict[str, Any], form: str, scores: str, v: str
     else:
         inits = [_init(f"{p}s_scale", np.float32(q.scale)), _init(f"{p}s_zp", np.array(q.zero_point, q.in_dtype))]
         codes = f"{p}codes"
-        nodes = [helper.make_node("QuantizeLinear", [scores, f"{p}s_scale", f"{p}s_zp"], [codes],
-                                  name=f"{p}QuantizeLinear")]
+        # torch's score codes: signed ones narrow (-(2**(b-1) - 1) up), fewer than 8 bits below the type's range;
+        # QuantizeLinear saturates at the type's limits, so clip the codes where the two differ
+        lo, hi = (-q.qmax, q.qmax) if q.signed else (q.qmin, q.qmax)
+        info8 = np.iinfo(q.in_dtype)
+        clip = (lo, hi) != (info8.min, info8.max)
+        nodes = [helper.make_node("QuantizeLinear", [scores, f"{p}s_scale", f"{p}s_zp"],
+                                  [f"{p}codes_saturated" if clip else codes], name=f"{p}QuantizeLinear")]
+        if clip:
+            inits += [_init(f"{p}s_lo", np.array(lo, q.in_dtype)), _init(f"{p}s_hi", np.array(hi, q.in_dtype))]
+            nodes.append(helper.make_node("Clip", [f"{p}codes_saturated", f"{p}s_lo", f"{p}s_hi"], [codes],
+                                          name=f"{p}ClipCodes"))
     if info["representation"] == "edge":
         core, core_inits, domains = _edge_core(p, info, form, scores, valid_b, probs, opset)
         core.append(helper.make_node("MatMul", [probs, v], [out], name=f"{p}MatMulPV"))

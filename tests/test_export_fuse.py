@@ -353,6 +353,17 @@ def test_dynamic_linears_fuse_into_dynamic_quantize_matmul(smoothed, graphs, tmp
     assert not np.array_equal(out, ref)  # the grids really are the per-call ones
 
 
+def test_dynamic_linears_of_symmetric_activations_see_the_unclipped_input():
+    """act_symmetric clips each static grid's input at -127 steps (a float Clip before QuantizeLinear); a dynamic
+    Linear quantizes the tensor on its own range per call, so it reads the input before that Clip."""
+    qmodel = softq.quantize(tiny_model("vit"), [tiny_inputs("vit", seed=s) for s in range(3)],
+                            softq.QuantConfig(act_symmetric=True))
+    dynamic = build_onnx(qmodel, tiny_inputs("vit"), "fast", linears="dynamic")
+    made = {o: n for n in dynamic.graph.node for o in n.output}
+    dql = [n for n in dynamic.graph.node if n.op_type == "DynamicQuantizeLinear"]
+    assert dql and not any(d.input[0] in made and made[d.input[0]].op_type == "Clip" for d in dql)
+
+
 def _shared_graph(requant: bool, extra_reader: bool = False) -> onnx.ModelProto:
     """x -> codes -> three integer Linears (fuse_linears' form) on the same codes; each then quantized again
     (the second through Reshape -> Transpose, as Q/K/V are) or, with ``requant=False``, output in float."""

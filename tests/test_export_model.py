@@ -430,18 +430,23 @@ def test_signed_scores_give_an_int8_qlinear_softmax():
     assert np.abs(out - ref).max() / np.abs(ref).max() <= LOGIT_TOL
 
 
-def test_symmetric_activations_saturate_at_minus_127_as_in_torch(tmp_path):
-    """act_symmetric codes stop at -127 in torch; QuantizeLinear alone would saturate at -128. Inputs wider than
-    the calibrated range reach the bound at many points: the graph matches torch to float rounding."""
+def _wide_vit(config: softq.QuantConfig) -> tuple[torch.nn.Module, list[torch.Tensor], torch.Generator]:
+    """A ViT with weights 10x the default spread (activations with tails past the calibrated range), quantized."""
     import transformers
 
-    torch.manual_seed(0)  # weights 10x the default spread: activations with tails past the calibrated range
+    torch.manual_seed(0)
     vit = transformers.ViTForImageClassification(transformers.ViTConfig(
         image_size=16, patch_size=4, num_channels=3, num_labels=10, num_hidden_layers=2, num_attention_heads=4,
         hidden_size=32, intermediate_size=64, initializer_range=0.2)).eval()
     g = torch.Generator().manual_seed(0)
     calib = [torch.randn(2, 3, 16, 16, generator=g) for _ in range(3)]
-    vit = softq.quantize(vit, calib, softq.QuantConfig(act_symmetric=True))
+    return softq.quantize(vit, calib, config), calib, g
+
+
+def test_symmetric_activations_saturate_at_minus_127_as_in_torch(tmp_path):
+    """act_symmetric codes stop at -127 in torch; QuantizeLinear alone would saturate at -128. Inputs wider than
+    the calibrated range reach the bound at many points: the graph matches torch to float rounding."""
+    vit, calib, g = _wide_vit(softq.QuantConfig(act_symmetric=True))
     x = 10 * torch.randn(4, 3, 16, 16, generator=g)
     with torch.no_grad():
         ref = vit(pixel_values=x).logits.numpy()
@@ -451,6 +456,21 @@ def test_symmetric_activations_saturate_at_minus_127_as_in_torch(tmp_path):
     # the float Clip before QuantizeLinear keeps every GEMM on onnxruntime's integer kernels
     ops = U.optimized_op_types(model, "all", tmp_path)
     assert "MatMulIntegerToFloat" in ops and "MatMul" not in ops and "MatMulInteger" not in ops, sorted(set(ops))
+
+
+def test_symmetric_score_codes_saturate_at_minus_127_as_in_torch():
+    """The softmax input's signed codes (act_symmetric with a per-tensor score grid) stop at -127 in torch too: on
+    a grid a quarter of the calibrated one most rows reach it, and every form matches torch (2.1e-2 off when
+    QuantizeLinear saturated them at -128)."""
+    vit, calib, _ = _wide_vit(softq.QuantConfig(act_symmetric=True, softmax_output="edge", softmax_input="tensor"))
+    for _, points in attention_points(vit):
+        with torch.no_grad():
+            points.scores.scale /= 4
+    with torch.no_grad():
+        ref = vit(pixel_values=calib[0]).logits.numpy()
+    for form in ("qdq", "int", "ort"):
+        out = U.run(build_onnx(vit, {"pixel_values": calib[0]}, form), {"pixel_values": calib[0].numpy()}, "all")[0]
+        assert np.abs(out - ref).max() / np.abs(ref).max() <= 1e-5, form
 
 
 def test_int8_embeddings_by_default(quantized):
