@@ -469,6 +469,9 @@ def calibration_texts(n: int | None = None) -> list[str]:
     from softq.calib.texts import EVERYDAY_TEXTS
 
     paragraphs, everyday = text_split("calib", DEFAULT_CALIB_PARAGRAPHS), list(EVERYDAY_TEXTS)
+    if n is not None and not 1 <= n <= len(paragraphs) + len(everyday):
+        raise ValueError(f"the built-in calibration set has {len(paragraphs) + len(everyday)} texts, {n} asked for: "
+                         "give your own texts for more (softq quantize/export --calib FILE)")
     if n is not None:
         k = round(n * len(paragraphs) / (len(paragraphs) + len(everyday)))
         paragraphs, everyday = paragraphs[:k], everyday[:n - k]

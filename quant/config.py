@@ -195,8 +195,8 @@ class QuantConfig:
             With another observer there is no shared pass, and "auto" applies alpha 0.8
             where some Linear input's widest channel exceeds 16x its median one, else
             nothing.  With a single calibration example there is nothing to hold out:
-            "auto" does not smooth (all-MiniLM-L6-v2 calibrated on one text, "hi", read
-            cosine 0.65 to FP32 on everyday text with that gate's alpha 0.8, 0.98 without).
+            "auto" does not smooth (scales fitted on one input's tokens need not carry to
+            others; the report says so).
             ``quantize`` records the choice (``softq_input_smoothing``,
             ``softq_smoothing_folded_only``, and the candidates' errors in
             ``softq_smoothing_errors`` and ``softq_folded_smoothing_errors``);

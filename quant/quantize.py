@@ -161,16 +161,16 @@ def quantize(
         alphas = (float(config.input_smoothing),)
     # "auto" searches on held-out calibration batches (every 4th, or the last of 2 or 3; a single batch is
     # cut into up to 4 along its examples): ranges observed on the others, candidates judged on batches their
-    # ranges never saw, so an alpha that only fits the observed ranges (clipping on new inputs) loses.  With a
-    # single example, or another observer, the gate rule.
+    # ranges never saw, so an alpha that only fits the observed ranges (clipping on new inputs) loses.  With
+    # another observer, the gate rule; with a single example, no smoothing (below).
     # smoothing_into_v="auto" judges the fold on the same held-out batches (it can only fold a smoothing)
     fold_auto = (config.smoothing_into_v == "auto" and config.input_smoothing is not None
                  and config.weight_per_channel)
     wants_search = len(alphas) > 1 and config.observer == "minmax"
     split = _held_out_split(batches) if wants_search or fold_auto else None
     search = split is not None and wants_search
-    # a single calibration example: nothing to judge a smoothing on, and per-channel scales from one input's few
-    # tokens do not carry to others (all-MiniLM-L6-v2 calibrated on "hi": cosine 0.65 smoothed, 0.98 not)
+    # a single calibration example: nothing to judge a smoothing on, and per-channel scales fitted on one input's
+    # tokens need not carry to others
     unjudged = wants_search and not search
     if unjudged:
         alphas = (None,)
@@ -304,11 +304,15 @@ def _held_out_split(batches: list[Batch]) -> tuple[list[Batch], list[Batch]] | N
     if len(batches) == 1:
         batch = batches[0]
         sizes = {v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
-        if len(sizes) != 1 or min(sizes) < 2:
+        n = max(sizes, default=0)
+        if n < 2 or not sizes <= {1, n}:  # tensors of one example (size 1) broadcast over the others
             return None
-        pieces = min(4, sizes.pop())
-        batches = [{k: v.tensor_split(pieces)[i] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                    for k, v in batch.items()} for i in range(pieces)]
+        pieces = min(4, n)
+
+        def piece(v: object, i: int) -> object:
+            return v.tensor_split(pieces)[i] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n else v
+
+        batches = [{k: piece(v, i) for k, v in batch.items()} for i in range(pieces)]
     held = batches[3::4] if len(batches) >= 4 else batches[-1:]
     return [b for b in batches if not any(b is h for h in held)], held
 

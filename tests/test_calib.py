@@ -395,7 +395,7 @@ def test_auto_input_smoothing_prefers_the_scales_that_fold_into_layernorms(famil
         assert scaled > after_norm  # the other inputs too
 
 
-def test_auto_input_smoothing_without_a_search_keeps_the_outlier_gate() -> None:
+def test_auto_input_smoothing_without_a_search_gates_or_leaves_a_single_example_alone() -> None:
     """With another observer (no shared-pass search) "auto" smooths at AUTO_SMOOTHING_ALPHA only where some Linear
     input's widest channel exceeds AUTO_SMOOTHING_RATIO times its median one; a single calibration example
     (nothing to hold out) is not smoothed, and the report says why.  A single batch of several examples is cut
@@ -417,6 +417,10 @@ def test_auto_input_smoothing_without_a_search_keeps_the_outlier_gate() -> None:
     assert smoothed.softq_input_smoothing == AUTO_SMOOTHING_ALPHA and smoothed.softq_smoothing_errors is None
     assert all(m.input_scale.numel() for m in smoothed.modules() if isinstance(m, QLinear))
     single = softq.quantize(model, one)  # the outlier channel is there, but one example cannot tell
+    # a batch of several examples with a broadcast (one-example) tensor is still cut along its examples
+    ids = tiny_inputs("bert", batch=4, seed=0)["input_ids"]
+    broadcast = softq.quantize(model, [{"input_ids": ids, "token_type_ids": torch.zeros(1, ids.shape[1], dtype=torch.long)}])
+    assert broadcast.softq_smoothing_errors is not None
     assert single.softq_input_smoothing is None and single.softq_smoothing_errors is None
     assert not any(m.input_scale.numel() for m in single.modules() if isinstance(m, QLinear))
     assert "single calibration example" in smoothing_report(single)

@@ -158,7 +158,9 @@ def model_dir_task(
     if not loaded.is_text:
         raise ValueError(f"{loaded.path}: softq's model-directory commands take text models; "
                          "quantize vision models from Python with softq.quantize(model, calib_images)")
-    calib_texts = (calib_texts[:calib_size or CALIB_FILE_TEXTS] if calib_texts is not None
+    if calib_size is not None and (not isinstance(calib_size, int) or calib_size < 1):
+        raise ValueError(f"calib_size must be a positive integer, got {calib_size!r}")
+    calib_texts = (calib_texts[:calib_size if calib_size is not None else CALIB_FILE_TEXTS] if calib_texts is not None
                    else hf.calibration_texts(calib_size))
     eval_texts = eval_texts if eval_texts is not None else hf.text_split("eval", eval_limit)
     calib = loaded.batches(calib_texts, batch_size)
