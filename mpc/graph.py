@@ -88,6 +88,9 @@ def example_inputs(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], publ
 
 def export_model(model: nn.Module, kwargs: Mapping[str, Any]) -> torch.export.ExportedProgram:
     """``torch.export`` the surrogate-configured model at a fixed shape (no dynamic dims)."""
+    if getattr(model.config, "add_cross_attention", False):
+        raise ConversionError(f"softq's MPC runs self-attention models; this {type(model).__name__} has cross-attention "
+                              "layers (add_cross_attention=True: it reads encoder_hidden_states), which it does not take")
     model.eval()
     if is_causal(model):
         model.config.use_cache = False

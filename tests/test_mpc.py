@@ -203,6 +203,10 @@ def test_bert_decoder_without_cache_and_causal_mask(crypten1):
     changed[0, -1] = (ids[0, -1] + 1) % 40
     out2, _ = encrypted_local(crypten1, model, {"input_ids": changed}, "2relu", "tanh")
     assert (out2[0, :-1] - out[0, :-1]).abs().max() < 1e-3 * scale
+    cross = BertLMHeadModel(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=64, is_decoder=True, add_cross_attention=True)).eval()
+    with pytest.raises(ConversionError, match="cross-attention"):  # it would run without its encoder states
+        export_model(cross, {"input_ids": ids})
 
 
 def test_vit_encrypted_matches_plaintext(crypten1):
