@@ -108,7 +108,10 @@ class QuantConfig:
             like ``row``: measured (docs/results/quant_lm_steps2400.md) the 2400-step
             LM +2.08% -> +1.16% perplexity at 4 bits, all-MiniLM-L6-v2 embedding cosine
             0.9852 -> 0.9969 (minilm.md); ``"edge"``: uniform codes at
-            scale ``softmax_scale`` (the TFLite/QNN convention).
+            scale ``softmax_scale`` (the TFLite/QNN convention).  ``row`` and
+            ``row_log`` divide by the codes' sum only for softmax variants whose rows
+            sum to 1; a clipped softmax, softpick, ``relu_len`` or ``sigmoid_len`` row
+            keeps its own mass (its codes on the row-relative grid, as ``row_exact``).
         softmax_input: grid of the softmax input (the attention scores), used when
             ``softmax_bits`` is set.  ``"auto"`` (default): ``"float"`` for ``row`` and
             ``row_exact`` outputs, ``"row"`` for ``row_log`` (its log grid), ``"tensor"`` for ``edge`` (the

@@ -272,6 +272,9 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         self.max_seen = 0.0
         self.granularity: str | None = None
         self.causal_rows = False  # the model is causal (set by quantize): per-row beta goes by position
+        # the attention's softmax variant sums to 1 (set by quantize): only then do ``row`` / ``row_log`` codes
+        # divide by their sum; a clipped softmax's or sigmoid's rows keep their own mass on the row-relative grid
+        self.sums_to_one = True
         self._lengths: set[int] = set()  # query lengths seen while measuring the bias
         self.measuring = False
         self._err_sum: torch.Tensor | None = None
@@ -285,7 +288,7 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
 
     def quantize(self, probs: torch.Tensor) -> torch.Tensor:
         q = self.quant(self._scale_for(probs), self.zero_point, self.bit_width, probs)
-        if self.representation in SUM_OF_CODES:  # normalise by the sum of the codes (the scale cancels)
+        if self.representation in SUM_OF_CODES and self.sums_to_one:  # normalise by the codes' sum (scale cancels)
             q = q / q.sum(dim=-1, keepdim=True).clamp_min(TINY)
         return q
 
