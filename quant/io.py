@@ -15,6 +15,7 @@ dict; no calibration data is needed.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -26,7 +27,7 @@ from torch.nn.utils import parametrize
 
 from softq._files import atomic_directory, error_line
 from softq.attention import configure_from_config
-from softq.quant.config import EMBEDDING_MIN_ROWS, QuantConfig
+from softq.quant.config import BIAS_CORRECTION_GRANULARITIES, EMBEDDING_MIN_ROWS, QuantConfig
 from softq.quant.quantize import is_quantized, prepare, set_mode
 from softq.quant.quantizers import ActQuantizer, BiasShift, QLinear, SoftmaxOutputQuantizer
 
@@ -57,6 +58,7 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
         init = _init_kwargs(qmodel)
         if init:
             meta["init_kwargs"] = init
+        meta["digest"] = _digest(meta, json.loads((tmp / "config.json").read_text(encoding="utf-8")))
         (tmp / "quant_config.json").write_text(json.dumps(meta, indent=2))
         torch.save(qmodel.state_dict(), tmp / "model.pt")
         if sidecars_from is not None:
@@ -64,6 +66,15 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
 
             copy_sidecars(sidecars_from, tmp)
     return target
+
+
+def _digest(meta: dict, hf_config: object) -> str:
+    """SHA-256 of the quantization record (without its digest) and of config.json's content: a saved directory whose
+    options were edited afterwards would load and re-quantize ``model.pt``'s float weights under the new options,
+    a plausible model computing something else."""
+    record = {k: v for k, v in meta.items() if k != "digest"}
+    text = json.dumps([record, hf_config], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _init_kwargs(model: nn.Module) -> dict:
@@ -102,6 +113,22 @@ def load(path: str | os.PathLike) -> nn.Module:
     raw = meta.get("quant_config")
     if not isinstance(raw, dict) or not isinstance(meta.get("softmax_outputs", {}), dict):
         raise ValueError(f"{source / 'quant_config.json'} is not a softq quantization record (no 'quant_config')")
+    if "digest" in meta:  # directories saved before the digest existed load as they are
+        try:
+            hf_raw = json.loads((source / "config.json").read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{source / 'config.json'} is not valid JSON ({err})") from None
+        if meta["digest"] != _digest(meta, hf_raw):
+            raise ValueError(f"{source}: quant_config.json or config.json was changed after softq saved them (their "
+                             "digest differs); the weights were quantized with the saved options: re-quantize the "
+                             "float model (softq quantize) to change them")
+    init_kwargs = meta.get("init_kwargs", {})
+    records = meta.get("softmax_outputs", {})
+    if not isinstance(init_kwargs, dict) or not all(
+            isinstance(r, dict) and r.get("granularity", "") in (None, *BIAS_CORRECTION_GRANULARITIES)
+            and isinstance(r.get("causal_rows"), bool) for r in records.values()):
+        raise ValueError(f"{source / 'quant_config.json'} is not a softq quantization record (malformed "
+                         f"{'init_kwargs' if not isinstance(init_kwargs, dict) else 'softmax_outputs'})")
     raw.setdefault("softmax_output", "edge")  # saved before the field existed: the uniform edge codes
     raw.setdefault("embedding_bits", None)  # saved before the field existed: float embedding tables
     raw.setdefault("embedding_min_rows", EMBEDDING_MIN_ROWS)  # saved before the field existed: the constant it replaced
@@ -128,7 +155,10 @@ def load(path: str | os.PathLike) -> nn.Module:
     model_class = getattr(transformers, arch, None) if arch else None
     if model_class is None:
         raise ValueError(f"{source}/config.json names no known Hugging Face architecture ({arch!r})")
-    model = model_class(hf_config, **meta.get("init_kwargs", {})).eval()
+    try:
+        model = model_class(hf_config, **init_kwargs).eval()
+    except TypeError as err:
+        raise ValueError(f"{source / 'quant_config.json'}: init_kwargs do not fit {arch} ({err})") from None
     configure_from_config(model)
     prepare(model, config)
     try:
@@ -150,9 +180,9 @@ def load(path: str | os.PathLike) -> nn.Module:
         saved = state.get(f"{name}.parametrizations.bias.0.shift")  # a weight-only conv's bias correction
         if saved is not None and isinstance(module, nn.Conv2d) and not parametrize.is_parametrized(module, "bias"):
             parametrize.register_parametrization(module, "bias", BiasShift(torch.zeros_like(saved)))
-    for name, info in meta.get("softmax_outputs", {}).items():
+    for name, info in records.items():
         quantizer = modules.get(name)
-        if not isinstance(quantizer, SoftmaxOutputQuantizer) or not isinstance(info, dict):
+        if not isinstance(quantizer, SoftmaxOutputQuantizer):
             raise ValueError(f"{source / 'quant_config.json'} names a softmax quantizer {name!r} the model does not have")
         for buffer in ("beta", "beta_head"):
             if f"{name}.{buffer}" in state:

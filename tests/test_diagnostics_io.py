@@ -142,6 +142,7 @@ def test_row_codes_round_trip_and_older_files_load_as_edge(tmp_path) -> None:
     meta = json.loads(meta_path.read_text())
     del meta["quant_config"]["softmax_output"]
     del meta["softmax_input_resolved"]  # recorded since softmax_input="auto" resolves to "float" for row codes
+    del meta["digest"]  # and the digest since 2026-12-05
     meta_path.write_text(json.dumps(meta))
     old = io.load(tmp_path / "q")
     assert old.softq_quant_config.softmax_output == "edge"
@@ -174,9 +175,21 @@ def test_load_names_the_damaged_file(tmp_path) -> None:
         data = (d / "model.pt").read_bytes()
         (d / "model.pt").write_bytes(data[:len(data) // 2])
 
-    def config(d: Path) -> None:  # another width: the weights no longer fit
+    def config(d: Path) -> None:  # another width: the weights no longer fit (a directory saved before the digest)
         cfg = json.loads((d / "config.json").read_text())
         (d / "config.json").write_text(json.dumps({**cfg, "n_embd": 64}))
+        edit(d, lambda meta: meta.pop("digest"))
+
+    def edit(d: Path, change) -> None:  # noqa: ANN001 - quant_config.json changed in place
+        meta = json.loads((d / "quant_config.json").read_text())
+        change(meta)
+        (d / "quant_config.json").write_text(json.dumps(meta))
+
+    def option(d: Path) -> None:  # loaded, it would re-quantize model.pt's float weights as symmetric: 0.31 off
+        edit(d, lambda meta: meta["quant_config"].update(act_symmetric=True))
+
+    def old_and_malformed(key: str, value: object):  # noqa: ANN202 - no digest (an older file), a bad record
+        return lambda d: edit(d, lambda meta: (meta.pop("digest"), meta.update({key: value})))
 
     cases = [
         ("truncated", truncate, r"model.pt cannot be read \(truncated or not saved by softq"),
@@ -186,6 +199,13 @@ def test_load_names_the_damaged_file(tmp_path) -> None:
         ("bad_meta", lambda d: (d / "quant_config.json").write_text("{'format': 1"), "quant_config.json is not valid JSON"),
         ("empty_config", lambda d: (d / "config.json").write_text(""), "config.json"),
         ("other_width", config, "tensors .* of another shape"),
+        ("edited_option", option, "quant_config.json or config.json was changed after softq saved them"),
+        ("edited_hf_config", lambda d: (d / "config.json").write_text(
+            (d / "config.json").read_text().replace('"gelu_new"', '"relu"')), "changed after softq saved them"),
+        ("bad_init_kwargs", old_and_malformed("init_kwargs", {"foo": 1}), "init_kwargs do not fit GPT2LMHeadModel"),
+        ("init_kwargs_list", old_and_malformed("init_kwargs", [1]), r"malformed init_kwargs"),
+        ("bad_record", old_and_malformed("softmax_outputs", {"transformer.h.0.attn.softq.probs": {"causal_rows": True}}),
+         "malformed softmax_outputs"),
     ]
     for name, change, message in cases:
         with pytest.raises(ValueError, match=message) as err:
