@@ -375,7 +375,7 @@ def configure_attention(
     """Switch ``model`` to softq attention; optionally set its softmax variant, gates and constant sinks.
 
     Idempotent: state already attached (quantizers, trained gates) is kept and only
-    what is asked for changes.  The choice is also written to ``model.config``
+    what is asked for changes (softmax parameters without ``softmax``: those of the variant the layers have).  The choice is also written to ``model.config``
     (``softq_softmax``, ``softq_softmax_params``, ``softq_gated``, ``softq_constant_sink``)
     so a saved config records it and :func:`configure_from_config` can rebuild it.
     ``constant_sink=True`` attaches a :class:`ConstantSink` (zeros: start it with
@@ -390,6 +390,8 @@ def configure_attention(
             module.softq = points
         if softmax is not None:
             points.set_softmax(softmax, **softmax_params)
+        elif softmax_params:  # new parameters of the variant the layer already has (an unknown one is refused)
+            points.set_softmax(points.softmax_name, **{**points.softmax_params, **softmax_params})
         head_dim = int(getattr(module, "head_dim", 0) or getattr(module, "attention_head_size", 0))
         ref = next(module.parameters())
         if constant_sink and points.sink is None:

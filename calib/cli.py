@@ -17,12 +17,14 @@ from pathlib import Path
 
 from softq.cli import positive_int
 
+DEFAULT_ALPHA = 4.0  # --alpha: clipped softmax's gamma = -alpha / T
+
 
 def attention_from_args(args: argparse.Namespace) -> dict | None:
     """The ``configure_attention`` keywords the flags ask for (None = vanilla)."""
     from softq.workloads import attention_options
 
-    return attention_options(args.softmax, args.alpha, args.gated, args.pi)
+    return attention_options(args.softmax, DEFAULT_ALPHA if args.alpha is None else args.alpha, args.gated, args.pi)
 
 
 def _finetune_gated(args: argparse.Namespace) -> int:
@@ -32,6 +34,12 @@ def _finetune_gated(args: argparse.Namespace) -> int:
 
     if args.resume or args.stop_after:
         raise ValueError("--finetune-gated runs are short and not checkpointed; drop --resume/--stop-after")
+    if args.softmax is not None or args.alpha is not None:
+        raise ValueError("--finetune-gated converts the saved model's attention to gates and keeps its softmax; "
+                         "drop --softmax/--alpha (train a variant from scratch with them)")
+    model_dir = Path(args.out) / "model"
+    if Path(args.out).is_file() or model_dir.exists():  # before the fine-tune, not after it
+        raise FileExistsError(f"--out {args.out} is a file or already holds model/; give another --out")
     model = W.load_model(args.finetune_gated)
     if model.config.model_type != ("vit" if args.model == "vit" else args.family):
         wanted = "--model vit" if args.model == "vit" else f"--model lm --family {args.family}"
@@ -99,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--family", choices=("gpt2", "opt"), default="gpt2", help="LM family")
     p.add_argument("--size", choices=("reference", "tiny"), default="reference")
     p.add_argument("--softmax", default=None, help="softq softmax variant (e.g. clipped); default exact softmax")
-    p.add_argument("--alpha", type=float, default=4.0, help="clipped softmax: gamma = -alpha / T")
+    p.add_argument("--alpha", type=float, default=None, help=f"clipped softmax: gamma = -alpha / T (default {DEFAULT_ALPHA:g})")
     p.add_argument("--gated", action="store_true", help="gated attention")
     p.add_argument("--pi", type=float, default=0.5, help="gated attention: initial gate opening pi_init")
     p.add_argument("--seed", type=int, default=0)

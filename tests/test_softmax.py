@@ -128,6 +128,13 @@ def test_variant_choice_is_written_to_the_config_and_changes_the_model() -> None
     assert model.config.softq_softmax == "clipped" and model.config.softq_softmax_params == {"alpha": 4.0}
     assert not torch.allclose(ref, clipped)
     assert math.isfinite(clipped.abs().max().item())
+    # parameters alone change those of the variant the layers have (they were silently ignored)
+    configure_attention(model, alpha=0.5)
+    assert model.config.softq_softmax == "clipped" and model.config.softq_softmax_params == {"alpha": 0.5}
+    with torch.no_grad():
+        assert not torch.allclose(model(**x).logits, clipped)
+    with pytest.raises(TypeError, match="softmax variant 'softmax' has no parameter"):
+        configure_attention(tiny_model("opt"), alpha=0.5)
 
 
 @pytest.mark.parametrize(

@@ -177,8 +177,16 @@ def test_train_cli_finetune_gated_from_saved_model(tmp_path: Path, capsys: pytes
     assert "fine-tuned 3 steps" in capsys.readouterr().out
     gated = W.load_model(tmp_path / "g" / "model")
     assert gated.config.softq_gated
+    before = (tmp_path / "g" / "model").stat().st_mtime_ns
+    assert softq_main(args) == 1  # the same --out again: refused before the fine-tune (it replaced model/)
+    assert "already holds model/" in capsys.readouterr().err
+    assert (tmp_path / "g" / "model").stat().st_mtime_ns == before
+    for extra in (["--softmax", "clipped"], ["--alpha", "0.5"]):  # were silently ignored
+        assert softq_main([*args[:-3], "--out", str(tmp_path / "c"), *extra, "--quiet"]) == 1
+        assert "drop --softmax/--alpha" in capsys.readouterr().err
     # A gated model cannot be converted again (its output projection is already rescaled).
     args[args.index("--finetune-gated") + 1] = str(tmp_path / "g" / "model")
+    args[args.index("--out") + 1] = str(tmp_path / "g2")
     assert softq_main(args) == 1
     assert "already has gated attention" in capsys.readouterr().err
     assert softq_main(["train", "--model", "vit", "--finetune-gated", str(tmp_path / "base"),
