@@ -22,6 +22,7 @@ tensor type.  That is what lets ``softq.mpc`` run the very same surrogates.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -147,6 +148,20 @@ def clipped_softmax(
     return _mask(stretched.clamp(0.0, 1.0), valid)
 
 
+def _half_in_float32(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` in float32 on float16 / bfloat16 scores (the result cast back): their row sums of squares or
+    exponentials overflow (2Quad's sum of ``(x + c)^2`` over 1024 keys near 4 is inf in float16: a row of zeros)
+    and ``e^x - 1`` cancels (bfloat16 softpick of scores near 0)."""
+    @functools.wraps(fn)
+    def run(scores: Any, valid: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
+        if _is_plain(scores) and scores.dtype in (torch.float16, torch.bfloat16):
+            return fn(scores.float(), valid, *args, **kwargs).to(scores.dtype)
+        return fn(scores, valid, *args, **kwargs)
+
+    return run
+
+
+@_half_in_float32
 def softpick(scores: Any, valid: torch.Tensor | None = None, dim: int = -1, eps: float = 1e-9) -> Any:
     """``ReLU(e^x - 1) / sum |e^x - 1|``: rectified, not sum-to-one.
 
@@ -156,8 +171,6 @@ def softpick(scores: Any, valid: torch.Tensor | None = None, dim: int = -1, eps:
     """
     if not _is_plain(scores):
         raise NotImplementedError("softpick is not offered under MPC (it needs |.|, a secure comparison per entry)")
-    if scores.dtype == torch.float16:  # eps (and e^-m) vanish in float16: 0 / 0 on rows of small scores
-        return softpick(scores.float(), valid, dim, eps).to(scores.dtype)
     m = _masked_for_max(scores, valid).amax(dim=dim, keepdim=True).clamp_min(0.0)
     shifted = (scores - m).masked_fill(valid == 0, -math.inf) if valid is not None else scores - m
     d = shifted.exp() - torch.exp(-m)
@@ -166,16 +179,24 @@ def softpick(scores: Any, valid: torch.Tensor | None = None, dim: int = -1, eps:
     return d.relu() / (den + eps * torch.exp(-m))
 
 
+@_half_in_float32
 def quad2(scores: Any, valid: torch.Tensor | None = None, c: float = 5.0, dim: int = -1) -> Any:
     """MPCFormer's 2Quad: ``(x + c)^2 / sum (x + c)^2``; one multiplication and one reciprocal."""
+    if not math.isfinite(c):
+        raise ValueError(f"2quad's shift c must be a finite number, got {c!r}")
     return normalize(_mask((scores + c).square(), valid), dim)
 
 
+RELU2_EPS = 1e-3  # 2ReLU's row sum offset: CrypTen's reciprocal needs a positive input (a row with no positive score)
+
+
+@_half_in_float32
 def relu2(scores: Any, valid: torch.Tensor | None = None, dim: int = -1) -> Any:
-    """2ReLU: ``ReLU(x) / sum ReLU(x)`` (rows with no positive score give 0)."""
+    """2ReLU: ``ReLU(x) / (sum ReLU(x) + 1e-3)`` (rows with no positive score give 0).  The offset keeps the
+    encrypted reciprocal's input positive; plaintext adds it too, so both compute one function (rows sum to
+    ``s / (s + 1e-3)`` for a row sum ``s``: a row whose one positive score is 0.01 gives 0.909, not 1)."""
     num = _mask(scores.relu(), valid)
-    den = num.sum(dim=dim, keepdim=True)
-    return num * reciprocal(den + 1e-3 if not _is_plain(den) else den)
+    return num * reciprocal(num.sum(dim=dim, keepdim=True) + RELU2_EPS)
 
 
 def relu_len(scores: Any, valid: torch.Tensor | None = None, dim: int = -1) -> Any:

@@ -30,7 +30,30 @@ def test_normalised_variants_sum_to_one_over_valid_keys(name: str) -> None:
     x = scores() + 0.5  # 2relu needs a positive score per row
     x[..., 0] = x[..., 0].abs() + 0.1
     sums = get_softmax(name)(x, CAUSAL).sum(-1)
-    torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-5)
+    expected = torch.ones_like(sums)
+    if name == "2relu":  # the offset CrypTen's reciprocal needs, in plaintext too: s / (s + eps)
+        from softq.softmax import RELU2_EPS
+
+        s = (x.relu() * CAUSAL).sum(-1)
+        expected = s / (s + RELU2_EPS)
+        assert (expected < 1 - 1e-5).any()
+    torch.testing.assert_close(sums, expected, rtol=0, atol=1e-5)
+
+
+def test_half_precision_rows_match_float32() -> None:
+    """2Quad's and 2ReLU's row sums and softpick's e^x - 1 run in float32 on float16 / bfloat16 scores: a 1024-key
+    2Quad row near 4 summed to inf in float16 (a row of zeros) and bfloat16 softpick cancelled (0.5 for 0.457)."""
+    cases = [("2quad", torch.full((1, 1024), 4.0)), ("2relu", torch.full((1, 1024), 80.0)),
+             ("softpick", torch.tensor([[0.01, -0.01, 0.002, 0.0]]))]
+    for name, x in cases:
+        variant = get_softmax(name)
+        for dtype in (torch.float16, torch.bfloat16):
+            low = x.to(dtype)
+            got = variant(low, None)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), variant(low.float(), None).to(dtype).float(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="2quad's shift c must be a finite number"):
+        get_softmax("2quad")(torch.zeros(1, 2), None, c=float("nan"))
 
 
 def test_softmax_matches_torch_without_mask() -> None:
