@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,9 +234,10 @@ def _restore_softq_attention(model: nn.Module, path: Path) -> None:
     if not own:
         return
     try:
-        state = _saved_tensors(path, own)
+        saved = _saved_tensors(path, lambda key: ".softq." in f".{key}")
     except Exception as err:  # noqa: BLE001 - safetensors / torch.load errors of a damaged file
         raise ModelDirError(f"cannot load the weights in {path}: {error_line(err)}") from None
+    state = {_live_key(model, key): value for key, value in saved.items()}
     missing = sorted(own - set(state))
     if missing:
         raise ModelDirError(f"{path}/config.json records softq attention ({model.config.softq_softmax}) whose "
@@ -244,8 +245,25 @@ def _restore_softq_attention(model: nn.Module, path: Path) -> None:
     model.load_state_dict(state, strict=False)
 
 
-def _saved_tensors(path: Path, names: set[str]) -> dict[str, torch.Tensor]:
-    """The tensors ``names`` from a directory's weight files (safetensors, pytorch_model.bin, sharded)."""
+def _live_key(model: nn.Module, key: str) -> str:
+    """A weight file's key as the model names it: ``save_pretrained`` writes some families' legacy names
+    (transformers 5.x: a ViT's ``vit.layers.0...`` as ``vit.encoder.layer.0...``), which ``from_pretrained``
+    renames back with transformers' conversion mapping; softq's own parameters get the same renaming here."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+        return rename_source_key(key, renamings, converters)[0]
+    except (ImportError, AttributeError, TypeError):  # a transformers without that machinery: names as saved
+        return key
+
+
+def _saved_tensors(path: Path, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The tensors whose names ``wanted`` accepts from a directory's weight files (safetensors, pytorch_model.bin,
+    sharded)."""
     from safetensors import safe_open
 
     index = next((path / f for f in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -256,10 +274,10 @@ def _saved_tensors(path: Path, names: set[str]) -> dict[str, torch.Tensor]:
     for name in files:
         if name.endswith(".safetensors"):
             with safe_open(str(path / name), framework="pt") as f:
-                out.update((k, f.get_tensor(k)) for k in f.keys() if k in names)
+                out.update((k, f.get_tensor(k)) for k in f.keys() if wanted(k))
         else:
             state = torch.load(path / name, map_location="cpu", weights_only=True)
-            out.update((k, v) for k, v in state.items() if k in names)
+            out.update((k, v) for k, v in state.items() if wanted(k))
     return out
 
 

@@ -144,6 +144,28 @@ def test_model_dir_saved_with_softq_attention_loads_the_same_model(tmp_path, cap
         hf.load_model_dir(tmp_path / "clipped")
 
 
+@pytest.mark.parametrize("family", ["vit", "deit"])
+def test_gated_vision_model_dir_loads_its_gates(tmp_path, family) -> None:
+    """transformers 5.x saves a ViT's / DeiT's weights under their legacy names (``vit.encoder.layer.0...``, the
+    model's ``vit.layers.0...``): softq's gates and sinks are renamed back as from_pretrained renames the rest
+    (they were refused as missing)."""
+    from conftest import tiny_inputs, tiny_model
+
+    from softq.attention import configure_attention
+
+    model = tiny_model(family)
+    configure_attention(model, gated=True, constant_sink=True)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".softq." in f".{name}":
+                param.normal_(0, 2)
+        want = model(**tiny_inputs(family)).logits
+    model.save_pretrained(tmp_path / family)
+    loaded = hf.load_model_dir(tmp_path / family).model
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**tiny_inputs(family)).logits, want, rtol=0, atol=1e-6)
+
+
 def test_model_dir_heads_without_logits_are_refused_before_calibration(tmp_path, capsys) -> None:
     """Question answering / pre-training heads have no single logits output: one line from quantize and export,
     before any calibration (AttributeError tracebacks after a full calibration before).  BertLMHeadModel has a
