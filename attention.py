@@ -143,6 +143,9 @@ class AttentionPoints(nn.Module):
         variant(torch.zeros(1, 2), None, **params)  # validates parameter names and values now
         self.softmax_name = name
         self.softmax_params = dict(params)
+        probs = self._modules.get("probs")  # (not there yet while __init__ runs)
+        if hasattr(probs, "sums_to_one"):  # a quantized point: row codes divide by their sum only if rows sum to 1
+            probs.sums_to_one = variant.sums_to_one
 
     def extra_repr(self) -> str:
         return f"softmax={self.softmax_name}, params={self.softmax_params}"
@@ -382,6 +385,11 @@ def configure_attention(
     :func:`init_constant_sinks`).
     """
     model_family(model)
+    if softmax is None and softmax_params:  # refuse an unknown parameter before any layer changes
+        for _, module in attention_modules(model):
+            current = getattr(module, "softq", None)
+            name, given = ("softmax", {}) if current is None else (current.softmax_name, current.softmax_params)
+            get_softmax(name)(torch.zeros(1, 2), None, **{**given, **softmax_params})
     points_list: list[AttentionPoints] = []
     for _, module in attention_modules(model):
         points = getattr(module, "softq", None)
@@ -390,7 +398,7 @@ def configure_attention(
             module.softq = points
         if softmax is not None:
             points.set_softmax(softmax, **softmax_params)
-        elif softmax_params:  # new parameters of the variant the layer already has (an unknown one is refused)
+        elif softmax_params:  # new parameters of the variant each layer has (checked on every layer first, below)
             points.set_softmax(points.softmax_name, **{**points.softmax_params, **softmax_params})
         head_dim = int(getattr(module, "head_dim", 0) or getattr(module, "attention_head_size", 0))
         ref = next(module.parameters())

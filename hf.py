@@ -237,7 +237,8 @@ def _restore_softq_attention(model: nn.Module, path: Path) -> None:
         saved = _saved_tensors(path, lambda key: ".softq." in f".{key}")
     except Exception as err:  # noqa: BLE001 - safetensors / torch.load errors of a damaged file
         raise ModelDirError(f"cannot load the weights in {path}: {error_line(err)}") from None
-    state = {_live_key(model, key): value for key, value in saved.items()}
+    live = _live_names(model)
+    state = {live(key): value for key, value in saved.items()}
     missing = sorted(own - set(state))
     if missing:
         raise ModelDirError(f"{path}/config.json records softq attention ({model.config.softq_softmax}) whose "
@@ -245,10 +246,11 @@ def _restore_softq_attention(model: nn.Module, path: Path) -> None:
     model.load_state_dict(state, strict=False)
 
 
-def _live_key(model: nn.Module, key: str) -> str:
-    """A weight file's key as the model names it: ``save_pretrained`` writes some families' legacy names
+def _live_names(model: nn.Module) -> Callable[[str], str]:
+    """A weight file's key -> the model's name for it: ``save_pretrained`` writes some families' legacy names
     (transformers 5.x: a ViT's ``vit.layers.0...`` as ``vit.encoder.layer.0...``), which ``from_pretrained``
-    renames back with transformers' conversion mapping; softq's own parameters get the same renaming here."""
+    renames back with transformers' conversion mapping; softq's own parameters get the same renamings here.
+    Should that internal API change or fail, names stay as saved (a parameter then missing is one line)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
@@ -256,9 +258,16 @@ def _live_key(model: nn.Module, key: str) -> str:
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
-        return rename_source_key(key, renamings, converters)[0]
-    except (ImportError, AttributeError, TypeError):  # a transformers without that machinery: names as saved
-        return key
+    except Exception:  # noqa: BLE001 - any failure of transformers' internals: the names as saved
+        return lambda key: key
+
+    def live(key: str) -> str:
+        try:
+            return rename_source_key(key, renamings, converters)[0]
+        except Exception:  # noqa: BLE001 - as above
+            return key
+
+    return live
 
 
 def _saved_tensors(path: Path, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:

@@ -86,6 +86,12 @@ def is_causal(model: nn.Module) -> bool:
     return model_family(model) in CAUSAL_FAMILIES or bool(getattr(model.config, "is_decoder", False))
 
 
+def has_cross_attention(model: nn.Module) -> bool:
+    """Whether the model has cross-attention layers reading ``encoder_hidden_states`` (``add_cross_attention``),
+    which softq's export and MPC do not take (a model run without those states computes another function)."""
+    return bool(getattr(getattr(model, "config", None), "add_cross_attention", False))
+
+
 def attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(name, module) of every attention module that calls the attention interface, in order."""
     wanted = ATTENTION_CLASSES[model_family(model)]

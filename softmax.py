@@ -287,7 +287,7 @@ for _v in (
                    "clipped softmax, Bondarenko et al. 2023 (exact 0/1 without outliers)"),
     SoftmaxVariant("softpick", softpick, {}, False, False, "rectified softpick, not sum-to-one"),
     SoftmaxVariant("2quad", quad2, {"c": 5.0}, True, True, "MPCFormer (x+c)^2 normalised"),
-    SoftmaxVariant("2relu", relu2, {}, True, True, "ReLU(x) / sum ReLU(x)"),
+    SoftmaxVariant("2relu", relu2, {}, False, True, "ReLU(x) / (sum ReLU(x) + 1e-3)"),
     SoftmaxVariant("relu_len", relu_len, {}, False, True, "ReLU(x) / L, no secret division"),
     SoftmaxVariant("sigmoid_len", sigmoid_len, {}, False, True, "sigmoid(x - ln L)"),
 ):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from softq._files import check_writable_parent
 from softq.cli import positive_int
 
 DEFAULT_ALPHA = 4.0  # --alpha: clipped softmax's gamma = -alpha / T
@@ -24,6 +25,9 @@ def attention_from_args(args: argparse.Namespace) -> dict | None:
     """The ``configure_attention`` keywords the flags ask for (None = vanilla)."""
     from softq.workloads import attention_options
 
+    if args.alpha is not None and args.softmax != "clipped":
+        raise ValueError(f"--alpha sets the clipped softmax's gamma = -alpha / T; it does nothing with "
+                         f"--softmax {args.softmax or 'softmax'}: add --softmax clipped or drop --alpha")
     return attention_options(args.softmax, DEFAULT_ALPHA if args.alpha is None else args.alpha, args.gated, args.pi)
 
 
@@ -40,6 +44,7 @@ def _finetune_gated(args: argparse.Namespace) -> int:
     model_dir = Path(args.out) / "model"
     if Path(args.out).is_file() or model_dir.exists():  # before the fine-tune, not after it
         raise FileExistsError(f"--out {args.out} is a file or already holds model/; give another --out")
+    check_writable_parent(model_dir)  # a file further up (--out a_file/run)
     model = W.load_model(args.finetune_gated)
     if model.config.model_type != ("vit" if args.model == "vit" else args.family):
         wanted = "--model vit" if args.model == "vit" else f"--model lm --family {args.family}"

@@ -66,7 +66,7 @@ from softq.export.int_softmax import FORMS as EDGE_FORMS
 from softq.export.int_softmax import (OUT_SCALE, SoftmaxQuant, _Builder, build_relative_codes, build_relative_scores,
                                       build_softmax)
 from softq.export.row_attention import ROW_FORMS, RowQuant, build_row_attention
-from softq.models import image_size, is_causal, is_headless, max_tokens, output_fields
+from softq.models import has_cross_attention, image_size, is_causal, is_headless, max_tokens, output_fields
 from softq.quant.config import FLOAT_INPUT_OUTPUTS
 
 TORCH_OPSET = 18
@@ -601,7 +601,7 @@ def wrap_for_export(model: nn.Module, pooling: str | None = None,
     """
     from softq.hf import POOLING_MODES
 
-    if getattr(getattr(model, "config", None), "add_cross_attention", False):
+    if has_cross_attention(model):
         raise ExportError(f"softq exports self-attention models; this {type(model).__name__} has cross-attention "
                           "layers (add_cross_attention=True: it reads encoder_hidden_states), which the export does "
                           "not take")

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from softq.models import has_cross_attention
 from softq.mpc.fit import SurrogateFit, fit_surrogates
 from softq.mpc.surrogates import configure_surrogates
 
@@ -197,6 +198,9 @@ def distill(
     """
     if min(steps) < 0:
         raise ValueError(f"distillation steps must be >= 0, got {steps}")
+    if has_cross_attention(teacher):  # the student would be one softq.mpc cannot run (graph.export_model)
+        raise ValueError(f"softq's MPC runs self-attention models; this {type(teacher).__name__} has cross-attention "
+                         "layers (add_cross_attention=True), so no student of it can run encrypted")
     if fit and fit_batches < 1:
         raise ValueError(f"fit_batches must be >= 1 when fit=True, got {fit_batches}")
     if not stage2_hidden_weight >= 0.0:

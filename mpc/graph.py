@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from softq.models import is_causal
+from softq.models import has_cross_attention, is_causal
 from softq.mpc._crypten_shim import load_crypten
 from softq.mpc.accounting import CommRecorder
 from softq.mpc.approx import ROW_SCALE_LIMIT, accurate_functions, normalize_rows
@@ -88,7 +88,7 @@ def example_inputs(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], publ
 
 def export_model(model: nn.Module, kwargs: Mapping[str, Any]) -> torch.export.ExportedProgram:
     """``torch.export`` the surrogate-configured model at a fixed shape (no dynamic dims)."""
-    if getattr(model.config, "add_cross_attention", False):
+    if has_cross_attention(model):
         raise ConversionError(f"softq's MPC runs self-attention models; this {type(model).__name__} has cross-attention "
                               "layers (add_cross_attention=True: it reads encoder_hidden_states), which it does not take")
     model.eval()

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from softq.mpc.approx import EXP_RANGE, LN_OUTPUT_LIMIT, LN_VAR_RANGE, RECIPROCAL_RANGE, ROW_RANGE
 from softq.mpc.errors import MPCError
 from softq.mpc.truncation import EXACT_TRUNCATION_LIMIT
+from softq.softmax import RELU2_EPS
 
 # Every secret value (and every product before truncation) stays inside this.
 FIXED_POINT_LIMIT = EXACT_TRUNCATION_LIMIT
@@ -139,7 +140,7 @@ def _softmax_internals(name: str, params: Mapping[str, float], scores: torch.Ten
     elif name == "2relu":
         den = (scores.relu() * v).sum(-1)
         den = den[den > 0]
-        out.append(("reciprocal input", (den + 1e-3) / scale))
+        out.append(("reciprocal input", (den + RELU2_EPS) / scale))
     elif name == "sigmoid_len":
         count = v.sum(-1, keepdim=True).clamp_min(1.0)
         out.append(("sigmoid input", (scores - count.log())[keep]))

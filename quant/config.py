@@ -8,7 +8,8 @@ from typing import Literal
 
 BIAS_CORRECTION_GRANULARITIES = ("tensor", "head", "head_row")
 SOFTMAX_OUTPUTS = ("row", "row_exact", "row_log", "edge")
-# Representations whose P.V is divided by the sum of the codes (rows sum to exactly 1; the rest: the exact sum of exp)
+# Representations whose P.V is divided by the sum of the codes (rows sum to exactly 1; the rest: the exact sum of exp;
+# in torch only for softmax variants whose rows sum to 1, SoftmaxOutputQuantizer.sums_to_one)
 SUM_OF_CODES = ("row", "row_log")
 SOFTMAX_INPUTS = ("auto", "row", "tensor", "float")
 # softmax_input="float" keeps the scores float: the row codes are rounded from the float exp (CPU runtimes)

@@ -3,7 +3,8 @@
 Layout of a saved model::
 
     config.json          the Hugging Face model config (architecture, softq attention choice)
-    quant_config.json    the QuantConfig, plus per-layer bias-correction metadata
+    quant_config.json    the QuantConfig, plus per-layer bias-correction metadata and a SHA-256 digest of
+                         itself and config.json (a directory edited after saving is refused at load)
     model.pt             the full state dict of the quantized model (weights after SmoothQuant,
                          Brevitas weight quantizers, activation scales, zero points, betas)
 

@@ -33,7 +33,6 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from softq.attention import AttentionPoints, attention_points
-from softq.softmax import get_softmax
 from softq.calib.data import Batch, as_batches, run_batches
 from softq.calib.observers import MinMaxObserver, make_observer
 from softq.calib.smoothquant import (InputGroup, InputRecorder, post_ln, skipped, smooth, smooth_inputs,
@@ -107,7 +106,7 @@ def _attach_attention_quantizers(points: AttentionPoints, config: QuantConfig, c
         points.probs = SoftmaxOutputQuantizer(config.softmax_bits, points.num_heads, config.softmax_scale,
                                               config.softmax_output)
         points.probs.causal_rows = causal  # per-row bias correction by position (SoftmaxOutputQuantizer.beta_for)
-        points.probs.sums_to_one = get_softmax(points.softmax_name).sums_to_one
+        points.set_softmax(points.softmax_name, **points.softmax_params)  # the quantizer learns if rows sum to 1
 
 
 def act_quantizers(model: nn.Module) -> list[nn.Module]:

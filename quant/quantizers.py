@@ -239,6 +239,10 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
     * ``"edge"``: uniform codes at scale ``2**-bits`` (the edge convention: uint8
       (1/256, 0)), or calibrated from the largest probability.
 
+    ``row`` and ``row_log`` divide by ``sum(E)`` only when the attention's softmax variant sums to 1
+    (``sums_to_one``, kept current by ``AttentionPoints.set_softmax``); a clipped softmax's, softpick's,
+    2ReLU's or sigmoid's row keeps its own mass: ``E max_row(p) / G``, as ``row_exact``.
+
     Zero point 0 everywhere, so masked probabilities (exactly 0) stay exactly 0,
     and a fully masked row (all zeros) gives zeros.
 

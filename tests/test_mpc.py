@@ -212,6 +212,10 @@ def test_bert_decoder_without_cache_and_causal_mask(crypten1):
                                        intermediate_size=64, is_decoder=True, add_cross_attention=True)).eval()
     with pytest.raises(ConversionError, match="cross-attention"):  # it would run without its encoder states
         export_model(cross, {"input_ids": ids})
+    from softq.mpc.distill import distill
+
+    with pytest.raises(ValueError, match="no student of it can run encrypted"):  # refused before any step
+        distill(cross, iter([]))
 
 
 def test_vit_encrypted_matches_plaintext(crypten1):

@@ -290,6 +290,11 @@ def test_row_codes_keep_the_mass_of_variants_that_do_not_sum_to_one(variant, par
         logits = qmodel(**inputs).logits
     assert float_sums.min() < 0.9 and (quant_sums - float_sums).abs().max() < 0.02
     assert (logits - ref.logits).abs().max() / ref.logits.abs().max() < 0.02
+    # the flag follows the variant when it changes after quantization (it went stale until saved and loaded)
+    softq.configure_attention(qmodel, softmax="softmax")
+    assert point.probs.sums_to_one
+    softq.configure_attention(qmodel, softmax=variant, **params)
+    assert not point.probs.sums_to_one
 
 
 def test_bias_correction_beta_is_the_mean_rounding_error_over_valid_entries() -> None:

@@ -184,6 +184,12 @@ def test_train_cli_finetune_gated_from_saved_model(tmp_path: Path, capsys: pytes
     for extra in (["--softmax", "clipped"], ["--alpha", "0.5"]):  # were silently ignored
         assert softq_main([*args[:-3], "--out", str(tmp_path / "c"), *extra, "--quiet"]) == 1
         assert "drop --softmax/--alpha" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("x")  # --out under a file: refused before the fine-tune, not at the save
+    assert softq_main([*args[:-3], "--out", str(tmp_path / "a_file" / "run"), "--quiet"]) == 1
+    assert "a_file" in capsys.readouterr().err
+    # --alpha does nothing without the clipped softmax: refused (it was ignored)
+    assert softq_main(["train", "--model", "lm", "--size", "tiny", "--alpha", "0.5", "--out", str(tmp_path / "n")]) == 1
+    assert "--alpha sets the clipped softmax's gamma" in capsys.readouterr().err and not (tmp_path / "n").exists()
     # A gated model cannot be converted again (its output projection is already rescaled).
     args[args.index("--finetune-gated") + 1] = str(tmp_path / "g" / "model")
     args[args.index("--out") + 1] = str(tmp_path / "g2")
