@@ -81,6 +81,22 @@ def padded_logit_error(qmodel, onnx_model, family: str, seq: int, pad_from: int,
     return float(np.abs(out - ref)[valid].max() / np.abs(ref).max())
 
 
+def assert_cached_decoding_matches(qmodel, ids, prefix: int) -> None:
+    """The logits of decoding ``ids`` with a KV cache (``prefix`` tokens at once, then one at a time) equal one
+    full pass without the cache, to float rounding."""
+    import torch
+
+    with torch.no_grad():
+        full = qmodel(input_ids=ids, use_cache=False).logits
+        out = qmodel(input_ids=ids[:, :prefix], use_cache=True)
+        steps, past = [out.logits], out.past_key_values
+        for t in range(prefix, ids.shape[1]):
+            out = qmodel(input_ids=ids[:, t:t + 1], past_key_values=past, use_cache=True)
+            steps.append(out.logits)
+            past = out.past_key_values
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5 * float(full.abs().max()))
+
+
 @pytest.fixture
 def make_tiny():
     return tiny_model

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import transformers
-from conftest import tiny_inputs, tiny_model
+from conftest import assert_cached_decoding_matches, tiny_inputs, tiny_model
 
 import softq
 from softq.attention import attention_points
@@ -248,15 +248,7 @@ def test_cached_decoding_with_head_row_correction_equals_the_full_pass() -> None
                                                                           softmax_output="edge"))
     assert all(points.probs.causal_rows for _, points in attention_points(qmodel))
     ids = tiny_inputs("gpt2", batch=1, seq=12, seed=3)["input_ids"]
-    with torch.no_grad():
-        full = qmodel(input_ids=ids, use_cache=False).logits
-        out = qmodel(input_ids=ids[:, :8], use_cache=True)
-        steps, past = [out.logits], out.past_key_values
-        for t in range(8, 12):
-            out = qmodel(input_ids=ids[:, t:t + 1], past_key_values=past, use_cache=True)
-            steps.append(out.logits)
-            past = out.past_key_values
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5 * float(full.abs().max()))
+    assert_cached_decoding_matches(qmodel, ids, prefix=8)
 
 
 def test_bidirectional_head_row_calibrated_on_several_lengths_is_per_head() -> None:

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 import transformers
-from conftest import tiny_inputs, tiny_model
+from conftest import assert_cached_decoding_matches, tiny_inputs, tiny_model
 
 import softq
 from softq.calib.smoothquant import smooth_inputs
@@ -98,15 +98,7 @@ def test_bert_decoder_gets_no_prefix_and_decodes_with_a_cache_as_in_one_pass() -
         softq.quantize(model, [tiny_inputs("bert")], RQ(residual_prefix=1))
     qmodel = softq.quantize(model, [tiny_inputs("bert", seed=s) for s in range(3)], RQ())
     ids = tiny_inputs("bert", batch=1, seq=12, seed=5)["input_ids"]
-    with torch.no_grad():
-        full = qmodel(input_ids=ids, use_cache=False).logits
-        out = qmodel(input_ids=ids[:, :8], use_cache=True)
-        steps, past = [out.logits], out.past_key_values
-        for t in range(8, 12):
-            out = qmodel(input_ids=ids[:, t:t + 1], past_key_values=past, use_cache=True)
-            steps.append(out.logits)
-            past = out.past_key_values
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5 * float(full.abs().max()))
+    assert_cached_decoding_matches(qmodel, ids, prefix=8)
 
 
 def test_bert_decoder_export_refuses_what_it_cannot_mask_or_read(tmp_path) -> None:
