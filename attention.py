@@ -398,7 +398,7 @@ def configure_attention(
             module.softq = points
         if softmax is not None:
             points.set_softmax(softmax, **softmax_params)
-        elif softmax_params:  # new parameters of the variant each layer has (checked on every layer first, below)
+        elif softmax_params:  # new parameters of the variant each layer has (checked on every layer first, above)
             points.set_softmax(points.softmax_name, **{**points.softmax_params, **softmax_params})
         head_dim = int(getattr(module, "head_dim", 0) or getattr(module, "attention_head_size", 0))
         ref = next(module.parameters())
