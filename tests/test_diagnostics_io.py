@@ -185,7 +185,7 @@ def test_load_names_the_damaged_file(tmp_path) -> None:
         change(meta)
         (d / "quant_config.json").write_text(json.dumps(meta))
 
-    def option(d: Path) -> None:  # loaded, it would re-quantize model.pt's float weights as symmetric: 0.31 off
+    def option(d: Path) -> None:  # loaded, it would re-quantize model.pt's float weights as symmetric
         edit(d, lambda meta: meta["quant_config"].update(act_symmetric=True))
 
     def old_and_malformed(key: str, value: object):  # noqa: ANN202 - no digest (an older file), a bad record

@@ -91,7 +91,7 @@ def bert_decoder(**extra) -> torch.nn.Module:
 
 def test_bert_decoder_gets_no_prefix_and_decodes_with_a_cache_as_in_one_pass() -> None:
     """A BERT built as a decoder (is_decoder=True) is causal: 'auto' gives it no prefix rows (a cached step's
-    row 0 is not position 0: its logits were 15% off the full pass with [CLS]'s scales), an explicit one is refused."""
+    row 0 is not position 0: with [CLS]'s scales it left the full pass), an explicit one is refused."""
     model = bert_decoder()
     assert residual_prefix(model, RQ()) == 0
     with pytest.raises(ValueError, match="bert decoder .*KV cache"):
@@ -103,7 +103,7 @@ def test_bert_decoder_gets_no_prefix_and_decodes_with_a_cache_as_in_one_pass() -
 
 def test_bert_decoder_export_refuses_what_it_cannot_mask_or_read(tmp_path) -> None:
     """softmax='ort' (QLinearSoftmax: no mask) is refused for a BERT decoder as for GPT-2; a model with
-    cross-attention is refused in one line (the graph would drop the encoder states and read 1.3 off)."""
+    cross-attention is refused in one line (the graph would drop the encoder states)."""
     from softq.export.model_export import ExportError, build_onnx, to_onnx_float
 
     qmodel = softq.quantize(bert_decoder(), [tiny_inputs("bert", seed=s) for s in range(2)],
