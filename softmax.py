@@ -121,8 +121,11 @@ def softmax(scores: Any, valid: torch.Tensor | None = None, dim: int = -1) -> An
     return e * reciprocal(e.sum(dim=dim, keepdim=True))
 
 
+CLIPPED_ALPHA = 4.0  # the clipped softmax's default stretch: gamma = -alpha / T
+
+
 def clipped_softmax(
-    scores: Any, valid: torch.Tensor | None = None, zeta: float = 1.0, alpha: float = 4.0, dim: int = -1
+    scores: Any, valid: torch.Tensor | None = None, zeta: float = 1.0, alpha: float = CLIPPED_ALPHA, dim: int = -1
 ) -> Any:
     """Bondarenko et al.: ``clip((zeta - gamma) * softmax(x) + gamma, 0, 1)``, ``gamma = -alpha / T``.
 
@@ -283,7 +286,7 @@ def compiled_softmax(name: str) -> Callable[..., Any]:
 
 for _v in (
     SoftmaxVariant("softmax", softmax, {}, True, True, "exact softmax (the baseline)"),
-    SoftmaxVariant("clipped", clipped_softmax, {"zeta": 1.0, "alpha": 4.0}, False, True,
+    SoftmaxVariant("clipped", clipped_softmax, {"zeta": 1.0, "alpha": CLIPPED_ALPHA}, False, True,
                    "clipped softmax, Bondarenko et al. 2023 (exact 0/1 without outliers)"),
     SoftmaxVariant("softpick", softpick, {}, False, False, "rectified softpick, not sum-to-one"),
     SoftmaxVariant("2quad", quad2, {"c": 5.0}, True, True, "MPCFormer (x+c)^2 normalised"),

@@ -18,7 +18,7 @@ from pathlib import Path
 from softq._files import check_writable_parent
 from softq.cli import positive_int
 
-DEFAULT_ALPHA = 4.0  # --alpha: clipped softmax's gamma = -alpha / T
+from softq.softmax import CLIPPED_ALPHA as DEFAULT_ALPHA  # --alpha: clipped softmax's gamma = -alpha / T
 
 
 def attention_from_args(args: argparse.Namespace) -> dict | None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from softq.softmax import CLIPPED_ALPHA
 from softq.workloads.data import CharTokenizer, check_choice
 
 
@@ -105,7 +106,7 @@ def variant_name(attention: dict[str, Any] | None) -> str:
 
 
 def attention_options(
-    softmax: str | None = None, alpha: float = 4.0, gated: bool = False, pi_init: float = 0.5
+    softmax: str | None = None, alpha: float = CLIPPED_ALPHA, gated: bool = False, pi_init: float = 0.5
 ) -> dict[str, Any] | None:
     """``configure_attention`` keywords for command-line style choices (None = vanilla).
 
