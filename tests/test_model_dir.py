@@ -92,6 +92,58 @@ def test_load_sentence_folder_pools_like_sentence_transformers(folder) -> None:
     assert torch.allclose(emb.norm(dim=-1), torch.ones(2))
 
 
+@pytest.mark.parametrize("pooling_config, expected", [
+    ({"embedding_dimension": 32, "pooling_mode": "cls", "include_prompt": True}, "cls"),  # sentence-transformers 6
+    ({"pooling_mode": ["max"]}, "max"),
+    ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, "not supported"),  # concatenated: refused
+    ({"pooling_mode": ["mean", "max"]}, "not supported"),
+    ({"pooling_mode": "lasttoken"}, "lasttoken is not supported"),
+    ({"pooling_mode_mean_tokens": True, "pooling_mode_mean_sqrt_len_tokens": True}, "not supported"),
+])
+def test_sentence_pooling_formats(tmp_path, pooling_config, expected) -> None:
+    """1_Pooling/config.json as sentence-transformers 6 writes it ("pooling_mode") was refused outright (every folder
+    saved by the installed version), and legacy configs with two modes took the first one (sentence-transformers
+    concatenates them: an embedding of the wrong width and values)."""
+    path = sentence_folder(tmp_path / "st")
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
+    if expected in hf.POOLING_MODES:
+        assert hf.load_model_dir(path).pooling == expected
+    else:
+        with pytest.raises(hf.ModelDirError, match=expected):
+            hf.load_model_dir(path)
+
+
+def test_sentence_folder_with_other_modules_is_refused(tmp_path) -> None:
+    """A Dense projection after the pooling was skipped without a word: the folder's 'sentence embedding' was not
+    the one sentence-transformers computes."""
+    path = sentence_folder(tmp_path / "st")
+    modules = json.loads((path / "modules.json").read_text())
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(hf.ModelDirError, match="module 2 is a Dense"):
+        hf.load_model_dir(path)
+
+
+def test_folder_saved_by_sentence_transformers_matches_its_encode(tmp_path) -> None:
+    """A folder written by the installed sentence-transformers (``SentenceTransformer.save``) loads with its pooling,
+    normalisation and maximum length, and softq's embedding is sentence-transformers' own."""
+    st_lib = pytest.importorskip("sentence_transformers")
+    try:  # sentence-transformers 6; before it, sentence_transformers.models
+        from sentence_transformers.sentence_transformer import modules
+    except ImportError:
+        from sentence_transformers import models as modules
+    source = sentence_folder(tmp_path / "source")
+    transformer = modules.Transformer(str(source), max_seq_length=48)
+    st = st_lib.SentenceTransformer(modules=[transformer, modules.Pooling(32, "cls"), modules.Normalize()],
+                                    device="cpu")
+    st.save(str(tmp_path / "saved"))
+    loaded = hf.load_model_dir(tmp_path / "saved")
+    assert (loaded.pooling, loaded.normalize, loaded.max_length) == ("cls", True, 48)
+    sentences = texts(6, seed=3)
+    ours = loaded.encode(loaded.batches(sentences, batch_size=4))
+    torch.testing.assert_close(ours, st.encode(sentences, convert_to_tensor=True), atol=1e-5, rtol=1e-4)
+
+
 def test_pydoc_splits_are_disjoint_and_retrieval_scores_itself() -> None:
     calib, evaluation = hf.text_split("calib"), hf.text_split("eval")
     assert len(calib) > 50 and len(evaluation) > 200 and not set(calib) & set(evaluation)
