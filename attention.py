@@ -55,6 +55,8 @@ class AttentionGate(nn.Module):
 
     def __init__(self, num_heads: int, head_dim: int, pi_init: float = 0.5) -> None:
         super().__init__()
+        if isinstance(pi_init, bool) or not isinstance(pi_init, (int, float)):
+            raise TypeError(f"gate pi_init must be a number in (0, 1), got {type(pi_init).__name__} {pi_init!r}")
         if not 0.0 < pi_init < 1.0:
             raise ValueError(f"gate pi_init must be in (0, 1), got {pi_init}")
         self.num_heads = num_heads

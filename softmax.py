@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -37,6 +38,21 @@ MASK_PUSH = 1.0e4
 # Denominators of plaintext surrogates are clamped here so a fully masked row
 # yields zeros instead of NaN.
 TINY = 1.0e-12
+# Largest |parameter| a variant takes (clipped softmax's alpha and zeta, 2Quad's c): far past any useful value;
+# beyond it float32 rows overflow to inf / NaN (2Quad's (x + c)^2) or every score is lost in c's rounding.
+PARAM_LIMIT = 1.0e6
+
+
+def check_param(variant: str, name: str, value: Any, low: float, *, low_open: bool = False) -> float:
+    """``value`` as a float if it is a real number in [low, PARAM_LIMIT] ((low, ...] with ``low_open``); else
+    one line naming the variant and the parameter (a string, a bool, a tensor, NaN or an overflow included)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real, tensors are not
+        raise TypeError(f"{variant}'s {name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not ((low < value if low_open else low <= value) and abs(value) <= PARAM_LIMIT):  # NaN fails too
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{variant}'s {name} must be in {bracket}{low:g}, {PARAM_LIMIT:g}], got {value!r}")
+    return value
 
 
 class SoftmaxFn(Protocol):
@@ -89,11 +105,17 @@ def _mask(x: Any, valid: torch.Tensor | None) -> Any:
 def _valid_count(scores: Any, valid: torch.Tensor | None, dim: int = -1) -> torch.Tensor | float:
     """Number of valid keys per row (public): the row length T of the papers."""
     if valid is None:
-        return float(scores.shape[dim])
+        return max(float(scores.shape[dim]), 1.0)  # no keys at all: nothing to scale
     if valid.shape[dim] != scores.shape[dim]:  # mask broadcast along keys: count the full row
         valid = valid.expand(*valid.shape[:dim % valid.dim()], scores.shape[dim], *valid.shape[dim % valid.dim() + 1:])
     # Summing the (small) mask before broadcasting to the heads keeps this O(b * q * k).
     return valid.sum(dim=dim, keepdim=True).clamp_min(1.0)
+
+
+def _as_scores_dtype(x: Any, scores: Any) -> Any:
+    """A public per-row quantity (a count, its log) in the plaintext scores' dtype: a float32 mask's count must not
+    turn float16 / bfloat16 attention into float32 (the same variant without a mask keeps the dtype)."""
+    return x.to(scores.dtype) if isinstance(x, torch.Tensor) and _is_plain(scores) else x
 
 
 def _masked_for_max(scores: Any, valid: torch.Tensor | None) -> Any:
@@ -115,7 +137,7 @@ def softmax(scores: Any, valid: torch.Tensor | None = None, dim: int = -1) -> An
         if valid is None:
             return torch.softmax(scores, dim=dim)
         masked = scores.masked_fill(valid == 0, torch.finfo(scores.dtype).min)
-        return torch.softmax(masked, dim=dim) * valid
+        return _mask(torch.softmax(masked, dim=dim), valid)  # a fully masked row: 0, not uniform
     shifted = _masked_for_max(scores, valid)
     e = _mask((shifted - row_max(shifted, dim)).exp(), valid)
     return e * reciprocal(e.sum(dim=dim, keepdim=True))
@@ -140,9 +162,12 @@ def clipped_softmax(
     gradient reaches Q and K.  A class-token ViT then never learns (docs/outliers.md);
     alpha < 1 keeps every row alive at initialisation.
     """
-    if not (0 <= alpha < math.inf and 1 <= zeta < math.inf):  # NaN fails both
-        raise ValueError(f"clipped softmax needs finite alpha >= 0 and zeta >= 1, got alpha={alpha}, zeta={zeta}")
+    alpha = check_param("clipped softmax", "alpha", alpha, 0.0)
+    zeta = check_param("clipped softmax", "zeta", zeta, 1.0)
+    if scores.shape[dim] == 0:
+        return scores * 1.0
     gamma = -alpha / _valid_count(scores, valid, dim)
+    gamma = _as_scores_dtype(gamma, scores)
     p = softmax(scores, valid, dim=dim)
     stretched = p * (zeta - gamma) + gamma
     if not _is_plain(stretched):
@@ -174,6 +199,8 @@ def softpick(scores: Any, valid: torch.Tensor | None = None, dim: int = -1, eps:
     """
     if not _is_plain(scores):
         raise NotImplementedError("softpick is not offered under MPC (it needs |.|, a secure comparison per entry)")
+    if scores.shape[dim] == 0:
+        return scores * 1.0
     m = _masked_for_max(scores, valid).amax(dim=dim, keepdim=True).clamp_min(0.0)
     shifted = (scores - m).masked_fill(valid == 0, -math.inf) if valid is not None else scores - m
     d = shifted.exp() - torch.exp(-m)
@@ -185,8 +212,7 @@ def softpick(scores: Any, valid: torch.Tensor | None = None, dim: int = -1, eps:
 @_half_in_float32
 def quad2(scores: Any, valid: torch.Tensor | None = None, c: float = 5.0, dim: int = -1) -> Any:
     """MPCFormer's 2Quad: ``(x + c)^2 / sum (x + c)^2``; one multiplication and one reciprocal."""
-    if not math.isfinite(c):
-        raise ValueError(f"2quad's shift c must be a finite number, got {c!r}")
+    c = check_param("2quad", "shift c", c, -PARAM_LIMIT)
     return normalize(_mask((scores + c).square(), valid), dim)
 
 
@@ -204,13 +230,13 @@ def relu2(scores: Any, valid: torch.Tensor | None = None, dim: int = -1) -> Any:
 
 def relu_len(scores: Any, valid: torch.Tensor | None = None, dim: int = -1) -> Any:
     """``ReLU(x) / L`` with L the (public) number of valid keys: no secret division at all."""
-    return _mask(scores.relu(), valid) * (1.0 / _valid_count(scores, valid, dim))
+    return _mask(scores.relu(), valid) * _as_scores_dtype(1.0 / _valid_count(scores, valid, dim), scores)
 
 
 def sigmoid_len(scores: Any, valid: torch.Tensor | None = None, dim: int = -1) -> Any:
     """``sigmoid(x - ln L)``: per-entry, no row reduction (sigmoid attention)."""
     count = _valid_count(scores, valid, dim)
-    log_len = math.log(count) if isinstance(count, float) else torch.log(count)
+    log_len = math.log(count) if isinstance(count, float) else _as_scores_dtype(torch.log(count), scores)
     return _mask((scores - log_len).sigmoid(), valid)
 
 

@@ -52,7 +52,7 @@ def test_half_precision_rows_match_float32() -> None:
             got = variant(low, None)
             assert got.dtype == dtype
             torch.testing.assert_close(got.float(), variant(low.float(), None).to(dtype).float(), rtol=0, atol=0)
-    with pytest.raises(ValueError, match="2quad's shift c must be a finite number"):
+    with pytest.raises(ValueError, match="2quad's shift c must be in"):
         get_softmax("2quad")(torch.zeros(1, 2), None, c=float("nan"))
 
 
@@ -282,3 +282,48 @@ def test_float16_rows_stay_finite(name: str) -> None:
         assert torch.isfinite(get_softmax(name)(scores.half(), None)).all(), name
     out = get_softmax(name)(x.half(), torch.zeros(2, 1, 4, 5, dtype=torch.half))  # every key masked: zeros
     assert torch.isfinite(out).all() and not out.any(), name
+
+
+@pytest.mark.parametrize("name, params, error, message", [
+    ("clipped", {"alpha": 1e39}, ValueError, "clipped softmax's alpha must be in"),  # inf in float32: NaN rows
+    ("clipped", {"alpha": 1e300}, ValueError, "alpha must be in"),
+    ("clipped", {"alpha": "0.5"}, TypeError, "alpha must be a number, got str"),
+    ("clipped", {"alpha": True}, TypeError, "alpha must be a number, got bool"),  # was taken as 1
+    ("clipped", {"alpha": torch.tensor([0.5, 1.0])}, TypeError, "alpha must be a number, got Tensor"),
+    ("clipped", {"zeta": None}, TypeError, "zeta must be a number"),
+    ("2quad", {"c": 1e20}, ValueError, "2quad's shift c must be in"),  # (x + c)^2 overflows float32: NaN rows
+    ("2quad", {"c": "5"}, TypeError, "shift c must be a number"),
+])
+def test_variant_parameters_out_of_range_or_of_the_wrong_type_are_one_line(name, params, error, message) -> None:
+    """Finite Python floats that overflow float32 passed and gave NaN rows (and NaN logits after configure_attention);
+    strings, bools and tensors failed deep inside (or, a bool, were taken as a number)."""
+    with pytest.raises(error, match=message):
+        get_softmax(name)(scores(), CAUSAL, **params)
+    model = tiny_model("gpt2")
+    with pytest.raises(error, match=message):
+        configure_attention(model, softmax=name, **params)
+    for bad in ("0.5", None):
+        with pytest.raises(TypeError, match="pi_init must be a number"):
+            AttentionGate(2, 4, pi_init=bad)
+    import numpy as np
+
+    edge = get_softmax(name)(scores(), CAUSAL, **{key: np.float32(1.0) for key in params})  # numpy scalars are numbers
+    assert torch.isfinite(edge).all()
+
+
+@pytest.mark.parametrize("name", sorted(SOFTMAX_VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_scores_give_half_probabilities_with_or_without_a_mask(name, dtype) -> None:
+    """softmax, clipped, relu_len and sigmoid_len returned float32 for float16 / bfloat16 scores as soon as a (float32)
+    mask came with them, the input's dtype without one."""
+    x = scores().to(dtype)
+    for valid in (None, CAUSAL, CAUSAL.bool()):
+        assert get_softmax(name)(x, valid).dtype == dtype, valid
+
+
+@pytest.mark.parametrize("name", sorted(SOFTMAX_VARIANTS))
+def test_rows_without_keys_give_empty_rows(name) -> None:
+    """A zero-length key axis: clipped and relu_len divided by zero, sigmoid_len took log(0), softpick's amax failed."""
+    for valid in (None, torch.ones(7, 0)):
+        out = get_softmax(name)(torch.zeros(2, 3, 7, 0), valid)
+        assert out.shape == (2, 3, 7, 0)

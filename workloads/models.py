@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from softq.softmax import CLIPPED_ALPHA
+from softq.softmax import CLIPPED_ALPHA, check_param
 from softq.workloads.data import CharTokenizer, check_choice
 
 
@@ -120,9 +120,7 @@ def attention_options(
         get_softmax(softmax)  # unknown names fail here, with the list of choices
         attention["softmax"] = softmax
         if softmax == "clipped":
-            if not 0 <= float(alpha) < float("inf"):  # NaN fails too
-                raise ValueError(f"clipped softmax needs a finite alpha >= 0, got {alpha}")
-            attention["alpha"] = float(alpha)
+            attention["alpha"] = check_param("clipped softmax", "alpha", alpha, 0.0)
     if gated:
         attention.update(gated=True, gate_pi_init=float(pi_init))
     return attention or None
