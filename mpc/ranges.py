@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from softq.mpc.approx import EXP_RANGE, LN_OUTPUT_LIMIT, LN_VAR_RANGE, RECIPROCAL_RANGE, ROW_RANGE
 from softq.mpc.errors import MPCError
 from softq.mpc.truncation import EXACT_TRUNCATION_LIMIT
-from softq.softmax import RELU2_EPS
+from softq.softmax import RELU2_EPS, _masked_for_max
 
 # Every secret value (and every product before truncation) stays inside this.
 FIXED_POINT_LIMIT = EXACT_TRUNCATION_LIMIT
@@ -126,7 +126,9 @@ def _softmax_internals(name: str, params: Mapping[str, float], scores: torch.Ten
     out: list[tuple[str, torch.Tensor]] = []
     scale = _denominator_scale(name, params, key_len)
     if name in ("softmax", "clipped"):
-        shifted = scores.masked_fill(~keep, -math.inf)
+        # masked keys pushed to -MASK_PUSH as the encrypted branch does: where every valid score of a row lies
+        # below that, a masked key is the row max and the row's denominator vanishes (refused here)
+        shifted = _masked_for_max(scores, None if valid is None else v)
         shifted = shifted - shifted.amax(-1, keepdim=True)
         rows = keep.any(-1)
         out.append(("exp input", shifted[keep]))

@@ -153,6 +153,24 @@ def test_range_pass_refuses_blown_up_models_naming_layer_and_op(what, factor, me
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+def test_range_pass_sees_masked_keys_as_the_encrypted_softmax_does():
+    """Encrypted softmax pushes masked keys to -1e4 before the row max; where every valid score of a padded row lies
+    below that, a masked key is the max and the row's denominator vanishes (CrypTen's reciprocal of ~0: garbage).
+    The range pass masked with -inf, saw a healthy row (exp inputs 0, denominator 5) and let it run."""
+    model = tiny_bert()
+    with torch.no_grad():  # every score of layer 0 is q.k / 4 = 16 * 100 * -50 / 4 = -2e4
+        attention = model.bert.encoder.layer[0].attention.self
+        attention.query.weight.zero_()
+        attention.query.bias.fill_(100.0)
+        attention.key.weight.zero_()
+        attention.key.bias.fill_(-50.0)
+    configure_surrogates(model, softmax="softmax", gelu="tanh")
+    with pytest.raises(RangeError, match="layer0 softmax:softmax"):
+        check_model(model, bert_inputs())
+    unpadded = {k: v[:1] for k, v in bert_inputs().items()}  # no masked key: the same scores are fine
+    check_model(model, unpadded)
+
+
 def test_range_pass_accepts_a_sane_model_and_records_every_approximation():
     model = tiny_bert()
     configure_surrogates(model, softmax="softmax", gelu="tanh")
