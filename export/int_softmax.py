@@ -31,8 +31,14 @@ Forms:
 Masking: ``valid`` (bool, broadcastable to ``X``) marks attendable keys.  Masked
 entries give exactly the output zero point.  ``qdq`` and ``int`` exclude masked
 keys from max and sum exactly; ``ort`` can only feed masked keys to the kernel
-as the input's minimum code, so they keep the (tiny) weight
-``exp((qmin - max) S)`` in the denominator -- the reference reproduces that.
+as the input's minimum code, so each keeps the weight ``exp((qmin - max) S)`` in
+the denominator -- the reference reproduces that.  It is small only when the row's
+largest valid code lies far above ``qmin``: with valid codes near the bottom of the
+input range, or thousands of masked keys, the valid outputs shrink by whole steps
+(one valid key among 4095 masked ones at ``S = 0.05``: 216 instead of 255 for its
+code 200, 78 for code 150).
+Use ``qdq`` or ``int`` with masks; ``softq.export.to_onnx`` refuses ``ort`` for
+masked or causal models.
 
 Bias correction (``int`` only; see :func:`rounding_constants`): the additive
 softmax correction ``beta`` (probability units, per head or per head and row)
