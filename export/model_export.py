@@ -683,29 +683,51 @@ def _init(name: str, value: np.ndarray) -> TensorProto:
 
 
 def _rows_for_length(prefix: str, info: dict[str, Any], table: np.ndarray, head: np.ndarray, scores: str,
-                     name: str) -> tuple[list, list, str]:
-    """Nodes picking per-row values (``table``: [1, h, positions, 1], rows past the calibrated ones hold the
-    per-head value ``head``) for the current query length, as ``SoftmaxOutputQuantizer.beta_for`` does: a causal
-    model's rows by position (the table sliced to the length), a bidirectional model's per-row values at the
-    calibrated length only, ``head`` for every row at other lengths."""
-    inits = [_init(f"{prefix}{name}_rows", table), _init(f"{prefix}i2", np.array([2], np.int64)),
-             _init(f"{prefix}i0", np.array([0], np.int64))]
-    sliced = f"{prefix}{name}" if info["causal_rows"] else f"{prefix}{name}_sliced"
-    nodes = [helper.make_node("Shape", [scores], [f"{prefix}shape"], name=f"{prefix}Shape"),
-             helper.make_node("Gather", [f"{prefix}shape", f"{prefix}i2"], [f"{prefix}qlen"], name=f"{prefix}Gather", axis=0),
-             helper.make_node("Slice", [f"{prefix}{name}_rows", f"{prefix}i0", f"{prefix}qlen", f"{prefix}i2"],
-                              [sliced], name=f"{prefix}Slice")]
-    if not info["causal_rows"]:
-        inits += [_init(f"{prefix}calibrated_rows", np.array([info["beta_rows"]], np.int64)),
-                  _init(f"{prefix}{name}_head", head)]
-        nodes += [helper.make_node("Equal", [f"{prefix}qlen", f"{prefix}calibrated_rows"], [f"{prefix}at_rows"],
-                                   name=f"{prefix}Equal"),
-                  helper.make_node("Where", [f"{prefix}at_rows", sliced, f"{prefix}{name}_head"], [f"{prefix}{name}"],
-                                   name=f"{prefix}Where")]
-    return nodes, inits, f"{prefix}{name}"
+                     name: str, valid_b: str | None, opset: int) -> tuple[list, list, str]:
+    """Nodes picking each row's per-row value (``table``: [1, h, positions, 1], rows past the calibrated ones hold
+    the per-head value ``head``) as ``SoftmaxOutputQuantizer.beta_for`` does, into ``{prefix}{name}`` [B, h, q, 1]:
+    by :meth:`~softq.quant.quantizers.SoftmaxOutputQuantizer.row_slots`, the slot of a causal row is its number of
+    valid keys minus one, a bidirectional row's its index if it sees every key at the calibrated length; rows
+    without a slot (or past the table) take ``head``."""
+    from softq.export.int_softmax import _Builder
+
+    b = _Builder(f"{prefix}{name}_rows/", opset)
+    positions = table.shape[2]
+    table_t = np.concatenate([table, head], axis=2)[0, :, :, 0].T  # [positions + 1, h]: the last row is per-head
+    none = b.const("head_slot", positions, np.int64)
+    shape = b.op("Shape", [scores])
+    qlen = b.op("Gather", [shape, b.const("i2", [2], np.int64)], axis=0)
+    klen = b.op("Gather", [shape, b.const("i3", [3], np.int64)], axis=0)
+    count = None
+    if valid_b is not None:  # valid keys per row: [B', q'] (masks do not differ per head)
+        count = b.reduce("ReduceSum", b.op("Cast", [valid_b], to=TensorProto.INT64), -1)
+        count = b.op("Squeeze", [b.reduce("ReduceMax", count, 1), b.const("axes13", [1, 3], np.int64)])
+    if info["causal_rows"]:
+        if count is None:  # the causal triangle: row i is position klen - qlen + i
+            start = b.op("Sub", [klen, qlen])
+            count = b.op("Unsqueeze", [b.op("Add", [b.op("Range", [b.op("Squeeze", [start]), b.op("Squeeze", [klen]),
+                                                                      b.const("one", 1, np.int64)]),
+                                                     b.const("one1", 1, np.int64)]), b.const("axes0", [0], np.int64)])
+        slot = b.op("Sub", [count, b.const("one2", 1, np.int64)])
+        outside = b.op("Or", [b.op("Less", [slot, b.const("zero", 0, np.int64)]), b.op("Greater", [slot, b.const(
+            "last", positions - 1, np.int64)])])
+        slot = b.op("Where", [outside, none, slot])
+    else:
+        rows = b.op("Unsqueeze", [b.op("Range", [b.const("zero", 0, np.int64), b.op("Squeeze", [qlen]),
+                                                 b.const("one", 1, np.int64)]), b.const("axes0", [0], np.int64)])
+        fits = b.op("And", [b.op("Equal", [qlen, b.const("calibrated_rows", [info["beta_rows"]], np.int64)]),
+                            b.op("Equal", [qlen, klen])])
+        if count is not None:
+            fits = b.op("And", [fits, b.op("Equal", [count, klen])])
+        slot = b.op("Where", [fits, rows, none])
+    picked = b.op("Gather", [b.const("table", table_t, table_t.dtype), slot], axis=0)  # [B, q, h]
+    b.op("Unsqueeze", [b.op("Transpose", [picked], perm=[0, 2, 1]), b.const("axes3", [3], np.int64)],
+         out=f"{prefix}{name}")
+    return b.nodes, b.inits, f"{prefix}{name}"
 
 
-def _beta_nodes(prefix: str, info: dict[str, Any], scores: str, form: str) -> tuple[list, list, str | None, np.ndarray | None]:
+def _beta_nodes(prefix: str, info: dict[str, Any], scores: str, form: str, valid_b: str | None,
+                opset: int) -> tuple[list, list, str | None, np.ndarray | None]:
     """Nodes giving beta for the current query length, or a static beta for the int form.
 
     Returns (nodes, inits, beta tensor name or None, static beta array or None).
@@ -719,16 +741,17 @@ def _beta_nodes(prefix: str, info: dict[str, Any], scores: str, form: str) -> tu
     if static is not None:
         return [], [_init(f"{prefix}beta", static.astype(np.float32))], f"{prefix}beta", None
     nodes, inits, name = _rows_for_length(prefix, info, beta.astype(np.float32),
-                                          info["beta_head"].astype(np.float32), scores, "beta")
+                                          info["beta_head"].astype(np.float32), scores, "beta", valid_b, opset)
     return nodes, inits, name, None
 
 
-def _int_beta_rows(prefix: str, info: dict[str, Any], scores: str) -> tuple[list, list, str]:
+def _int_beta_rows(prefix: str, info: dict[str, Any], scores: str, valid_b: str | None,
+                   opset: int) -> tuple[list, list, str]:
     """Per-row rounding constants of the int form for the current query length (see :func:`_rows_for_length`)."""
     from softq.export.int_softmax import rounding_constants
 
     return _rows_for_length(prefix, info, rounding_constants(info["beta"]), rounding_constants(info["beta_head"]),
-                            scores, "round_point")
+                            scores, "round_point", valid_b, opset)
 
 
 def _edge_core(p: str, info: dict[str, Any], form: str, scores: str, valid_b: str | None, probs: str,
@@ -739,13 +762,13 @@ def _edge_core(p: str, info: dict[str, Any], form: str, scores: str, valid_b: st
         q = dataclasses.replace(q, out_signed=True)
     nodes: list[onnx.NodeProto] = []
     inits = [_init(f"{p}p_scale", OUT_SCALE), _init(f"{p}p_zp", np.array(q.out_zero_point, q.out_dtype))]
-    bnodes, binits, beta_name, beta_static = _beta_nodes(p, info, scores, form)
+    bnodes, binits, beta_name, beta_static = _beta_nodes(p, info, scores, form, valid_b, opset)
     nodes += bnodes
     inits += binits
     sm_beta = None
     if form == "int" and beta_static is not None:
         if beta_static.shape[2] > 1:  # per-row: the constants for the query length, picked at run time
-            rnodes, rinits, _ = _int_beta_rows(p, info, scores)
+            rnodes, rinits, _ = _int_beta_rows(p, info, scores, valid_b, opset)
             nodes += rnodes
             inits += rinits
             sm_beta = np.zeros((1, 1, 1, 1))  # placeholder, replaced below

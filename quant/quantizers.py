@@ -32,6 +32,10 @@ from softq.quant.config import SOFTMAX_OUTPUTS, SUM_OF_CODES, row_code_gain
 from softq.softmax import TINY
 
 Mode = Literal["float", "observe", "quant"]
+# float16 / bfloat16 activations are fake-quantized in float32 and cast back: the codes are then those of the
+# same values in float32 (what an exported float32 graph computes), and a row of zeros stays zeros (the TINY
+# clamps round to 0 in float16: 0 / 0)
+HALF = (torch.float16, torch.bfloat16)
 
 
 def _brevitas_int_quant(signed: bool) -> IntQuant:
@@ -106,6 +110,8 @@ class ActQuantizer(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "quant":
+            if x.dtype in HALF:
+                return self._forward(x.float()).to(x.dtype)
             if torch.is_grad_enabled():
                 return self.quant(self.scale, self.zero_point, self.bit_width, x)
             return self.fake_quant_inference(x)
@@ -161,7 +167,7 @@ class ActQuantizer(nn.Module):
 
     def int_repr(self, x: torch.Tensor) -> torch.Tensor:
         """Integer codes of ``x`` (what an integer runtime stores), for export and tests."""
-        return self.quant.to_int(self.scale, self.zero_point, self.bit_width, x)
+        return self.quant.to_int(self.scale, self.zero_point, self.bit_width, x.float() if x.dtype in HALF else x)
 
     def extra_repr(self) -> str:
         if self.scale.numel() > 1:
@@ -204,14 +210,17 @@ class RowScoresQuantizer(ActQuantizer):
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         if self.mode != "quant":
             return x
+        dtype = x.dtype
+        x = x.float() if dtype in HALF else x
         m = self.row_max(x, valid)
         r = self._forward(x - m)  # Brevitas' IntQuant (with gradients) or its in-place equal
         # code 0 (T or more below the max) means exp = 0, as in the integer forms' tables
         dropped = r <= -self.span * (1 - 1e-6)
-        return (r + m).masked_fill_(dropped, torch.finfo(x.dtype).min)
+        return (r + m).to(dtype).masked_fill_(dropped, torch.finfo(dtype).min)
 
     def int_repr(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """The codes ``x`` above (masked keys: whatever their score gives; exports make them 0)."""
+        x = x.float() if x.dtype in HALF else x
         return super().int_repr(x - self.row_max(x, valid))
 
     def extra_repr(self) -> str:
@@ -283,6 +292,8 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         self.measuring = False
         self._err_sum: torch.Tensor | None = None
         self._count: torch.Tensor | None = None
+        self._head_err: torch.Tensor | None = None
+        self._head_count: torch.Tensor | None = None
 
     def _scale_for(self, probs: torch.Tensor) -> torch.Tensor:
         if self.representation == "edge":
@@ -298,6 +309,7 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
 
     def int_repr(self, probs: torch.Tensor) -> torch.Tensor:
         """Integer codes of ``probs``: uniform codes (``edge``) or the row codes ``E`` (``row``, ``row_exact``, ``row_log``)."""
+        probs = probs.float() if probs.dtype in HALF else probs
         return self.quant.to_int(self._scale_for(probs), self.zero_point, self.bit_width, probs)
 
     def needs_probs(self) -> bool:
@@ -312,11 +324,13 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
             return probs
         if self.mode != "quant":
             return probs
+        if probs.dtype in HALF:
+            return self.forward(probs.float(), valid).to(probs.dtype)
         q = self.quantize(probs)
         if self.measuring:
             self._accumulate(probs, q, valid)
             return q
-        beta = self.beta_for(q)
+        beta = self.beta_for(q, valid)
         if beta is None:
             return q
         return q + beta if valid is None else q + beta * valid
@@ -329,52 +343,80 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
     def start_bias_measurement(self, granularity: str) -> None:
         self.granularity = granularity
         self.measuring = True
-        self._err_sum = self._count = None
+        self._err_sum = self._count = self._head_err = self._head_count = None
         self._lengths = set()
 
     def _accumulate(self, probs: torch.Tensor, q: torch.Tensor, valid: torch.Tensor | None) -> None:
         err = (probs - q).detach()
-        weight = torch.ones_like(err) if valid is None else torch.broadcast_to(valid, err.shape)
-        # Reduce to [heads, q_len]: sum over batch and keys.
-        err_hq = (err * weight).sum(dim=(0, 3))
-        cnt_hq = weight.sum(dim=(0, 3))
-        if self._err_sum is None or self._count is None:
-            self._err_sum, self._count = err_hq, cnt_hq
-        elif self._err_sum.shape == err_hq.shape:
-            self._err_sum = self._err_sum + err_hq
-            self._count = self._count + cnt_hq
-        else:  # calibration inputs of different lengths: keep the common rows
-            n = min(self._err_sum.shape[1], err_hq.shape[1])
-            self._err_sum = self._err_sum[:, :n] + err_hq[:, :n]
-            self._count = self._count[:, :n] + cnt_hq[:, :n]
+        weight = torch.ones_like(err) if valid is None else torch.broadcast_to(valid, err.shape).to(err.dtype)
+        # per (batch, head, row): summed over keys; per-row statistics go to each row's slot (its position)
+        err_bhq, cnt_bhq = (err * weight).sum(3), weight.sum(3)
+        self._head_err = err_bhq.sum((0, 2)) + (0 if self._head_err is None else self._head_err)
+        self._head_count = cnt_bhq.sum((0, 2)) + (0 if self._head_count is None else self._head_count)
+        slots = self.row_slots(valid, err.shape).expand(err.shape[0], err.shape[2])
+        size = max(err.shape[2], 0 if self._err_sum is None else self._err_sum.shape[1])
+        err_hs = err.new_zeros(err.shape[1], size + 1)  # the last column collects rows without a slot
+        cnt_hs = err.new_zeros(err.shape[1], size + 1)
+        index = torch.where(slots >= 0, slots, size).reshape(-1).repeat(err.shape[1], 1)
+        err_hs.scatter_add_(1, index, err_bhq.transpose(0, 1).reshape(err.shape[1], -1))
+        cnt_hs.scatter_add_(1, index, cnt_bhq.transpose(0, 1).reshape(err.shape[1], -1))
+        if self._err_sum is not None and self._count is not None:
+            err_hs[:, :self._err_sum.shape[1]] += self._err_sum
+            cnt_hs[:, :self._count.shape[1]] += self._count
+        self._err_sum, self._count = err_hs[:, :size], cnt_hs[:, :size]
         self._lengths.add(int(err.shape[-2]))
+
+    def row_slots(self, valid: torch.Tensor | None, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """[B, q_len] per-row correction slot of each row of a [b, h, q_len, k_len] output (B is b or 1); -1: none.
+
+        A causal row's slot is its position, counted as its number of valid keys minus one: the same row alone,
+        right- or left-padded in a batch, or a KV cache's query row gets the same one.  A bidirectional row has a
+        slot (its index) only if it sees every key of its row (no padding) at the length calibrated: a padded
+        sentence takes the per-head beta, as it does alone at its own length.
+        """
+        q_len, k_len = shape[-2], shape[-1]
+        if valid is None and self.causal_rows:  # the causal triangle (a KV cache's rows: the last positions)
+            count = torch.arange(k_len - q_len + 1, k_len + 1).unsqueeze(0)
+        elif valid is None:
+            count = torch.full((1, q_len), k_len, dtype=torch.long)
+        else:
+            count = (valid != 0).sum(-1, dtype=torch.long)  # [B', H', q'] (masks do not differ per head)
+            count = count.amax(1) if count.dim() == 3 else count.reshape(-1, count.shape[-1])
+            count = count.expand(count.shape[0], q_len)
+        if self.causal_rows:
+            return count - 1
+        rows = torch.arange(q_len, device=count.device).expand_as(count)
+        return torch.where((count == k_len) & (q_len == k_len), rows, -1)
 
     def finish_bias_measurement(self) -> None:
         err, count = self._err_sum, self._count
-        self._err_sum = self._count = None
+        head_err, head_count = self._head_err, self._head_count
+        self._err_sum = self._count = self._head_err = self._head_count = None
         self.measuring = False
-        if err is None or count is None or err.numel() == 0:
+        if err is None or count is None or head_err is None or head_count is None or err.numel() == 0:
             raise RuntimeError("softmax bias correction saw no calibration data")
+        per_head = (head_err / head_count.clamp_min(1)).reshape(1, -1, 1, 1)
         if self.granularity == "tensor":
-            beta = (err.sum() / count.sum().clamp_min(1)).reshape(1, 1, 1, 1)
+            beta = (head_err.sum() / head_count.sum().clamp_min(1)).reshape(1, 1, 1, 1)
         elif self.granularity == "head":
-            beta = (err.sum(1) / count.sum(1).clamp_min(1)).reshape(1, -1, 1, 1)
-        elif self.causal_rows or len(self._lengths) == 1:  # head_row
-            beta = (err / count.clamp_min(1)).reshape(1, err.shape[0], err.shape[1], 1)
+            beta = per_head
+        elif self.causal_rows or len(self._lengths) == 1:  # head_row: slots no calibration row filled take the head's
+            rows = torch.where(count > 0, err / count.clamp_min(1), per_head.reshape(-1, 1))
+            beta = rows.reshape(1, err.shape[0], err.shape[1], 1)
         else:  # a bidirectional row's error depends on the whole length: calibrated on several, no row is "the" row
-            beta = (err.sum(1) / count.sum(1).clamp_min(1)).reshape(1, -1, 1, 1)
+            beta = per_head
         self.beta = beta.to(self.scale.dtype)
-        self.beta_head = (err.sum(1) / count.sum(1).clamp_min(1)).reshape(1, -1, 1, 1).to(self.scale.dtype)
+        self.beta_head = per_head.to(self.scale.dtype)
 
-    def beta_for(self, q: torch.Tensor) -> torch.Tensor | None:
-        """The correction for a [b, h, q_len, k_len] output.
+    def beta_for(self, q: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The correction for a [b, h, q_len, k_len] output whose valid keys are ``valid`` (None: all).
 
-        Per-row beta (``head_row``) belongs to a row's position.  A causal model's row at position i sees
-        keys 0..i whatever the sequence's length, so rows keep their calibrated beta at any length, rows past
-        the calibrated ones take the per-head beta, and with a KV cache the ``q_len`` query rows are the
-        positions ``k_len - q_len`` onwards.  A bidirectional row sees the whole sequence: its per-row beta
-        holds at the calibrated length only, other lengths take the per-head beta for every row (calibrated on
-        several lengths, it is per-head: :meth:`finish_bias_measurement`).  The ONNX export computes the same
+        Per-row beta (``head_row``) belongs to a row's slot (:meth:`row_slots`).  A causal model's row at
+        position i sees keys 0..i whatever the sequence's length or padding, so rows keep their calibrated beta at
+        any length, padded or with a KV cache; positions past the calibrated ones take the per-head beta.  A
+        bidirectional row sees the whole sequence: its per-row beta holds at the calibrated length for unpadded
+        rows only, every other row takes the per-head beta (calibrated on several lengths, it is per-head:
+        :meth:`finish_bias_measurement`).  The ONNX export computes the same
         (``softq.export.model_export._beta_nodes``).
         """
         if self.beta.numel() == 0:
@@ -382,14 +424,12 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         rows = self.beta.shape[2]
         if rows == 1:
             return self.beta
-        q_len, k_len = q.shape[-2], q.shape[-1]
-        if not self.causal_rows:
-            return self.beta if q_len == rows == k_len else self.beta_head
-        start = max(k_len - q_len, 0)
-        beta = self.beta
-        if start + q_len > rows:
-            beta = torch.cat([beta, self.beta_head.expand(1, -1, start + q_len - rows, 1)], dim=2)
-        return beta[:, :, start:start + q_len]
+        slots = self.row_slots(valid, q.shape).to(self.beta.device)
+        if not self.causal_rows and q.shape[-2] != rows:
+            slots = torch.full_like(slots, -1)
+        slots = torch.where((slots >= 0) & (slots < rows), slots, rows)
+        table = torch.cat([self.beta, self.beta_head], dim=2)[0, :, :, 0]  # [h, rows + 1]: the last is per-head
+        return table[:, slots].permute(1, 0, 2).unsqueeze(-1)  # [B, h, q_len, 1]
 
     def extra_repr(self) -> str:
         corr = "none" if self.beta.numel() == 0 else f"{self.granularity} {tuple(self.beta.shape)}"

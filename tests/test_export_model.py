@@ -415,6 +415,30 @@ def test_head_row_correction_matches_torch_at_every_length(quantized, family):
             h.remove()
 
 
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_head_row_correction_of_padded_batches_matches_torch(quantized, family):
+    """A padded batch at the calibrated length (24): a left-padded GPT-2 sequence's rows take their positions'
+    beta (counted in valid keys), a right-padded BERT sentence's rows the per-head beta (as alone at its own
+    length), in torch and in the graph (qdq and int forms); the graph had picked by query length alone."""
+    model = quantized[(family, "head_row")]
+    inputs = tiny_inputs(family, batch=2, seq=24, seed=4)
+    mask = torch.ones_like(inputs["input_ids"])
+    if family == "gpt2":
+        mask[1, :9] = 0
+    else:
+        mask[1, 15:] = 0
+    inputs["attention_mask"] = mask
+    ref_logits, ref_probs = _torch_run(model, inputs)
+    valid = mask.numpy().astype(bool) if family == "gpt2" else np.ones(ref_logits.shape[0], bool)
+    for form in ("qdq", "int"):
+        outs = U.run(build_onnx(model, tiny_inputs(family), form, probs_outputs=True), _feeds(family, inputs), "all")
+        err = float(np.abs(outs[0] - ref_logits)[valid].max() / np.abs(ref_logits).max())
+        assert err <= (1e-4 if form == "qdq" else LOGIT_TOL), (form, err)
+        if form == "qdq":  # each row's beta (per-row and per-head ones differ by > 1e-5); float ties may flip a code
+            for p, r in zip(outs[1:], ref_probs):
+                assert (np.abs(p - r) <= 1e-6).mean() > 0.99, np.abs(p - r).max()
+
+
 def test_signed_scores_give_an_int8_qlinear_softmax():
     """Signed (symmetric) softmax inputs give an int8 QLinearSoftmax."""
     vit = softq.quantize(tiny_model("vit"), _calib("vit"), softq.QuantConfig(act_symmetric=True, softmax_output="edge",

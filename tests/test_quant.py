@@ -251,6 +251,28 @@ def test_cached_decoding_with_head_row_correction_equals_the_full_pass() -> None
     assert_cached_decoding_matches(qmodel, ids, prefix=8)
 
 
+@pytest.mark.parametrize("family, side", [("gpt2", "left"), ("gpt2", "right"), ("bert", "right")])
+def test_head_row_correction_is_the_same_for_a_sequence_alone_and_padded(family: str, side: str) -> None:
+    """Per-row beta went by the row's index in the padded tensor: a left-padded GPT-2 token took another
+    position's beta, and a BERT sentence right-padded to the calibrated length took per-row betas it does not
+    get alone (per-head at its own length): logits 0.08-0.14 apart, as much as the whole quantization error."""
+    calib = [tiny_inputs(family, seq=12, seed=s) for s in range(3)]
+    qmodel = softq.quantize(tiny_model(family), calib, softq.QuantConfig(bias_correction="head_row",
+                                                                          softmax_output="edge"))
+    ids = tiny_inputs(family, batch=2, seq=12, seed=7)["input_ids"]
+    mask = torch.ones_like(ids)
+    real = slice(4, 12) if side == "left" else slice(0, 8)
+    mask[1] = 0
+    mask[1, real] = 1
+    kwargs = {}
+    if family == "gpt2":  # as generate() pads decoder batches: positions count the real tokens only
+        kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        padded = qmodel(input_ids=ids, attention_mask=mask, **kwargs).logits[1, real]
+        alone = qmodel(input_ids=ids[1:, real]).logits[0]
+    torch.testing.assert_close(padded, alone, rtol=0, atol=1e-5)
+
+
 def test_bidirectional_head_row_calibrated_on_several_lengths_is_per_head() -> None:
     """A bidirectional row's rounding error depends on the sequence's length: calibrated on one length, per-row
     beta (used at that length); on several, no row of one length stands for the others: the per-head beta."""
@@ -424,6 +446,56 @@ def test_bfloat16_models_quantize(family: str) -> None:
     with torch.no_grad():
         ref, out = tiny_model(family)(**x).logits, q(**x).logits.float()
     assert torch.nn.functional.cosine_similarity(ref.flatten(), out.flatten(), dim=0) > 0.999
+
+
+@pytest.mark.parametrize("variant", ["2relu", "softpick", "2quad"])
+def test_float16_models_with_all_zero_probability_rows_stay_finite(variant: str) -> None:
+    """The softmax-output quantizer's floors (1e-12) round to 0 in float16: a row of zero probabilities (2ReLU or
+    softpick with no positive score, a left-padded 2Quad row) gave 0 / 0, and every logit of a float16 GPT-2 came
+    out NaN.  Half-precision points now quantize in float32 (the codes of the same values in float32)."""
+    from softq.attention import configure_attention
+
+    model = tiny_model("gpt2")
+    configure_attention(model, softmax=variant)
+    x = tiny_inputs("gpt2", seed=9)
+    x["attention_mask"] = torch.ones_like(x["input_ids"])
+    x["attention_mask"][0, : x["input_ids"].shape[1] // 2] = 0  # a left-padded row
+    with torch.no_grad():
+        ref = model(**x).logits
+    q = softq.quantize(model.to(torch.float16), calib_for("gpt2"), softq.QuantConfig(input_smoothing=None))
+    with torch.no_grad():
+        out = q(**x).logits.float()
+    valid = x["attention_mask"].bool()
+    assert torch.isfinite(out[valid]).all()
+    assert torch.nn.functional.cosine_similarity(ref[valid].flatten(), out[valid].flatten(), dim=0) > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_codes_are_the_float32_codes_of_the_same_values(dtype) -> None:
+    """Quantizer arithmetic in float16 / bfloat16 rounded 1-14% of the codes differently from float32 on the very same
+    values, so a half-precision model could not match its float32 export."""
+    from softq.quant.config import softmax_input_span
+    from softq.quant.quantizers import RowScoresQuantizer
+
+    g = torch.Generator().manual_seed(0)
+    s = (torch.randn(1, 2, 16, 512, generator=g) * 2 + 10).to(dtype)
+    valid = torch.ones(16, 512).tril(512 - 16)
+    rows = RowScoresQuantizer(8, softmax_input_span("row", 8))
+    out = SoftmaxOutputQuantizer(8, 2, "fixed", "row")
+    act = ActQuantizer(8, signed=True)
+    act.scale.fill_(0.037)
+    for point in (rows, out, act):
+        point.mode = "quant"
+    probs = torch.softmax(s.float(), -1).to(dtype)
+    assert torch.equal(rows.int_repr(s, valid), rows.int_repr(s.float(), valid))
+    assert torch.equal(out.int_repr(probs), out.int_repr(probs.float()))
+    assert torch.equal(act.int_repr(s), act.int_repr(s.float()))
+    with torch.no_grad():
+        ref = rows(s.float(), valid)  # dropped keys (code 0) are each dtype's lowest number
+        ref = ref.masked_fill(ref == torch.finfo(torch.float32).min, torch.finfo(dtype).min)
+        for got, ref in ((rows(s, valid), ref), (out(probs, None), out(probs.float(), None)), (act(s), act(s.float()))):
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, ref.to(dtype), rtol=0, atol=0)
 
 
 def test_integer_images_are_refused() -> None:
