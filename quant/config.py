@@ -143,11 +143,12 @@ class QuantConfig:
             ``head``, ``head_row``) or ``None`` for no correction (``edge`` and
             ``row_exact`` outputs; a ``row`` output's rows sum to 1, so its
             correction is zero).  ``head_row`` is per query position: a causal
-            model's calibrated rows keep theirs at any length (rows past them
-            take the per-head one; with a KV cache the query rows are their
-            positions), a bidirectional model's hold at the calibrated
-            length only, the per-head beta for every row otherwise (and
-            always when the calibration batches had several lengths).
+            model's row at position i (its valid keys minus one, so padding on
+            either side and a KV cache do not move it) keeps its calibrated beta
+            at any length (positions past them take the per-head one), a
+            bidirectional model's unpadded rows hold theirs at the calibrated
+            length only, every other row takes the per-head beta (always when
+            the calibration batches had several lengths).
         smoothquant_alpha: SmoothQuant migration strength in [0, 1] applied to
             Linear layers fed by a LayerNorm, or ``None`` to skip.
         input_smoothing: SmoothQuant's per-channel migration for any Linear input,
