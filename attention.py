@@ -210,8 +210,7 @@ def softq_attention(
         _check_prefix_rows(valid, points.prefix_rows)
     if points is not None and points.sink is not None:
         if valid is not None:
-            _check_prefix_rows(valid, 1, "has a constant attention sink at its first position (the [CLS] or first "
-                                        "token's keys and values)")
+            _check_prefix_rows(valid, 1, SINK_PADDING)
         key, value = points.sink(key, value)
 
     if points is not None and points.fast_training and module.training and _points_are_identity(points):
@@ -250,13 +249,32 @@ def _scores_point(points: AttentionPoints, scores: torch.Tensor, valid: torch.Te
     return points.scores(scores)
 
 
+SINK_PADDING = "has a constant attention sink at its first position (the [CLS] or first token's keys and values)"
+
+
+def prefix_padding(rows: int) -> str:
+    return (f"was quantized with residual scales of their own for its first {rows} position(s) (the special tokens, "
+            "QuantConfig.residual_prefix)")
+
+
+def right_padding_rows(model: nn.Module) -> tuple[int, str]:
+    """(first positions that must hold real tokens, why) of ``model``; (0, "") where padding may go either side.
+    The torch model refuses left-padded batches there (:func:`_check_prefix_rows`); exported files record it."""
+    points = [p for _, p in attention_points(model)]
+    rows = max((int(p.prefix_rows) for p in points), default=0)
+    if rows:
+        return rows, prefix_padding(rows)
+    if any(p.sink is not None for p in points):
+        return 1, SINK_PADDING
+    return 0, ""
+
+
 def _check_prefix_rows(valid: torch.Tensor, rows: int, why: str | None = None) -> None:
     """Refuse a batch whose special prefix tokens are not its first rows (left padding)."""
     keys = valid.reshape(-1, valid.shape[-1])
     padded_first = (keys[:, :rows] == 0).any(-1) & (keys[:, rows:] != 0).any(-1)
     if bool(padded_first.any()):
-        why = why or (f"was quantized with residual scales of their own for its first {rows} position(s) (the "
-                      f"special tokens, QuantConfig.residual_prefix)")
+        why = why or prefix_padding(rows)
         raise ValueError(f"a sequence of this batch is left-padded: the model {why}, so pad on the right "
                          f"(tokenizer.padding_side='right')")
 

@@ -998,6 +998,7 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
     check_exportable_ops(onnx_model, softmax)
     onnx_model.producer_name = "softq"
     _mark_max_length(onnx_model, qmodel, names)
+    _mark_right_padding(onnx_model, qmodel, names)
     onnx.checker.check_model(onnx_model, full_check=True)
     return onnx_model
 
@@ -1017,8 +1018,23 @@ def build_onnx_float(model: nn.Module, example_inputs: Any, pooling: str | None 
     _run_once(wrapper, feeds, "the float model")
     onnx_model = onnx_utils.drop_identity_casts(onnx_utils.prune(_trace(wrapper, feeds, names, outputs)))
     _mark_max_length(onnx_model, model, names)
+    _mark_right_padding(onnx_model, model, names)
     onnx.checker.check_model(onnx_model, full_check=True)
     return onnx_model
+
+
+def _mark_right_padding(onnx_model: onnx.ModelProto, model: nn.Module, names: list[str]) -> None:
+    """Record in the file's metadata that its first positions must hold real tokens, where the model says so
+    ([CLS] residual scales of their own, a constant attention sink): the torch model refuses left-padded batches,
+    a graph cannot, and would apply them to pad tokens; :func:`softq.export.runtimes.runner` refuses them."""
+    from softq.attention import right_padding_rows
+    from softq.export.runtimes import RIGHT_PADDING_KEY, RIGHT_PADDING_WHY_KEY
+
+    rows, why = right_padding_rows(model)
+    if rows and "attention_mask" in names:
+        for key, value in ((RIGHT_PADDING_KEY, str(rows)), (RIGHT_PADDING_WHY_KEY, why)):
+            entry = onnx_model.metadata_props.add()
+            entry.key, entry.value = key, value
 
 
 def _mark_max_length(onnx_model: onnx.ModelProto, model: nn.Module, names: list[str]) -> None:

@@ -31,6 +31,10 @@ import numpy as np
 
 RUNTIMES = ("onnxruntime", "tract", "openvino")
 MAX_LENGTH_KEY = "softq.max_length"  # metadata of softq's text files: the longest sequence the model takes
+# metadata of files whose first positions are special ([CLS] residual scales, a constant attention sink): the number
+# of those positions and why; left-padded batches are refused (the graph applies them to positions 0.., pad or not)
+RIGHT_PADDING_KEY = "softq.right_padding_rows"
+RIGHT_PADDING_WHY_KEY = "softq.right_padding_why"
 
 Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
 
@@ -101,6 +105,8 @@ class _Spec:
     bounds: dict[str, int]
     max_length: int | None
     dtypes: dict[str, np.dtype] = field(default_factory=dict)
+    prefix_rows: int = 0  # first positions that must hold real tokens (right padding only)
+    prefix_why: str = ""
 
 
 def _spec(path: str) -> _Spec:
@@ -130,7 +136,9 @@ def _spec(path: str) -> _Spec:
     length = meta.get(MAX_LENGTH_KEY)
     dtypes = {i.name: np.dtype(onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)) for i in inputs
               if i.type.tensor_type.elem_type}
-    return _Spec(names, dims, bounds, int(length) if length and length.isdigit() else None, dtypes)
+    rows = meta.get(RIGHT_PADDING_KEY, "")
+    return _Spec(names, dims, bounds, int(length) if length and length.isdigit() else None, dtypes,
+                 int(rows) if rows.isdigit() else 0, meta.get(RIGHT_PADDING_WHY_KEY, ""))
 
 
 def _check_feeds(spec: _Spec, feeds: object) -> dict[str, np.ndarray]:
@@ -168,6 +176,13 @@ def _check_feeds(spec: _Spec, feeds: object) -> dict[str, np.ndarray]:
             if name in arrays and arrays[name].ndim == 2 and arrays[name].shape[1] > spec.max_length:
                 raise ValueError(f"{name} has {arrays[name].shape[1]} tokens; this model takes at most "
                                  f"{spec.max_length} (its position table)")
+    mask = arrays.get("attention_mask")
+    if spec.prefix_rows and mask is not None and mask.ndim == 2:
+        keys = mask != 0
+        if ((~keys[:, :spec.prefix_rows]).any(-1) & keys[:, spec.prefix_rows:].any(-1)).any():
+            why = spec.prefix_why or "treats its first positions specially"
+            raise ValueError(f"attention_mask: a sequence of this batch is left-padded; the model {why}, so pad on "
+                             "the right (tokenizer.padding_side='right')")
     for name, rows in spec.bounds.items():
         ids = arrays[name]
         if ids.size and (ids.min() < 0 or ids.max() >= rows):
@@ -201,8 +216,10 @@ def runner(path: str | os.PathLike, runtime: str = "onnxruntime", threads: int =
     Feeds are checked first (one ``ValueError`` naming the input): every input of the file present and no other
     (``token_type_ids`` of all zeros aside: what the file computes), shapes of the declared rank with the fixed
     dimensions (a ViT's image size) and the dynamic ones agreeing between inputs, sequences no longer than the
-    model's position table (``softq.max_length`` in the file's metadata), and ids that index a table (token
-    ids) inside it.  Runtimes differ there: onnxruntime raises, OpenVINO reads out of bounds or reshapes and
+    model's position table (``softq.max_length`` in the file's metadata), ids that index a table (token
+    ids) inside it, and right padding where the model treats its first positions specially (``[CLS]``
+    residual scales, a constant attention sink: ``softq.right_padding_rows``; the torch model refuses left
+    padding there too, the graph would apply them to the pad tokens).  Runtimes differ there: onnxruntime raises, OpenVINO reads out of bounds or reshapes and
     returns numbers, tract aborts the process, ONNX's Gather takes negative ids as counted from the end, where
     the torch model raises, and an input the file does not take (a sentence pair's token types) would be
     ignored."""

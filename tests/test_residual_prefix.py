@@ -231,6 +231,36 @@ def test_left_padded_batch_is_refused_with_prefix_scales() -> None:
         q0(input_ids=x["input_ids"], attention_mask=left)  # no prefix scales: nothing to refuse
 
 
+def test_exported_file_with_prefix_scales_refuses_left_padding_in_the_runner(tmp_path) -> None:
+    """The torch model refuses left padding, but its ONNX file took it silently: the graph applies the [CLS] scales to
+    position 0, a pad token there (all-MiniLM-L6-v2 with them: embeddings at cosine 0.45-0.70 to FP32).  The file
+    now records its special positions and softq's runner refuses such a batch in one line."""
+    from softq.export import to_onnx
+    from softq.export.runtimes import RIGHT_PADDING_KEY, runner
+
+    model = tiny_model("bert")
+    x = tiny_inputs("bert", seed=3)
+    right = torch.ones_like(x["input_ids"])
+    right[0, 20:] = 0
+    left = right.flip(-1)
+    for prefix, refused in ((None, True), (0, False)):
+        q = softq.quantize(model, [tiny_inputs("bert", seed=s) for s in range(2)],
+                           RQ() if prefix is None else RQ(residual_prefix=prefix))
+        path = to_onnx(q, str(tmp_path / f"q{prefix}.onnx"), x)
+        import onnx
+
+        meta = {p.key: p.value for p in onnx.load(path, load_external_data=False).metadata_props}
+        assert (meta.get(RIGHT_PADDING_KEY) == "1") == refused
+        run = runner(path)
+        run({"input_ids": x["input_ids"].numpy(), "attention_mask": right.numpy()})
+        feeds = {"input_ids": x["input_ids"].numpy(), "attention_mask": left.numpy()}
+        if refused:
+            with pytest.raises(ValueError, match="left-padded; the model was quantized with residual scales"):
+                run(feeds)
+        else:
+            run(feeds)
+
+
 def test_softmax_input_range_comes_from_the_keys_a_row_can_see() -> None:
     """Masked scores (padding, a causal model's future) never reach the softmax, so they do not widen
     the softmax-input step."""
