@@ -81,7 +81,10 @@ def _example_inputs(model):  # noqa: ANN001, ANN202
         from softq.models import image_size
 
         return {"pixel_values": torch.zeros(1, int(getattr(cfg, "num_channels", 3)), *image_size(cfg))}
-    return {"input_ids": torch.arange(16).remainder(cfg.vocab_size).unsqueeze(0)}
+    from softq.models import max_tokens
+
+    length = min(16, max_tokens(cfg) or 16)  # a model of fewer positions gets an example it takes
+    return {"input_ids": torch.arange(length).remainder(cfg.vocab_size).unsqueeze(0)}
 
 
 def _config(args: argparse.Namespace):  # noqa: ANN202

@@ -625,7 +625,13 @@ def example_feeds(model: nn.Module, example_inputs: Any, names: list[str]) -> di
         example_inputs = {names[0]: example_inputs}
     if not isinstance(example_inputs, Mapping):
         raise ExportError(f"example_inputs must be a tensor or a dict of tensors, got {type(example_inputs).__name__}")
-    feeds = dict(example_inputs)
+    feeds = {}
+    for key, value in example_inputs.items():  # a tokenizer's return_tensors="np" arrays are taken as they are
+        if isinstance(value, np.ndarray) and value.dtype != object:
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        if not isinstance(value, torch.Tensor):
+            raise ExportError(f"example input {key!r} must be a tensor (or a numpy array), got {type(value).__name__}")
+        feeds[key] = value
     types = feeds.pop("token_type_ids", None)
     if types is not None and bool(types.any()):
         raise ExportError("example token_type_ids are not all 0: the exported graph takes one segment "
@@ -654,7 +660,9 @@ def example_feeds(model: nn.Module, example_inputs: Any, names: list[str]) -> di
         check_batch(model, {k: v for k, v in feeds.items() if k != "attention_mask"}, 0, "example input")
     except CalibrationDataError as err:
         raise ExportError(str(err)) from err
-    return {n: feeds[n] for n in names}
+    # the example's dtypes become the file's input types: the ones tokenizers and image processors give
+    # (int32 ids made a file that plain onnxruntime refuses int64 ids for; float64 pixels a double input)
+    return {n: feeds[n].to(torch.float32 if n == "pixel_values" else torch.int64) for n in names}
 
 
 def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str], outputs: list[str]) -> onnx.ModelProto:

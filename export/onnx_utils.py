@@ -28,6 +28,8 @@ FLOAT_OUTPUT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.Ten
 
 def check_writable(path: str | os.PathLike, overwrite: bool) -> Path:
     """Validate an output path before any work is done; returns it resolved."""
+    if str(path).endswith(("/", os.sep)):  # Path() drops the slash: "exports/" would be written as a file
+        raise ValueError(f"output path {path} names a directory; give a file name such as {Path(path) / 'model.onnx'}")
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"output path {path} is a directory; give a file name such as {path / 'model.onnx'}")

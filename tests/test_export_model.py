@@ -381,6 +381,37 @@ def test_cli_export(quantized, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "q"]
 
 
+def test_example_inputs_as_a_tokenizer_or_processor_gives_them(quantized, tmp_path, capsys):
+    """A dict of numpy arrays (return_tensors="np") failed with an AttributeError; int32 ids and float64 pixels
+    became the file's input types (plain onnxruntime then refused int64 ids); "dir/" was written as a file named
+    dir; softq export of a saved model with fewer than 16 positions failed on its own 16-token example."""
+    import transformers
+
+    from softq.cli import main
+    from softq.quant.io import save
+
+    gpt2, vit = quantized[("gpt2", "head")], quantized[("vit", "head")]
+    ids = tiny_inputs("gpt2", batch=1, seq=12, seed=8)["input_ids"]
+    path = to_onnx(gpt2, str(tmp_path / "np.onnx"), {"input_ids": ids.numpy().astype(np.int32),
+                                                     "attention_mask": np.ones((1, 12), np.int32)})
+    vit_path = to_onnx(vit, str(tmp_path / "vit.onnx"), tiny_inputs("vit")["pixel_values"].double())
+    types = {i.name: i.type.tensor_type.elem_type for p in (path, vit_path) for i in onnx.load(p).graph.input}
+    assert types == {"input_ids": onnx.TensorProto.INT64, "attention_mask": onnx.TensorProto.INT64,
+                     "pixel_values": onnx.TensorProto.FLOAT}
+    U.run(path, _feeds("gpt2", {"input_ids": ids}), "all")  # int64 ids, as a tokenizer gives them
+    with pytest.raises(ExportError, match="example input 'input_ids' must be a tensor"):
+        to_onnx(gpt2, str(tmp_path / "l.onnx"), {"input_ids": [[1, 2, 3]]})
+    with pytest.raises(ValueError, match="names a directory"):
+        to_onnx(gpt2, str(tmp_path / "exports") + "/", ids)
+    assert not (tmp_path / "exports").exists()
+    short = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=64, max_position_embeddings=8, num_labels=3, num_hidden_layers=1, num_attention_heads=2,
+        hidden_size=16, intermediate_size=32)).eval()
+    qshort = softq.quantize(short, [tiny_inputs("bert", seq=8, seed=s) for s in range(2)])
+    assert main(["export", str(save(qshort, tmp_path / "short")), "-o", str(tmp_path / "short.onnx")]) == 0, \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
 def test_head_row_correction_matches_torch_at_every_length(quantized, family):
     """Per-(head, row) beta in the graph is torch's function at lengths other than the calibration windows (24):
