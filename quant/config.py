@@ -372,6 +372,15 @@ class QuantConfig:
             raise ValueError(f"embedding_min_rows must be a positive integer, got {self.embedding_min_rows!r}")
         if self.bias_correction is not None and self.softmax_bits is None:
             raise ValueError("bias_correction corrects the quantized softmax output; it needs softmax_bits")
+        if self.softmax_bits is None and (self.softmax_input in ("row", "tensor") or self.softmax_scale != "fixed"):
+            what = (f"softmax_input={self.softmax_input!r}" if self.softmax_input in ("row", "tensor")
+                    else f"softmax_scale={self.softmax_scale!r}")
+            raise ValueError(f"{what} sets the grid of a quantized softmax; softmax_bits=None keeps the softmax "
+                             "(its scores and output) float, so it would do nothing: drop it or set softmax_bits")
+        if self.smoothing_into_v is True and (self.input_smoothing is None or not self.weight_per_channel):
+            why = ("input_smoothing=None leaves nothing to fold" if self.input_smoothing is None else
+                   "the fold needs per-channel weight codes (weight_per_channel=True)")
+            raise ValueError(f"smoothing_into_v=True moves the attention output's input smoothing into V; {why}")
         if self.quantize_residual != "auto" and not isinstance(self.quantize_residual, bool):
             raise ValueError(f"quantize_residual must be True, False or 'auto', got {self.quantize_residual!r}")
         if self.residual_groups != "auto" and (not isinstance(self.residual_groups, int)

@@ -140,6 +140,9 @@ def quantize(
     if is_quantized(model):
         raise ValueError("the model is already quantized (returned by softq.quantize); pass the float model")
     model_family(model)  # clear error for unsupported families before any work
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        raise ValueError("the model's weights are on the meta device (no values): load real weights first "
+                         "(e.g. from_pretrained without device_map='meta', or model.to_empty() and load_state_dict)")
     names = [name for name, _ in model.named_modules()]
     unmatched = [pattern for pattern in config.exclude if not any(pattern in name for name in names)]
     if unmatched:
@@ -653,7 +656,7 @@ def _try_forward(model: nn.Module, batch: Batch) -> None:
     not deep inside a pass (one example: a fraction of a calibration pass)."""
     try:
         run_batches(model, [{k: v[:1] for k, v in batch.items()}])
-    except (RuntimeError, IndexError, ValueError) as err:
+    except (RuntimeError, IndexError, ValueError, TypeError, AttributeError, KeyError) as err:
         shapes = {k: tuple(v.shape) for k, v in batch.items()}
         raise ValueError(f"calibration batch 0 with shapes {shapes} does not fit {type(model).__name__}: {err}") from err
 

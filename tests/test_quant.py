@@ -386,6 +386,22 @@ def test_bits_outside_2_to_16_are_refused(field: str, bits: int) -> None:
         softq.QuantConfig(**{field: bits})
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"softmax_bits": None, "softmax_input": "row"}, "softmax_input='row' sets the grid of a quantized softmax"),
+    ({"softmax_bits": None, "softmax_input": "tensor"}, "softmax_input='tensor' sets the grid"),
+    ({"softmax_bits": None, "softmax_output": "edge", "softmax_scale": "calibrated"}, "softmax_scale='calibrated'"),
+    ({"smoothing_into_v": True, "input_smoothing": None}, "input_smoothing=None leaves nothing to fold"),
+    ({"smoothing_into_v": True, "weight_per_channel": False}, "needs per-channel weight codes"),
+])
+def test_config_settings_that_would_do_nothing_are_refused(fields: dict, message: str) -> None:
+    """Accepted, and the model came out exactly as without them (the softmax stays float with softmax_bits=None;
+    no smoothing, or per-tensor weights, fold nothing into V), as bias_correction without softmax_bits is refused."""
+    with pytest.raises(ValueError, match=message):
+        softq.QuantConfig(**fields)
+    softq.QuantConfig(softmax_bits=None, softmax_input="float")  # says what softmax_bits=None does: fine
+    softq.QuantConfig(smoothing_into_v=True)  # input_smoothing="auto" may pick a smoothing to fold
+
+
 def test_inputs_that_do_not_fit_the_model_are_refused() -> None:
     with pytest.raises(CalibrationDataError, match="exceeds the model's 128 positions"):
         softq.quantize(tiny_model("gpt2"), [torch.randint(0, 64, (1, 200))])
@@ -496,6 +512,20 @@ def test_half_precision_codes_are_the_float32_codes_of_the_same_values(dtype) ->
         for got, ref in ((rows(s, valid), ref), (out(probs, None), out(probs.float(), None)), (act(s), act(s.float()))):
             assert got.dtype == dtype
             torch.testing.assert_close(got, ref.to(dtype), rtol=0, atol=0)
+
+
+def test_meta_weights_and_inputs_without_the_main_input_are_one_line() -> None:
+    """A meta-device model (or batch) failed 40 frames deep in an observer's .item(); a ViT given text batches with an
+    AttributeError inside transformers."""
+    with torch.device("meta"):
+        meta = tiny_model("bert")
+    with pytest.raises(ValueError, match="weights are on the meta device"):
+        softq.quantize(meta, calib_for("bert"))
+    ids = {k: v.to("meta") for k, v in calib_for("bert")[0].items()}
+    with pytest.raises(CalibrationDataError, match="'input_ids' is on the meta device"):
+        softq.quantize(tiny_model("bert"), [ids])
+    with pytest.raises(CalibrationDataError, match="has no 'pixel_values' .*ViTForImageClassification takes pixel_values"):
+        softq.quantize(tiny_model("vit"), calib_for("bert"))
 
 
 def test_integer_images_are_refused() -> None:
