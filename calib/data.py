@@ -54,13 +54,13 @@ def check_batch(model: nn.Module, batch: Mapping[str, torch.Tensor], index: int 
             raise CalibrationDataError(f"{what} {index}: '{key}' is a {type(value).__name__}, not a tensor")
         if value.is_meta:
             raise CalibrationDataError(f"{what} {index}: '{key}' is on the meta device (no values); pass real tensors")
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            bad = "NaN" if torch.isnan(value).any() else "Inf"
+            raise CalibrationDataError(f"{what} {index}: '{key}' contains {bad}")
     main_input = getattr(model, "main_input_name", "input_ids")
     if main_input not in batch and not (main_input == "input_ids" and "inputs_embeds" in batch):
         raise CalibrationDataError(f"{what} {index} has no '{main_input}' (it has {', '.join(map(repr, batch)) or 'no key'}): "
                                    f"{type(model).__name__} takes {main_input}")
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            bad = "NaN" if torch.isnan(value).any() else "Inf"
-            raise CalibrationDataError(f"{what} {index}: '{key}' contains {bad}")
     if "input_ids" in batch:
         ids = batch["input_ids"]
         if ids.dim() != 2:

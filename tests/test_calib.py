@@ -179,7 +179,7 @@ def test_smoothing_into_v_keeps_the_function_and_drops_the_cores_per_channel_div
     Linear that produces V (GPT-2: the V third of c_attn; BERT: value), found by value on a calibration batch.
     With every quantizer off the model computes what the unfolded one does (the fold is exact in float); its
     ONNX row cores divide by a scalar (no per-(head, channel) constant left) and match torch; it saves and
-    loads bit for bit; with per-tensor weight codes nothing is folded."""
+    loads bit for bit; with per-tensor weight codes (which it cannot fold into) it is refused."""
     from onnx import numpy_helper
 
     from softq.export.model_export import build_onnx
@@ -224,9 +224,8 @@ def test_smoothing_into_v_keeps_the_function_and_drops_the_cores_per_channel_div
     again = load(save(folded, tmp_path / "q"))
     with torch.no_grad():
         torch.testing.assert_close(again(**x)[0], quantized, rtol=0, atol=0)
-    per_tensor = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8, smoothing_into_v=True,
-                                                                weight_per_channel=False))
-    assert per_tensor.softq_smoothing_into_v == 0
+    with pytest.raises(ValueError, match="needs per-channel weight codes"):  # it folded nothing, without a word
+        softq.QuantConfig(input_smoothing=0.8, smoothing_into_v=True, weight_per_channel=False)
     with pytest.raises(ValueError, match="smoothing_into_v must be True, False or 'auto'"):
         softq.QuantConfig(smoothing_into_v="yes")
 
