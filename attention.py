@@ -16,6 +16,7 @@ registers the eager mask builder under the same name.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -55,7 +56,9 @@ class AttentionGate(nn.Module):
 
     def __init__(self, num_heads: int, head_dim: int, pi_init: float = 0.5) -> None:
         super().__init__()
-        if isinstance(pi_init, bool) or not isinstance(pi_init, (int, float)):
+        if isinstance(pi_init, torch.Tensor) and pi_init.numel() == 1:
+            pi_init = float(pi_init)
+        if isinstance(pi_init, bool) or not isinstance(pi_init, numbers.Real):  # numpy scalars are Real
             raise TypeError(f"gate pi_init must be a number in (0, 1), got {type(pi_init).__name__} {pi_init!r}")
         if not 0.0 < pi_init < 1.0:
             raise ValueError(f"gate pi_init must be in (0, 1), got {pi_init}")

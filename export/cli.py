@@ -91,7 +91,7 @@ def _config(args: argparse.Namespace):  # noqa: ANN202
     import softq
 
     # the int form of row codes indexes its tables by score codes: a model quantized here for it gets them
-    codes = args.softmax == "int" and args.softmax_output in ("row", "row_exact")
+    codes = args.softmax == "int" and args.softmax_output in ("row", "row_exact") and bool(args.softmax_bits)
     return softq.QuantConfig(bias_correction=args.bias_correction, softmax_output=args.softmax_output,
                              softmax_bits=args.softmax_bits or None, softmax_input="row" if codes else "auto")
 

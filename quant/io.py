@@ -140,11 +140,19 @@ def load(path: str | os.PathLike) -> nn.Module:
     raw.setdefault("softmax_input", "tensor")  # saved before the field existed: one calibrated grid per tensor
     raw.setdefault("weight_bias_correction", False)  # saved before the field existed: biases as trained
     raw.setdefault("smoothing_into_v", False)  # saved before the field existed: nothing folded into V
+    # settings a file may hold from before QuantConfig refused them as doing nothing: read as what they did
+    if raw.get("softmax_bits") is None:  # a float softmax: no softmax grid, whatever the file says
+        raw["softmax_input"] = "auto" if raw.get("softmax_input") in ("row", "tensor") else raw["softmax_input"]
+        raw["softmax_scale"] = "fixed"
+    if raw.get("smoothing_into_v") is True and (raw.get("input_smoothing") is None
+                                                or raw.get("weight_per_channel") is False):
+        raw["smoothing_into_v"] = False  # it folded nothing
     try:
         config = QuantConfig(**{**raw, "exclude": tuple(raw.get("exclude", ()))})
     except (TypeError, ValueError) as err:
         raise ValueError(f"{source / 'quant_config.json'}: {err}") from None
-    if config.softmax_input == "auto":  # "auto" meant "row" for row codes before it meant "float": the file's grid
+    if config.softmax_input == "auto" and config.softmax_bits is not None:  # "auto" meant "row" for row codes
+        # before it meant "float": the file's grid
         was = meta.get("softmax_input_resolved") or ("tensor" if config.softmax_output == "edge" else "row")
         if was != config.resolved_softmax_input:
             config = dataclasses.replace(config, softmax_input=was)

@@ -353,7 +353,7 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         err_bhq, cnt_bhq = (err * weight).sum(3), weight.sum(3)
         self._head_err = err_bhq.sum((0, 2)) + (0 if self._head_err is None else self._head_err)
         self._head_count = cnt_bhq.sum((0, 2)) + (0 if self._head_count is None else self._head_count)
-        slots = self.row_slots(valid, err.shape).expand(err.shape[0], err.shape[2])
+        slots = self.row_slots(valid, err.shape, err.device).expand(err.shape[0], err.shape[2])
         size = max(err.shape[2], 0 if self._err_sum is None else self._err_sum.shape[1])
         err_hs = err.new_zeros(err.shape[1], size + 1)  # the last column collects rows without a slot
         cnt_hs = err.new_zeros(err.shape[1], size + 1)
@@ -366,7 +366,8 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         self._err_sum, self._count = err_hs[:, :size], cnt_hs[:, :size]
         self._lengths.add(int(err.shape[-2]))
 
-    def row_slots(self, valid: torch.Tensor | None, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    def row_slots(self, valid: torch.Tensor | None, shape: torch.Size | tuple[int, ...],
+                  device: torch.device | str | None = None) -> torch.Tensor:
         """[B, q_len] per-row correction slot of each row of a [b, h, q_len, k_len] output (B is b or 1); -1: none.
 
         A causal row's slot is its position, counted as its number of valid keys minus one: the same row alone,
@@ -376,9 +377,9 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         """
         q_len, k_len = shape[-2], shape[-1]
         if valid is None and self.causal_rows:  # the causal triangle (a KV cache's rows: the last positions)
-            count = torch.arange(k_len - q_len + 1, k_len + 1).unsqueeze(0)
+            count = torch.arange(k_len - q_len + 1, k_len + 1, device=device).unsqueeze(0)
         elif valid is None:
-            count = torch.full((1, q_len), k_len, dtype=torch.long)
+            count = torch.full((1, q_len), k_len, dtype=torch.long, device=device)
         else:
             count = (valid != 0).sum(-1, dtype=torch.long)  # [B', H', q'] (masks do not differ per head)
             count = count.amax(1) if count.dim() == 3 else count.reshape(-1, count.shape[-1])
@@ -424,7 +425,7 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         rows = self.beta.shape[2]
         if rows == 1:
             return self.beta
-        slots = self.row_slots(valid, q.shape).to(self.beta.device)
+        slots = self.row_slots(valid, q.shape, self.beta.device).to(self.beta.device)
         if not self.causal_rows and q.shape[-2] != rows:
             slots = torch.full_like(slots, -1)
         slots = torch.where((slots >= 0) & (slots < rows), slots, rows)

@@ -149,6 +149,37 @@ def test_row_codes_round_trip_and_older_files_load_as_edge(tmp_path) -> None:
     assert {m.representation for m in old.modules() if hasattr(m, "representation")} == {"edge"}
 
 
+@pytest.mark.parametrize("saved", [
+    # accepted with softmax_bits=None before 2026-12-05 (the residual stream float, as in the saved model)
+    {"softmax_scale": "calibrated", "softmax_output": "edge", "quantize_residual": False},
+    {"softmax_input": "tensor"},
+    {"softmax_input": None},  # a file from before softmax_input existed (the field absent)
+])
+def test_float_softmax_files_with_settings_now_refused_still_load(tmp_path, saved) -> None:
+    """QuantConfig now refuses settings that did nothing (a softmax grid with softmax_bits=None, smoothing_into_v=True
+    with nothing to fold); files saved with them, or with defaults that now read as them, still load as what they
+    computed: load used to fail on its own default (softmax_input 'tensor' for a file without the field)."""
+    import json
+
+    calib = [tiny_inputs("bert", seed=s) for s in range(2)]
+    q = softq.quantize(tiny_model("bert"), calib, softq.QuantConfig(softmax_bits=None))
+    io.save(q, tmp_path / "q")
+    meta_path = tmp_path / "q" / "quant_config.json"
+    meta = json.loads(meta_path.read_text())
+    for key, value in {**saved, "smoothing_into_v": True, "input_smoothing": None}.items():
+        if value is None:
+            meta["quant_config"].pop(key)
+        else:
+            meta["quant_config"][key] = value
+    meta.pop("softmax_input_resolved", None)
+    del meta["digest"]  # an older file
+    meta_path.write_text(json.dumps(meta))
+    loaded = io.load(tmp_path / "q")
+    config = loaded.softq_quant_config
+    assert config.softmax_bits is None and config.softmax_scale == "fixed" and config.smoothing_into_v is False
+    assert config.softmax_input in ("auto", "float")
+
+
 def test_load_and_save_refuse_bad_input(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="missing config.json, quant_config.json, model.pt"):
         io.load(tmp_path)

@@ -235,6 +235,19 @@ def test_head_row_beta_follows_the_row_position() -> None:
     assert rows(3, 3) == [[-1] * 3, [-2] * 3]
     assert rows(5, 5) == [[-1] * 5, [-2] * 5]
 
+    def masked_rows(valid: torch.Tensor) -> list:
+        q_len, k_len = valid.shape[-2], valid.shape[-1]
+        return quantizer.beta_for(torch.zeros(valid.shape[0], 2, q_len, k_len), valid)[..., 0].tolist()
+
+    # padding: a row's slot is its number of valid keys (causal) or its index if it sees every key (bidirectional)
+    right = torch.tensor([1.0, 1, 1, 0]).expand(4, 4).reshape(1, 1, 4, 4)  # a 3-token sentence padded to 4
+    assert masked_rows(torch.cat([torch.ones(1, 1, 4, 4), right])) == [[[0, 1, 2, 3], [4, 5, 6, 7]],
+                                                                      [[-1] * 4, [-2] * 4]]  # as alone (length 3)
+    quantizer.causal_rows = True
+    left = torch.ones(4, 4).tril()
+    left[:, 0] = 0  # one pad token on the left: the real tokens are positions 0-2
+    assert masked_rows(left.reshape(1, 1, 4, 4))[0] == [[-1, 0, 1, 2], [-2, 4, 5, 6]]  # row 0 (padding): per-head
+
 
 def test_cached_decoding_with_head_row_correction_equals_the_full_pass() -> None:
     """With a KV cache the query rows are the last positions: they get those positions' beta (not row 0's).
@@ -255,7 +268,7 @@ def test_cached_decoding_with_head_row_correction_equals_the_full_pass() -> None
 def test_head_row_correction_is_the_same_for_a_sequence_alone_and_padded(family: str, side: str) -> None:
     """Per-row beta went by the row's index in the padded tensor: a left-padded GPT-2 token took another
     position's beta, and a BERT sentence right-padded to the calibrated length took per-row betas it does not
-    get alone (per-head at its own length): logits 0.08-0.14 apart, as much as the whole quantization error."""
+    get alone (per-head at its own length): padded and alone differed by as much as the quantization error."""
     calib = [tiny_inputs(family, seq=12, seed=s) for s in range(3)]
     qmodel = softq.quantize(tiny_model(family), calib, softq.QuantConfig(bias_correction="head_row",
                                                                           softmax_output="edge"))
@@ -402,6 +415,18 @@ def test_config_settings_that_would_do_nothing_are_refused(fields: dict, message
     softq.QuantConfig(smoothing_into_v=True)  # input_smoothing="auto" may pick a smoothing to fold
 
 
+def test_export_cli_config_for_a_float_softmax_sets_no_score_grid() -> None:
+    """softq export --softmax int --softmax-bits 0 asked QuantConfig for score codes of a float softmax, which it now
+    refuses with advice (drop softmax_input) the CLI gives no way to follow."""
+    import argparse
+
+    from softq.export.cli import _config
+
+    args = argparse.Namespace(softmax="int", softmax_output="row", softmax_bits=0, bias_correction=None)
+    assert _config(args).softmax_bits is None and _config(args).softmax_input == "auto"
+    assert _config(argparse.Namespace(**{**vars(args), "softmax_bits": 8})).softmax_input == "row"
+
+
 def test_inputs_that_do_not_fit_the_model_are_refused() -> None:
     with pytest.raises(CalibrationDataError, match="exceeds the model's 128 positions"):
         softq.quantize(tiny_model("gpt2"), [torch.randint(0, 64, (1, 200))])
@@ -488,8 +513,8 @@ def test_float16_models_with_all_zero_probability_rows_stay_finite(variant: str)
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_codes_are_the_float32_codes_of_the_same_values(dtype) -> None:
-    """Quantizer arithmetic in float16 / bfloat16 rounded 1-14% of the codes differently from float32 on the very same
-    values, so a half-precision model could not match its float32 export."""
+    """Quantizer arithmetic in float16 / bfloat16 rounded some codes differently from float32 on the very same values,
+    so a half-precision model could not match its float32 export."""
     from softq.quant.config import softmax_input_span
     from softq.quant.quantizers import RowScoresQuantizer
 

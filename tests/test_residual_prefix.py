@@ -233,7 +233,7 @@ def test_left_padded_batch_is_refused_with_prefix_scales() -> None:
 
 def test_exported_file_with_prefix_scales_refuses_left_padding_in_the_runner(tmp_path) -> None:
     """The torch model refuses left padding, but its ONNX file took it silently: the graph applies the [CLS] scales to
-    position 0, a pad token there (all-MiniLM-L6-v2 with them: embeddings at cosine 0.45-0.70 to FP32).  The file
+    position 0, a pad token there (all-MiniLM-L6-v2's embeddings far from FP32's).  The file
     now records its special positions and softq's runner refuses such a batch in one line."""
     from softq.export import to_onnx
     from softq.export.runtimes import RIGHT_PADDING_KEY, runner
