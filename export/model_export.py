@@ -784,6 +784,10 @@ def _edge_core(p: str, info: dict[str, Any], form: str, scores: str, valid_b: st
             sm_beta = beta_static
     g = build_softmax(form, f"{p}codes", f"{p}pcodes", q, axis=-1, valid=valid_b, beta=sm_beta,
                       prefix=f"{p}sm/", opset=opset)
+    if form == "int":
+        from softq.export.int_softmax import uses_int32
+
+        info["int64_core"] = not uses_int32(q, sm_beta)  # recorded in the file: OpenVINO computes int64 in int32
     if form == "int" and beta_static is not None and beta_static.shape[2] > 1:
         # point the softmax's rounding constant at the sliced per-row constants
         placeholder = next(i.name for i in g.initializers if "round_point" in i.name)
@@ -1007,6 +1011,11 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
     onnx_model.producer_name = "softq"
     _mark_max_length(onnx_model, qmodel, names)
     _mark_right_padding(onnx_model, qmodel, names)
+    if any(info.get("int64_core") for info in layers.values()):
+        from softq.export.runtimes import INT64_CORE_KEY
+
+        entry = onnx_model.metadata_props.add()
+        entry.key, entry.value = INT64_CORE_KEY, "true"
     onnx.checker.check_model(onnx_model, full_check=True)
     return onnx_model
 

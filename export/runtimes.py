@@ -35,6 +35,9 @@ MAX_LENGTH_KEY = "softq.max_length"  # metadata of softq's text files: the longe
 # of those positions and why; left-padded batches are refused (the graph applies them to positions 0.., pad or not)
 RIGHT_PADDING_KEY = "softq.right_padding_rows"
 RIGHT_PADDING_WHY_KEY = "softq.right_padding_why"
+# metadata of files whose integer softmax computes in int64 (the int form with bias correction or wider inputs):
+# OpenVINO's CPU plugin runs int64 arithmetic in int32, which overflows there (logits far off, no error)
+INT64_CORE_KEY = "softq.int64_softmax"
 
 Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
 
@@ -107,6 +110,7 @@ class _Spec:
     dtypes: dict[str, np.dtype] = field(default_factory=dict)
     prefix_rows: int = 0  # first positions that must hold real tokens (right padding only)
     prefix_why: str = ""
+    int64_core: bool = False
 
 
 def _spec(path: str) -> _Spec:
@@ -138,7 +142,8 @@ def _spec(path: str) -> _Spec:
               if i.type.tensor_type.elem_type}
     rows = meta.get(RIGHT_PADDING_KEY, "")
     return _Spec(names, dims, bounds, int(length) if length and length.isdigit() else None, dtypes,
-                 int(rows) if rows.isdigit() else 0, meta.get(RIGHT_PADDING_WHY_KEY, ""))
+                 int(rows) if rows.isdigit() else 0, meta.get(RIGHT_PADDING_WHY_KEY, ""),
+                 meta.get(INT64_CORE_KEY) == "true")
 
 
 def _check_feeds(spec: _Spec, feeds: object) -> dict[str, np.ndarray]:
@@ -228,6 +233,10 @@ def runner(path: str | os.PathLike, runtime: str = "onnxruntime", threads: int =
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive integer, got {threads!r}")
     spec = _spec(str(path))
+    if runtime == "openvino" and spec.int64_core:
+        raise ValueError(f"{path}: its integer softmax computes in int64 (the int form with bias correction or inputs "
+                         "wider than 8 bits), which OpenVINO's CPU plugin runs in int32 and overflows; run it in "
+                         "onnxruntime or tract, or export the qdq form")
     if runtime == "onnxruntime":
         run = _onnxruntime(str(path), threads)
     else:  # the file's input names (tract: in their order; OpenVINO: to find them among a port's names)

@@ -81,6 +81,24 @@ def test_whole_model_matches_onnxruntime(qmodels, tmp_path, runtime, model_key, 
 
 
 @pytest.mark.parametrize("runtime", OTHERS)
+def test_int64_integer_softmax_runs_in_tract_and_is_refused_by_openvino(tmp_path, runtime):
+    """The int form with bias correction computes in int64; OpenVINO's CPU plugin runs it in int32 and returned
+    logits far from onnxruntime's without an error.  The file says so in its metadata and the runner refuses it;
+    tract computes it as onnxruntime does."""
+    calib = [tiny_inputs("bert", seed=30 + i) for i in range(3)]
+    qmodel = softq.quantize(tiny_model("bert"), calib, softq.QuantConfig(softmax_output="edge", bias_correction="head"))
+    feeds = _feeds("bert", seed=5)
+    path = tmp_path / "m.onnx"
+    onnx.save(build_onnx(qmodel, {k: torch.from_numpy(v) for k, v in feeds.items()}, "int"), path)
+    if runtime == "openvino":
+        with pytest.raises(ValueError, match="computes in int64 .* OpenVINO's CPU plugin runs in int32"):
+            runtimes.runner(path, runtime)
+        return
+    ref = runtimes.runner(path, "onnxruntime")(feeds)[0]
+    assert np.abs(runtimes.runner(path, runtime)(feeds)[0] - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("runtime", OTHERS)
 @pytest.mark.parametrize("representation", ["row", "row_exact"])
 def test_row_int_core_matches_reference(tmp_path, runtime, representation):
     q = SoftmaxQuant(scale=0.05, zero_point=9)
