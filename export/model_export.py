@@ -492,12 +492,22 @@ def _max_positions(model: nn.Module) -> int:
     return max_tokens(getattr(model, "config", None)) or 4096
 
 
+def _float32(model: nn.Module) -> nn.Module:
+    """A float16 / bfloat16 model (a copy) as float32, exactly (its weights and scales are float32 values): the file
+    computes in float32, as runtimes run such graphs, so its outputs are the float32 model's (the half model's
+    within its own rounding)."""
+    halves = (torch.float16, torch.bfloat16)
+    if any(t.dtype in halves for t in (*model.parameters(), *model.buffers())):
+        model.float()
+    return model
+
+
 def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
                  embeddings: str | None = None) -> tuple[nn.Module, dict[int, dict[str, Any]]]:
     from softq.attention import attention_points
     from softq.quant.quantizers import QLinear
 
-    model = copy.deepcopy(qmodel).eval()
+    model = _float32(copy.deepcopy(qmodel).eval())
     layers: dict[int, dict[str, Any]] = {}
     for key, (name, points) in enumerate(attention_points(model)):
         layers[key] = info = _softmax_params(name, points, key)
@@ -1028,7 +1038,7 @@ def build_onnx_float(model: nn.Module, example_inputs: Any, pooling: str | None 
 
     if is_quantized(model):
         raise ExportError("build_onnx_float takes the float model; this one is quantized (use to_onnx)")
-    model = copy.deepcopy(model).eval()
+    model = _float32(copy.deepcopy(model).eval())
     configure_attention(model)
     wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
     feeds = example_feeds(model, example_inputs, names)
@@ -1093,7 +1103,8 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     the same integer Linear layers and Q/K/V codes and a float core (``Softmax`` over the
     valid keys, masked keys exactly 0, float ``MatMul`` with the dequantized V): no integer
     softmax, for runtimes with a fast float Softmax.  Batch and sequence
-    length are dynamic.  The file is written atomically and only after
+    length are dynamic; inputs are int64 ids and float32 images, and a float16 / bfloat16
+    model exports as its float32 equal (the same weights and scales, computed in float32).  The file is written atomically and only after
     ``onnx.checker.check_model(full_check=True)`` passed; an existing file is
     replaced only with ``overwrite=True``.  ``probs_outputs`` adds every layer's
     dequantized softmax output as an extra graph output (for parity checks).

@@ -412,6 +412,22 @@ def test_example_inputs_as_a_tokenizer_or_processor_gives_them(quantized, tmp_pa
         capsys.readouterr().err
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_models_export_as_float32_files(dtype):
+    """A float16 / bfloat16 quantized model failed to export ("m1 and m2 to have the same dtype"): the file is now
+    the float32 model's (its weights and scales exactly), within the half model's own rounding of it."""
+    model = tiny_model("gpt2").to(dtype)
+    q = softq.quantize(model, [tiny_inputs("gpt2", seed=s) for s in range(2)])
+    x = tiny_inputs("gpt2", seed=5)
+    graph = build_onnx(q, x)
+    assert {i.type.tensor_type.elem_type for i in graph.graph.output} == {onnx.TensorProto.FLOAT}
+    out = U.run(graph, _feeds("gpt2", x), "all")[0]
+    with torch.no_grad():
+        ref = q(**x).logits
+    assert ref.dtype == dtype  # the model itself stays as it was
+    assert np.abs(out - ref.float().numpy()).max() <= LOGIT_TOL * ref.float().abs().max().item()
+
+
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
 def test_head_row_correction_matches_torch_at_every_length(quantized, family):
     """Per-(head, row) beta in the graph is torch's function at lengths other than the calibration windows (24):
