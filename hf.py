@@ -126,8 +126,8 @@ def pooling_mode(cfg: Any, where: str) -> str:
     if "pooling_mode" in cfg:
         value = cfg["pooling_mode"]
         modes = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
-    else:
-        modes = [mode for key, mode in LEGACY_POOLING_KEYS.items() if cfg.get(key)]
+    else:  # no mode at all is mean, as sentence-transformers reads it
+        modes = [mode for key, mode in LEGACY_POOLING_KEYS.items() if cfg.get(key)] or ["mean"]
     if len(modes) != 1 or modes[0] not in POOLING_MODES:
         found = ", ".join(map(str, modes)) or "none"
         raise ModelDirError(f"{where}: sentence-transformers pooling {found} is not supported (softq computes one of "

@@ -95,6 +95,8 @@ def test_load_sentence_folder_pools_like_sentence_transformers(folder) -> None:
 @pytest.mark.parametrize("pooling_config, expected", [
     ({"embedding_dimension": 32, "pooling_mode": "cls", "include_prompt": True}, "cls"),  # sentence-transformers 6
     ({"pooling_mode": ["max"]}, "max"),
+    ({"word_embedding_dimension": 32}, "mean"),  # no mode: sentence-transformers' default
+    ({"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False}, "mean"),
     ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, "not supported"),  # concatenated: refused
     ({"pooling_mode": ["mean", "max"]}, "not supported"),
     ({"pooling_mode": "lasttoken"}, "lasttoken is not supported"),
