@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -331,6 +331,49 @@ def copy_sidecars(source: str | os.PathLike, target: str | os.PathLike) -> None:
 # ---------------------------------------------------------------------------
 # The real pretrained model shipped on PyPI
 # ---------------------------------------------------------------------------
+
+
+# -- sentence_transformers.SentenceTransformer objects ------------------------------------------------------------
+
+
+def is_sentence_transformer(model: Any) -> bool:
+    """Whether ``model`` is a ``sentence_transformers.SentenceTransformer`` (duck-typed, any version: a Sequential
+    whose first module holds the Hugging Face model as ``auto_model``, with ``encode``)."""
+    return (isinstance(model, nn.Sequential) and callable(getattr(model, "encode", None)) and len(model) > 0
+            and isinstance(getattr(model[0], "auto_model", None), nn.Module))
+
+
+def sentence_transformer_pooling(st: nn.Sequential) -> tuple[str, bool]:
+    """(pooling mode, normalize) of a SentenceTransformer, or one line for pipelines softq does not compute."""
+    pooling, normalize = None, False
+    for index, module in enumerate(list(st)[1:], 1):
+        kind = type(module).__name__
+        if kind == "Pooling" and pooling is None:
+            cfg = module.get_config_dict() if callable(getattr(module, "get_config_dict", None)) else {}
+            pooling = pooling_mode(cfg, "SentenceTransformer")
+        elif kind == "Normalize":
+            normalize = True
+        else:
+            raise ModelDirError(f"SentenceTransformer module {index} is a {kind}; softq computes only "
+                                f"{' -> '.join(SENTENCE_MODULES)} pipelines")
+    if pooling is None:
+        raise ModelDirError("the SentenceTransformer has no Pooling module: its output is not one sentence embedding")
+    return pooling, normalize
+
+
+def sentence_transformer_batches(st: nn.Sequential, data: Any, batch_size: int = 16) -> Any:
+    """Model inputs of the SentenceTransformer's Hugging Face model.  Texts (a list of strings) are tokenized as
+    ``st`` tokenizes them (its tokenizer, maximum length and casing), ``batch_size`` at a time; dicts keep their
+    tensors (a ``st.tokenize`` result's other entries dropped); anything else is passed on as it is."""
+    if isinstance(data, (list, tuple)) and data and all(isinstance(t, str) for t in data):
+        tokenize = getattr(st, "preprocess", None) or st.tokenize  # sentence-transformers 6 / earlier
+        keep = ("input_ids", "attention_mask", "token_type_ids")
+        return [{k: v for k, v in tokenize(list(data[i:i + batch_size])).items() if k in keep}
+                for i in range(0, len(data), batch_size)]
+    if isinstance(data, (list, tuple)):
+        return [{k: v for k, v in item.items() if isinstance(v, torch.Tensor)} if isinstance(item, Mapping) else item
+                for item in data]
+    return data
 
 
 def minilm_available() -> bool:

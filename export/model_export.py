@@ -1086,6 +1086,25 @@ def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> 
         raise ExportError(f"example inputs {shapes} do not fit {what}: {err}") from err
 
 
+def _unwrap_sentence_transformer(model: nn.Module, example_inputs: Any, pooling: str | None,
+                                 normalize: bool) -> tuple[nn.Module, Any, str | None, bool]:
+    """A ``sentence_transformers.SentenceTransformer`` as its Hugging Face model, its pooling and normalisation
+    (unless ``pooling`` is given) and, for example texts, the inputs it tokenizes them to; anything else as it is."""
+    from softq.hf import is_sentence_transformer, sentence_transformer_batches, sentence_transformer_pooling
+
+    if not is_sentence_transformer(model):
+        return model, example_inputs, pooling, normalize
+    if pooling is None:
+        pooling, normalize = sentence_transformer_pooling(model)
+    if isinstance(example_inputs, str):
+        example_inputs = [example_inputs]
+    if isinstance(example_inputs, (list, tuple)) and example_inputs and all(isinstance(t, str) for t in example_inputs):
+        example_inputs = sentence_transformer_batches(model, list(example_inputs), batch_size=len(example_inputs))[0]
+    elif isinstance(example_inputs, Mapping):  # st.tokenize's output: its non-array entries ("modality") dropped
+        example_inputs = {k: v for k, v in example_inputs.items() if not isinstance(v, (str, type(None)))}
+    return model[0].auto_model, example_inputs, pooling, normalize
+
+
 def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | None = None, overwrite: bool = False,
             probs_outputs: bool = False, weight_storage: str = "int8", embeddings: str | None = None,
             pooling: str | None = None, normalize: bool = False, linears: str = "integer",
@@ -1156,6 +1175,7 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     if names not in ("short", "full"):
         raise ValueError(f"names must be 'short' or 'full', got {names!r}")
     onnx_utils.check_writable(path, overwrite)  # fail before the (slow) export
+    qmodel, example_inputs, pooling, normalize = _unwrap_sentence_transformer(qmodel, example_inputs, pooling, normalize)
     model = build_onnx(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling, normalize,
                        linears)
     if names == "short":
@@ -1167,4 +1187,5 @@ def to_onnx_float(model: nn.Module, path: str, example_inputs: Any, overwrite: b
                   pooling: str | None = None, normalize: bool = False) -> str:
     """Export the float model with the same interface (the FP32 baseline of the benchmarks)."""
     onnx_utils.check_writable(path, overwrite)
+    model, example_inputs, pooling, normalize = _unwrap_sentence_transformer(model, example_inputs, pooling, normalize)
     return str(onnx_utils.save_atomic(build_onnx_float(model, example_inputs, pooling, normalize), path, overwrite))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -130,8 +131,13 @@ def quantize(
     ``calib_data`` is an iterable of model inputs (tensors taken as the main
     input, or dicts of keyword inputs).  The result is called and evaluated
     exactly like the original model.  The original is left untouched unless
-    ``inplace=True``.
+    ``inplace=True``.  A ``sentence_transformers.SentenceTransformer`` also takes a list of
+    texts: its Hugging Face model is quantized (:func:`_quantize_sentence_transformer`).
     """
+    from softq.hf import is_sentence_transformer
+
+    if is_sentence_transformer(model):
+        return _quantize_sentence_transformer(model, calib_data, config, inplace)
     config = QuantConfig() if config is None else config
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be a softq.QuantConfig, got a {type(config).__name__}")
@@ -242,6 +248,19 @@ def quantize(
     if config.bias_correction is not None:
         correct_softmax_bias(qmodel, batches, config.bias_correction)
     return qmodel
+
+
+def _quantize_sentence_transformer(st: nn.Module, calib_data: Any, config: QuantConfig | None, inplace: bool) -> nn.Module:
+    """:func:`quantize` for a ``sentence_transformers.SentenceTransformer``: its Hugging Face model quantized in a copy
+    (or in place), calibrated on texts tokenized as the SentenceTransformer does (or on its model inputs); the
+    result's ``encode`` runs the quantized model, and :func:`softq.export.to_onnx` exports it with its pooling."""
+    from softq.hf import sentence_transformer_batches, sentence_transformer_pooling
+
+    sentence_transformer_pooling(st)  # a pipeline softq does not compute: one line before any work
+    batches = sentence_transformer_batches(st, calib_data)
+    target = st if inplace else independent_copy(st)
+    quantize(target[0].auto_model, batches, config, inplace=True)
+    return target
 
 
 def smoothing_report(qmodel: nn.Module) -> str:
@@ -662,5 +681,9 @@ def _try_forward(model: nn.Module, batch: Batch) -> None:
 
 
 def is_quantized(model: nn.Module) -> bool:
-    """True for a model returned by :func:`quantize`."""
+    """True for a model returned by :func:`quantize` (a SentenceTransformer: its Hugging Face model)."""
+    from softq.hf import is_sentence_transformer
+
+    if is_sentence_transformer(model):
+        model = model[0].auto_model
     return isinstance(getattr(model, "softq_quant_config", None), QuantConfig)

@@ -129,21 +129,49 @@ def test_sentence_folder_with_other_modules_is_refused(tmp_path) -> None:
 def test_folder_saved_by_sentence_transformers_matches_its_encode(tmp_path) -> None:
     """A folder written by the installed sentence-transformers (``SentenceTransformer.save``) loads with its pooling,
     normalisation and maximum length, and softq's embedding is sentence-transformers' own."""
-    st_lib = pytest.importorskip("sentence_transformers")
-    try:  # sentence-transformers 6; before it, sentence_transformers.models
-        from sentence_transformers.sentence_transformer import modules
-    except ImportError:
-        from sentence_transformers import models as modules
-    source = sentence_folder(tmp_path / "source")
-    transformer = modules.Transformer(str(source), max_seq_length=48)
-    st = st_lib.SentenceTransformer(modules=[transformer, modules.Pooling(32, "cls"), modules.Normalize()],
-                                    device="cpu")
+    st = _sentence_transformer(sentence_folder(tmp_path / "source"), "normalize", pooling="cls", max_length=48)
     st.save(str(tmp_path / "saved"))
     loaded = hf.load_model_dir(tmp_path / "saved")
     assert (loaded.pooling, loaded.normalize, loaded.max_length) == ("cls", True, 48)
     sentences = texts(6, seed=3)
     ours = loaded.encode(loaded.batches(sentences, batch_size=4))
     torch.testing.assert_close(ours, st.encode(sentences, convert_to_tensor=True), atol=1e-5, rtol=1e-4)
+
+
+def _sentence_transformer(folder: Path, *extra: str, pooling: str = "mean", max_length: int = 32):
+    """A SentenceTransformer built with the installed library: ``folder``'s model, ``pooling``, then ``extra``
+    modules ("normalize", "dense")."""
+    st_lib = pytest.importorskip("sentence_transformers")
+    try:  # sentence-transformers 6; before it, sentence_transformers.models
+        from sentence_transformers.sentence_transformer import modules
+    except ImportError:
+        from sentence_transformers import models as modules
+    parts = [modules.Transformer(str(folder), max_seq_length=max_length), modules.Pooling(32, pooling)]
+    parts += [modules.Dense(32, 8) if name == "dense" else modules.Normalize() for name in extra]
+    return st_lib.SentenceTransformer(modules=parts, device="cpu")
+
+
+def test_quantize_and_export_a_sentence_transformer_object(folder, tmp_path) -> None:
+    """softq.quantize took a SentenceTransformer and failed on its calibration texts (or on st.tokenize's "modality"
+    entry); now it quantizes the Hugging Face model inside a copy, calibrated on texts tokenized as the
+    SentenceTransformer does, ``encode`` runs the quantized model, and to_onnx exports it with its pooling."""
+    from softq.export.runtimes import runner
+
+    st = _sentence_transformer(folder, "normalize")
+    sentences = texts(6, seed=11)
+    before = st.encode(sentences, convert_to_tensor=True)
+    q = softq.quantize(st, texts(24, seed=12))
+    assert q is not st and softq.quant.is_quantized(q) and not softq.quant.is_quantized(st)
+    torch.testing.assert_close(st.encode(sentences, convert_to_tensor=True), before)  # the original is untouched
+    ours = q.encode(sentences, convert_to_tensor=True)
+    assert torch.nn.functional.cosine_similarity(ours, before).min() > 0.99 and not torch.equal(ours, before)
+    path = to_onnx(q, str(tmp_path / "st.onnx"), sentences[:2])
+    feeds = {k: v.numpy() for k, v in st.tokenize(sentences).items() if k in ("input_ids", "attention_mask")}
+    hidden, embedding = runner(path)(feeds)
+    assert embedding.shape == (6, 32)
+    torch.testing.assert_close(torch.from_numpy(embedding), ours, atol=2e-3, rtol=0)
+    with pytest.raises(hf.ModelDirError, match="module 3 is a Dense; softq computes only"):
+        softq.quantize(_sentence_transformer(folder, "normalize", "dense"), texts(4, seed=1))
 
 
 def test_pydoc_splits_are_disjoint_and_retrieval_scores_itself() -> None:
