@@ -41,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_quant_options(r)
     r.add_argument("--plot", type=Path, default=Path("softq-report.png"), help="PNG to write (default: %(default)s)")
     r.add_argument("--no-sensitivity", action="store_true", help="skip the one-part-at-a-time sensitivity pass")
+    r.add_argument("--overwrite", action="store_true", help="replace existing plot files")
     r.set_defaults(handler=_report)
 
 
@@ -203,9 +204,11 @@ def _report(args: argparse.Namespace) -> int:
     bars = args.plot.with_name(f"{args.plot.stem}-sensitivity{args.plot.suffix}")
     if args.plot.suffix.lower() != ".png":
         raise ValueError(f"--plot {args.plot}: expected a .png file name")
-    for path in (args.plot, bars):
+    for path in (args.plot,) if args.no_sensitivity else (args.plot, bars):
         if path.is_dir():
             raise IsADirectoryError(f"--plot: {path} is a directory")
+        if path.exists() and not args.overwrite:
+            raise FileExistsError(f"--plot: {path} already exists; pass --overwrite to replace it")
         check_writable_parent(path)
     task = _task(args)
     qmodel = softq.quantize(task.model, task.calib, config)

@@ -56,6 +56,10 @@ def test_report_cli_prints_tables_and_writes_plot(tmp_path, capsys) -> None:
     assert "sink-rate" in text and "kurtosis" in text and "sensitivity: held-out loss (nats)" in text and "all (W8A8)" in text
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "r-sensitivity.png").read_bytes()[:4] == b"\x89PNG"
+    # an existing plot is kept unless asked (was replaced without a word), refused before any work
+    before = png.read_bytes()
+    assert main(["report", "lm", "--size", "tiny", "--eval-limit", "2", "--plot", str(png)]) == 1
+    assert "already exists; pass --overwrite" in capsys.readouterr().err and png.read_bytes() == before
 
 
 def test_quantize_cli_steps_selects_another_cached_model(tmp_path_factory, capsys) -> None:
