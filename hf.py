@@ -361,6 +361,40 @@ def sentence_transformer_pooling(st: nn.Sequential) -> tuple[str, bool]:
     return pooling, normalize
 
 
+def write_sentence_files(st: nn.Sequential, target: str | os.PathLike) -> None:
+    """The tokenizer and the sentence-transformers files (modules.json, the Pooling and Normalize folders, the
+    maximum length) of a SentenceTransformer, written into ``target`` next to its quantized model, as a
+    sentence-transformers folder has them: ``softq export --pooled`` and :func:`load_model_dir` read them."""
+    target = Path(target)
+    tokenizer = getattr(st, "tokenizer", None)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(target)
+    entries = []
+    for index, module in enumerate(st):
+        kind = type(module)
+        path = "" if index == 0 else f"{index}_{kind.__name__}"
+        entries.append({"idx": index, "name": str(index), "path": path, "type": f"{kind.__module__}.{kind.__name__}"})
+        if index:
+            (target / path).mkdir(parents=True, exist_ok=True)
+            module.save(str(target / path))
+    (target / "modules.json").write_text(json.dumps(entries, indent=2))
+    length = getattr(st, "max_seq_length", None)
+    if length:
+        (target / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": int(length)}, indent=2))
+
+
+def refuse_sentence_transformer_save(st: nn.Sequential) -> None:
+    """Make ``st.save`` / ``save_pretrained`` / ``push_to_hub`` of a quantized SentenceTransformer raise: they write
+    the float weights, which load back as a float model (its quantizers dropped as unexpected keys)."""
+    def refuse(*_args: Any, **_kwargs: Any) -> None:
+        raise ValueError("this SentenceTransformer is quantized by softq; its own save writes the float weights, "
+                         "which load back unquantized: use softq.quant.save(model, directory) (load with "
+                         "softq.quant.load; softq export DIRECTORY --pooled exports its embedding)")
+
+    for name in ("save", "save_pretrained", "push_to_hub"):
+        object.__setattr__(st, name, refuse)
+
+
 def sentence_transformer_batches(st: nn.Sequential, data: Any, batch_size: int = 16) -> Any:
     """Model inputs of the SentenceTransformer's Hugging Face model.  Texts (a list of strings) are tokenized as
     ``st`` tokenizes them (its tokenizer, maximum length and casing), ``batch_size`` at a time; dicts keep their

@@ -41,10 +41,17 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
 
     ``sidecars_from``: a Hugging Face model directory whose tokenizer and
     sentence-transformers files (pooling, normalisation) are copied along, so the
-    quantized directory is as usable as the original (``softq export --pooled``).
+    quantized directory is as usable as the original (``softq export --pooled``).  A quantized
+    ``SentenceTransformer`` is written as its Hugging Face model with its tokenizer and sentence files;
+    :func:`load` gives back the Hugging Face model.
     """
+    from softq.hf import is_sentence_transformer, write_sentence_files
+
     if not is_quantized(qmodel):
         raise ValueError("softq.quant.save expects a model returned by softq.quantize")
+    sentence = qmodel if is_sentence_transformer(qmodel) else None  # its model, tokenizer and pooling files
+    if sentence is not None:
+        qmodel = sentence[0].auto_model
     target = Path(path)
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists; pass overwrite=True (CLI: --overwrite) to replace it")
@@ -66,6 +73,8 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
             from softq.hf import copy_sidecars
 
             copy_sidecars(sidecars_from, tmp)
+        if sentence is not None:
+            write_sentence_files(sentence, tmp)
     return target
 
 

@@ -254,12 +254,13 @@ def _quantize_sentence_transformer(st: nn.Module, calib_data: Any, config: Quant
     """:func:`quantize` for a ``sentence_transformers.SentenceTransformer``: its Hugging Face model quantized in a copy
     (or in place), calibrated on texts tokenized as the SentenceTransformer does (or on its model inputs); the
     result's ``encode`` runs the quantized model, and :func:`softq.export.to_onnx` exports it with its pooling."""
-    from softq.hf import sentence_transformer_batches, sentence_transformer_pooling
+    from softq.hf import refuse_sentence_transformer_save, sentence_transformer_batches, sentence_transformer_pooling
 
     sentence_transformer_pooling(st)  # a pipeline softq does not compute: one line before any work
     batches = sentence_transformer_batches(st, calib_data)
     target = st if inplace else independent_copy(st)
     quantize(target[0].auto_model, batches, config, inplace=True)
+    refuse_sentence_transformer_save(target)
     return target
 
 

@@ -172,6 +172,17 @@ def test_quantize_and_export_a_sentence_transformer_object(folder, tmp_path) -> 
     torch.testing.assert_close(torch.from_numpy(embedding), ours, atol=2e-3, rtol=0)
     with pytest.raises(hf.ModelDirError, match="module 3 is a Dense; softq computes only"):
         softq.quantize(_sentence_transformer(folder, "normalize", "dense"), texts(4, seed=1))
+    # its own save wrote the float weights, which loaded back unquantized without a word: refused, softq's save
+    # writes a quantized directory with the tokenizer and sentence files
+    with pytest.raises(ValueError, match="use softq.quant.save"):
+        q.save(str(tmp_path / "st-save"))
+    saved = softq.quant.save(q, tmp_path / "q")
+    assert hf.sentence_pooling(saved) == ("mean", True)
+    loaded = softq.quant.load(saved)
+    batch = {k: v for k, v in st.tokenize(sentences).items() if k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        again = hf.pool(loaded(**batch).last_hidden_state, batch["attention_mask"], "mean", True)
+    torch.testing.assert_close(again, ours, atol=1e-6, rtol=0)
 
 
 def test_pydoc_splits_are_disjoint_and_retrieval_scores_itself() -> None:
