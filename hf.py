@@ -383,16 +383,18 @@ def write_sentence_files(st: nn.Sequential, target: str | os.PathLike) -> None:
         (target / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": int(length)}, indent=2))
 
 
+def _refuse_quantized_save(*_args: Any, **_kwargs: Any) -> None:
+    raise ValueError("this SentenceTransformer is quantized by softq; its own save writes the float weights, which "
+                     "load back unquantized: use softq.quant.save(model, directory) (load with softq.quant.load; "
+                     "softq export DIRECTORY --pooled exports its embedding)")
+
+
 def refuse_sentence_transformer_save(st: nn.Sequential) -> None:
     """Make ``st.save`` / ``save_pretrained`` / ``push_to_hub`` of a quantized SentenceTransformer raise: they write
-    the float weights, which load back as a float model (its quantizers dropped as unexpected keys)."""
-    def refuse(*_args: Any, **_kwargs: Any) -> None:
-        raise ValueError("this SentenceTransformer is quantized by softq; its own save writes the float weights, "
-                         "which load back unquantized: use softq.quant.save(model, directory) (load with "
-                         "softq.quant.load; softq export DIRECTORY --pooled exports its embedding)")
-
+    the float weights, which load back as a float model (its quantizers dropped as unexpected keys).  A module-level
+    function, so the model still pickles and deep-copies."""
     for name in ("save", "save_pretrained", "push_to_hub"):
-        object.__setattr__(st, name, refuse)
+        object.__setattr__(st, name, _refuse_quantized_save)
 
 
 def sentence_transformer_batches(st: nn.Sequential, data: Any, batch_size: int = 16) -> Any:
