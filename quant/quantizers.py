@@ -464,15 +464,19 @@ WEIGHT_SCALE_MIN = 1e-10  # Brevitas' scaling_min_val of Int8WeightPer{Channel,T
 def weight_codes(weight: torch.Tensor, bits: int, axis: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric narrow-range codes (as float) and scale of ``weight``: one scale per slice along ``axis``
     (``None``: one for the tensor), ``max(max|w|, 1e-10) / (2^(b-1) - 1)``, codes ``round(w / scale)``
-    clamped to +-(2^(b-1) - 1); the scale keeps dimensions so that ``codes * scale`` broadcasts."""
+    clamped to +-(2^(b-1) - 1); the scale keeps dimensions so that ``codes * scale`` broadcasts.  Computed in
+    float32 for float16 / bfloat16 weights and returned in their dtype: the 1e-10 floor is 0 in float16, and an
+    all-zero row (a padding token's embedding) gave 0 / 0 codes, NaN embeddings."""
     w = weight.detach()
+    dtype = w.dtype
+    w = w.float() if dtype in HALF else w
     if axis is None:
         absmax = w.abs().max()
     else:
         absmax = w.abs().amax(dim=tuple(d for d in range(w.dim()) if d != axis % w.dim()), keepdim=True)
     qmax = 2 ** (bits - 1) - 1
     scale = absmax.clamp_min(WEIGHT_SCALE_MIN) / qmax
-    return torch.clamp(torch.round(w / scale), -qmax, qmax), scale
+    return torch.clamp(torch.round(w / scale), -qmax, qmax).to(dtype), scale.to(dtype)
 
 
 def dequantized_weight(weight: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
@@ -481,6 +485,12 @@ def dequantized_weight(weight: torch.Tensor, bits: int, per_channel: bool) -> to
     (tests check equality with Brevitas bit for bit): :func:`weight_codes` per row (output channel) or tensor."""
     codes, scale = weight_codes(weight, bits, 0 if per_channel else None)
     return codes * scale
+
+
+def _straight_through(weight: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
+    """:func:`dequantized_weight` with the straight-through gradient (identity), for float16 weights, whose
+    Brevitas quantizer divides an all-zero row by a scale rounded to 0."""
+    return weight + (dequantized_weight(weight.detach(), bits, per_channel) - weight).detach()
 
 
 class WeightOnly(nn.Module):
@@ -578,6 +588,10 @@ class QLinear(_CopiedWeights, QuantLinear):
         if self.input_scale.numel():
             x = x * self.input_scale
         x = self.input_act(x)
+        if self.weight.dtype == torch.float16 and not self.weight_quant.disable_quant and torch.is_grad_enabled():
+            # Brevitas' 1e-10 scale floor is 0 in float16 (an all-zero row: NaN): the same codes, straight-through
+            return nn.functional.linear(x, _straight_through(self.weight, self.weight_bits, self.per_channel),
+                                        self.effective_bias())
         if self.training or torch.is_grad_enabled() or self.weight_quant.disable_quant:
             y = super().forward(x)
             return y + self.bias_shift if self.bias_shift.numel() and not self.weight_quant.disable_quant else y
@@ -632,6 +646,8 @@ class QEmbedding(_CopiedWeights, QuantEmbedding):
         if self.weight_quant.disable_quant:  # the float table (softq.quant.sensitivity)
             return self.weight
         if self.training or torch.is_grad_enabled() and self.weight.requires_grad:
+            if self.weight.dtype == torch.float16:  # Brevitas' scale floor is 0 in float16: a zero row (padding) NaN
+                return _straight_through(self.weight, self.bits, True)
             return self.quant_weight().value
         key = (self.weight._version, self.weight.data_ptr())
         if self._cache is None or self._cache[0] != key:

@@ -511,6 +511,26 @@ def test_float16_models_with_all_zero_probability_rows_stay_finite(variant: str)
     assert torch.nn.functional.cosine_similarity(ref[valid].flatten(), out[valid].flatten(), dim=0) > 0.99
 
 
+def test_float16_weights_with_all_zero_rows_stay_finite() -> None:
+    """A padding token's embedding row is all zeros (RoBERTa, nn.Embedding(padding_idx=...)); the weight scale floor
+    1e-10 rounds to 0 in float16, so its codes were 0 / 0: NaN embeddings for every padded sequence, with and
+    without gradients (Brevitas' quantizer on the gradient path)."""
+    model = tiny_model("roberta")
+    with torch.no_grad():
+        model.roberta.embeddings.word_embeddings.weight[1] = 0  # the padding row, as from_pretrained leaves it
+        model.classifier.dense.weight[3] = 0  # an all-zero output row of a Linear
+    q = softq.quantize(model.to(torch.float16), calib_for("roberta"))
+    x = tiny_inputs("roberta", seed=9)
+    x["attention_mask"] = torch.ones_like(x["input_ids"])
+    x["input_ids"][1, -4:], x["attention_mask"][1, -4:] = 1, 0  # padded with the pad id
+    with torch.no_grad():
+        ref = q(**x).logits
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(q(**x).logits.detach(), ref, rtol=0, atol=0)  # gradient path: the same codes
+    emb = q.roberta.embeddings.word_embeddings
+    assert not emb(torch.tensor([1])).any() and not q.classifier.dense.dequantized_weight()[3].any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_codes_are_the_float32_codes_of_the_same_values(dtype) -> None:
     """Quantizer arithmetic in float16 / bfloat16 rounded some codes differently from float32 on the very same values,
