@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -398,18 +399,26 @@ def refuse_sentence_transformer_save(st: nn.Sequential) -> None:
 
 
 def sentence_transformer_batches(st: nn.Sequential, data: Any, batch_size: int = 16) -> Any:
-    """Model inputs of the SentenceTransformer's Hugging Face model.  Texts (a list of strings) are tokenized as
-    ``st`` tokenizes them (its tokenizer, maximum length and casing), ``batch_size`` at a time; dicts keep their
-    tensors (a ``st.tokenize`` result's other entries dropped); anything else is passed on as it is."""
-    if isinstance(data, (list, tuple)) and data and all(isinstance(t, str) for t in data):
-        tokenize = getattr(st, "preprocess", None) or st.tokenize  # sentence-transformers 6 / earlier
-        keep = ("input_ids", "attention_mask", "token_type_ids")
-        return [{k: v for k, v in tokenize(list(data[i:i + batch_size])).items() if k in keep}
-                for i in range(0, len(data), batch_size)]
-    if isinstance(data, (list, tuple)):
-        return [{k: v for k, v in item.items() if isinstance(v, torch.Tensor)} if isinstance(item, Mapping) else item
-                for item in data]
-    return data
+    """Model inputs of the SentenceTransformer's Hugging Face model.  Texts (any iterable of strings: a list, a
+    generator, a numpy array) are tokenized as ``st`` tokenizes them (its tokenizer, maximum length and casing),
+    ``batch_size`` at a time; batches of texts (a DataLoader over texts) one batch each; dicts keep their tensors
+    (``st.tokenize``'s other entries dropped); anything else is passed on as it is (and checked there)."""
+    if isinstance(data, (str, bytes, torch.Tensor, Mapping)) or not isinstance(data, Iterable):
+        return data
+    items = list(data)
+    tokenize = getattr(st, "preprocess", None) or st.tokenize  # sentence-transformers 6 / earlier
+    keep = ("input_ids", "attention_mask", "token_type_ids")
+
+    def encode(texts: list[str]) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in tokenize([str(t) for t in texts]).items() if k in keep}
+
+    if items and all(isinstance(t, str) for t in items):
+        return [encode(items[i:i + batch_size]) for i in range(0, len(items), batch_size)]
+    if items and all(isinstance(b, (list, tuple)) and b and all(isinstance(t, str) for t in b) for b in items):
+        return [encode(list(b)) for b in items]
+    arrays = (torch.Tensor, np.ndarray)
+    return [{k: v for k, v in item.items() if isinstance(v, arrays)} if isinstance(item, Mapping) else item
+            for item in items]
 
 
 def minilm_available() -> bool:

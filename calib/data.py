@@ -36,6 +36,10 @@ def as_batches(model: nn.Module, data: Iterable[torch.Tensor | Mapping[str, torc
             batch = {main_input: item}
         elif isinstance(item, Mapping):
             batch = dict(item)
+        elif isinstance(item, str):
+            raise CalibrationDataError(f"calibration batch {index} is a text; texts are taken as they are only for a "
+                                       "SentenceTransformer (a list of texts); tokenize them for a Hugging Face model "
+                                       "(tokenizer(texts, padding=True, return_tensors='pt'))")
         else:
             raise CalibrationDataError(f"calibration batch {index} is a {type(item).__name__}; expected a tensor or a dict of tensors")
         check_batch(model, batch, index)

@@ -631,7 +631,7 @@ def example_feeds(model: nn.Module, example_inputs: Any, names: list[str]) -> di
     """Normalise and check example inputs: a tensor (main input) or a dict of tensors."""
     from softq.calib.data import CalibrationDataError, check_batch
 
-    if isinstance(example_inputs, torch.Tensor):
+    if isinstance(example_inputs, (torch.Tensor, np.ndarray)):
         example_inputs = {names[0]: example_inputs}
     if not isinstance(example_inputs, Mapping):
         raise ExportError(f"example_inputs must be a tensor or a dict of tensors, got {type(example_inputs).__name__}")
@@ -1094,14 +1094,32 @@ def _unwrap_sentence_transformer(model: nn.Module, example_inputs: Any, pooling:
 
     if not is_sentence_transformer(model):
         return model, example_inputs, pooling, normalize
-    if pooling is None:
-        pooling, normalize = sentence_transformer_pooling(model)
+    own, own_normalize = sentence_transformer_pooling(model)
+    if pooling is not None and pooling != own:
+        raise ExportError(f"the SentenceTransformer pools with '{own}'; its file carries that pooling (leave pooling "
+                          f"unset), got pooling={pooling!r}")
+    pooling, normalize = own, own_normalize
+    prompt, dims = getattr(model, "default_prompt_name", None), getattr(model, "truncate_dim", None)
+    notes = [("its Pooling leaves prompt tokens out (include_prompt=False); the file pools every token it is given: "
+              "the same embedding as encode for texts without a prompt", any(getattr(m, "include_prompt", True) is False
+                                                                          for m in model)),
+             (f"encode prepends the default prompt {prompt!r}; the file embeds what it is given: prepend it to the "
+              "texts you tokenize", prompt is not None),
+             (f"encode keeps the first {dims} dimensions (truncate_dim); the file outputs all of them: take "
+              f"[:, :{dims}]", dims is not None)]
+    for note, applies in notes:
+        if applies:
+            warnings.warn(f"SentenceTransformer export: {note}", UserWarning, stacklevel=3)
     if isinstance(example_inputs, str):
         example_inputs = [example_inputs]
-    if isinstance(example_inputs, (list, tuple)) and example_inputs and all(isinstance(t, str) for t in example_inputs):
-        example_inputs = sentence_transformer_batches(model, list(example_inputs), batch_size=len(example_inputs))[0]
-    elif isinstance(example_inputs, Mapping):  # st.tokenize's output: its non-array entries ("modality") dropped
-        example_inputs = {k: v for k, v in example_inputs.items() if not isinstance(v, (str, type(None)))}
+    if isinstance(example_inputs, Mapping):  # st.tokenize / preprocess output: only its arrays are model inputs
+        example_inputs = {k: v for k, v in example_inputs.items() if isinstance(v, (torch.Tensor, np.ndarray))}
+    elif not isinstance(example_inputs, (torch.Tensor, np.ndarray)):  # texts (any iterable), or a list of one dict
+        batches = sentence_transformer_batches(model, example_inputs, batch_size=1 << 30)
+        if not isinstance(batches, list) or len(batches) != 1 or not isinstance(batches[0], Mapping):
+            raise ExportError("example_inputs of a SentenceTransformer: texts (a list of strings), its tokenize "
+                              "output, or a tensor of token ids")
+        example_inputs = {k: v for k, v in batches[0].items() if isinstance(v, (torch.Tensor, np.ndarray))}
     return model[0].auto_model, example_inputs, pooling, normalize
 
 

@@ -20,6 +20,7 @@ import transformers
 import softq
 from softq import hf
 from softq.calib import diagnostics
+from softq.calib.data import CalibrationDataError
 from softq.cli import main
 from softq.export import to_onnx, to_onnx_float
 from softq.export.onnx_utils import session
@@ -176,6 +177,21 @@ def test_quantize_and_export_a_sentence_transformer_object(folder, tmp_path) -> 
     # writes a quantized directory with the tokenizer and sentence files
     with pytest.raises(ValueError, match="use softq.quant.save"):
         q.save(str(tmp_path / "st-save"))
+    # calibration texts from any iterable (a generator, a DataLoader over texts); the export keeps the
+    # SentenceTransformer's pooling (another one refused: it dropped its Normalize) and says what encode does that
+    # the file does not (truncate_dim)
+    again = softq.quantize(st, (t for t in texts(24, seed=12)))
+    torch.testing.assert_close(again.encode(sentences, convert_to_tensor=True), ours, rtol=0, atol=0)
+    loader = torch.utils.data.DataLoader(texts(24, seed=12), batch_size=16)
+    torch.testing.assert_close(softq.quantize(st, loader).encode(sentences, convert_to_tensor=True), ours)
+    with pytest.raises(softq.export.ExportError, match="pools with 'mean'"):
+        to_onnx(q, str(tmp_path / "cls.onnx"), sentences[:2], pooling="cls")
+    q.truncate_dim = 8
+    with pytest.warns(UserWarning, match=r"take \[:, :8\]"):
+        to_onnx(q, str(tmp_path / "t.onnx"), (t for t in sentences[:2]))
+    q.truncate_dim = None
+    with pytest.raises(CalibrationDataError, match="is a text; texts are taken as they are only for a SentenceTransformer"):
+        softq.quantize(q[0].auto_model.__class__(q[0].auto_model.config), sentences)
     saved = softq.quant.save(q, tmp_path / "q")
     assert hf.sentence_pooling(saved) == ("mean", True)
     loaded = softq.quant.load(saved)
