@@ -365,7 +365,8 @@ def sentence_transformer_pooling(st: nn.Sequential) -> tuple[str, bool]:
 def write_sentence_files(st: nn.Sequential, target: str | os.PathLike) -> None:
     """The tokenizer and the sentence-transformers files (modules.json, the Pooling and Normalize folders, the
     maximum length) of a SentenceTransformer, written into ``target`` next to its quantized model, as a
-    sentence-transformers folder has them: ``softq export --pooled`` and :func:`load_model_dir` read them."""
+    sentence-transformers folder has them: ``softq export DIR --pooled`` and :func:`sentence_pooling` read them
+    (:func:`softq.quant.load` loads the model)."""
     target = Path(target)
     tokenizer = getattr(st, "tokenizer", None)
     if tokenizer is not None:

@@ -989,6 +989,8 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
             f"{type(qmodel).__name__} was not quantized by softq (no softq_quant_config); run softq.quantize(model, "
             "calib_data) first, or use softq.export.to_onnx_float for a float model"
         )
+    # a SentenceTransformer: its Hugging Face model, pooling and normalisation; example texts tokenized as it does
+    qmodel, example_inputs, pooling, normalize = _unwrap_sentence_transformer(qmodel, example_inputs, pooling, normalize)
     model, layers = _export_copy(qmodel, weight_storage, embeddings)
     representations = list(dict.fromkeys(info["representation"] for info in layers.values()))
     softmax = softmax or FORMS_FOR[representations[0]][0]
@@ -1038,6 +1040,7 @@ def build_onnx_float(model: nn.Module, example_inputs: Any, pooling: str | None 
 
     if is_quantized(model):
         raise ExportError("build_onnx_float takes the float model; this one is quantized (use to_onnx)")
+    model, example_inputs, pooling, normalize = _unwrap_sentence_transformer(model, example_inputs, pooling, normalize)
     model = _float32(copy.deepcopy(model).eval())
     configure_attention(model)
     wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
@@ -1088,8 +1091,9 @@ def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> 
 
 def _unwrap_sentence_transformer(model: nn.Module, example_inputs: Any, pooling: str | None,
                                  normalize: bool) -> tuple[nn.Module, Any, str | None, bool]:
-    """A ``sentence_transformers.SentenceTransformer`` as its Hugging Face model, its pooling and normalisation
-    (unless ``pooling`` is given) and, for example texts, the inputs it tokenizes them to; anything else as it is."""
+    """A ``sentence_transformers.SentenceTransformer`` as its Hugging Face model, its own pooling and normalisation
+    (another ``pooling``, or ``normalize`` without its Normalize module, refused) and, for example texts, the inputs
+    it tokenizes them to; anything else as it is."""
     from softq.hf import is_sentence_transformer, sentence_transformer_batches, sentence_transformer_pooling
 
     if not is_sentence_transformer(model):
@@ -1098,8 +1102,12 @@ def _unwrap_sentence_transformer(model: nn.Module, example_inputs: Any, pooling:
     if pooling is not None and pooling != own:
         raise ExportError(f"the SentenceTransformer pools with '{own}'; its file carries that pooling (leave pooling "
                           f"unset), got pooling={pooling!r}")
+    if normalize and not own_normalize:
+        raise ExportError("the SentenceTransformer has no Normalize module: its embeddings are not normalised "
+                          "(leave normalize unset, or add the module to the SentenceTransformer)")
     pooling, normalize = own, own_normalize
     prompt, dims = getattr(model, "default_prompt_name", None), getattr(model, "truncate_dim", None)
+    prompt = (getattr(model, "prompts", None) or {}).get(prompt, prompt) if prompt is not None else None
     notes = [("its Pooling leaves prompt tokens out (include_prompt=False); the file pools every token it is given: "
               "the same embedding as encode for texts without a prompt", any(getattr(m, "include_prompt", True) is False
                                                                           for m in model)),
@@ -1179,6 +1187,8 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     (the torch model then differs slightly); ``"float"`` stores quantized tables
     dequantized (same outputs, larger file).
 
+    A quantized ``sentence_transformers.SentenceTransformer`` exports as its Hugging Face model with its own
+    pooling and normalisation; its example inputs may be texts.
     Models with a head output ``logits``.  Headless encoders (``BertModel``...)
     output ``last_hidden_state``; with ``pooling`` ("mean", "cls", "max") they also
     output ``sentence_embedding`` (L2-normalised with ``normalize``), what a
@@ -1193,7 +1203,6 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     if names not in ("short", "full"):
         raise ValueError(f"names must be 'short' or 'full', got {names!r}")
     onnx_utils.check_writable(path, overwrite)  # fail before the (slow) export
-    qmodel, example_inputs, pooling, normalize = _unwrap_sentence_transformer(qmodel, example_inputs, pooling, normalize)
     model = build_onnx(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling, normalize,
                        linears)
     if names == "short":
@@ -1205,5 +1214,4 @@ def to_onnx_float(model: nn.Module, path: str, example_inputs: Any, overwrite: b
                   pooling: str | None = None, normalize: bool = False) -> str:
     """Export the float model with the same interface (the FP32 baseline of the benchmarks)."""
     onnx_utils.check_writable(path, overwrite)
-    model, example_inputs, pooling, normalize = _unwrap_sentence_transformer(model, example_inputs, pooling, normalize)
     return str(onnx_utils.save_atomic(build_onnx_float(model, example_inputs, pooling, normalize), path, overwrite))

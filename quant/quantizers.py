@@ -488,8 +488,10 @@ def dequantized_weight(weight: torch.Tensor, bits: int, per_channel: bool) -> to
 
 
 def _straight_through(weight: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
-    """:func:`dequantized_weight` with the straight-through gradient (identity), for float16 weights, whose
-    Brevitas quantizer divides an all-zero row by a scale rounded to 0."""
+    """:func:`dequantized_weight` with an identity (straight-through) gradient, for float16 / bfloat16 weights: Brevitas'
+    quantizer divides a float16 all-zero row by a scale rounded to 0, and rounds bfloat16 codes differently from
+    float32.  Brevitas also differentiates through each row's abs-max scale; this gradient does not (softq trains
+    no quantized weights: bias and scale calibration read the dequantized weights)."""
     return weight + (dequantized_weight(weight.detach(), bits, per_channel) - weight).detach()
 
 
@@ -588,8 +590,10 @@ class QLinear(_CopiedWeights, QuantLinear):
         if self.input_scale.numel():
             x = x * self.input_scale
         x = self.input_act(x)
-        if self.weight.dtype == torch.float16 and not self.weight_quant.disable_quant and torch.is_grad_enabled():
-            # Brevitas' 1e-10 scale floor is 0 in float16 (an all-zero row: NaN): the same codes, straight-through
+        if self.weight.dtype in HALF and not self.weight_quant.disable_quant and (self.training
+                                                                                  or torch.is_grad_enabled()):
+            # Brevitas' half arithmetic: its 1e-10 scale floor is 0 in float16 (an all-zero row: NaN), and bfloat16
+            # codes differ from float32's; the inference path's codes, straight-through
             return nn.functional.linear(x, _straight_through(self.weight, self.weight_bits, self.per_channel),
                                         self.effective_bias())
         if self.training or torch.is_grad_enabled() or self.weight_quant.disable_quant:
@@ -646,7 +650,7 @@ class QEmbedding(_CopiedWeights, QuantEmbedding):
         if self.weight_quant.disable_quant:  # the float table (softq.quant.sensitivity)
             return self.weight
         if self.training or torch.is_grad_enabled() and self.weight.requires_grad:
-            if self.weight.dtype == torch.float16:  # Brevitas' scale floor is 0 in float16: a zero row (padding) NaN
+            if self.weight.dtype in HALF:  # Brevitas' scale floor is 0 in float16 (a zero row, padding: NaN)
                 return _straight_through(self.weight, self.bits, True)
             return self.quant_weight().value
         key = (self.weight._version, self.weight.data_ptr())

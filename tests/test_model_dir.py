@@ -186,6 +186,11 @@ def test_quantize_and_export_a_sentence_transformer_object(folder, tmp_path) -> 
     torch.testing.assert_close(softq.quantize(st, loader).encode(sentences, convert_to_tensor=True), ours)
     with pytest.raises(softq.export.ExportError, match="pools with 'mean'"):
         to_onnx(q, str(tmp_path / "cls.onnx"), sentences[:2], pooling="cls")
+    unnormalised = softq.quantize(_sentence_transformer(folder), texts(8, seed=3))
+    with pytest.raises(softq.export.ExportError, match="has no Normalize module"):
+        to_onnx(unnormalised, str(tmp_path / "n.onnx"), sentences[:2], normalize=True)
+    graph = softq.export.build_onnx(q, sentences[:2])  # the in-memory builder takes it too
+    assert [o.name for o in graph.graph.output] == ["last_hidden_state", "sentence_embedding"]
     q.truncate_dim = 8
     with pytest.warns(UserWarning, match=r"take \[:, :8\]"):
         to_onnx(q, str(tmp_path / "t.onnx"), (t for t in sentences[:2]))

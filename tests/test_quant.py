@@ -529,6 +529,20 @@ def test_float16_weights_with_all_zero_rows_stay_finite() -> None:
     torch.testing.assert_close(q(**x).logits.detach(), ref, rtol=0, atol=0)  # gradient path: the same codes
     emb = q.roberta.embeddings.word_embeddings
     assert not emb(torch.tensor([1])).any() and not q.classifier.dense.dequantized_weight()[3].any()
+    with torch.no_grad():  # training mode (dropout on) without gradients took Brevitas' float16 path: NaN
+        assert torch.isfinite(q.train()(**x).logits).all()
+    q.eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_weights_have_the_same_codes_with_and_without_gradients(dtype) -> None:
+    """With gradients on (a plain q(**x)), Brevitas computed bfloat16 codes in bfloat16: others than the inference
+    path's (and the export's) float32 codes of the same weights."""
+    q = softq.quantize(tiny_model("bert").to(dtype), calib_for("bert"), softq.QuantConfig(input_smoothing=None))
+    x = tiny_inputs("bert", seed=9)
+    with torch.no_grad():
+        ref = q(**x).logits
+    torch.testing.assert_close(q(**x).logits.detach(), ref, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
