@@ -224,10 +224,11 @@ def runner(path: str | os.PathLike, runtime: str = "onnxruntime", threads: int =
     model's position table (``softq.max_length`` in the file's metadata), ids that index a table (token
     ids) inside it, and right padding where the model treats its first positions specially (``[CLS]``
     residual scales, a constant attention sink: ``softq.right_padding_rows``; the torch model refuses left
-    padding there too, the graph would apply them to the pad tokens).  Runtimes differ there: onnxruntime raises, OpenVINO reads out of bounds or reshapes and
-    returns numbers, tract aborts the process, ONNX's Gather takes negative ids as counted from the end, where
-    the torch model raises, and an input the file does not take (a sentence pair's token types) would be
-    ignored."""
+    padding there too, the graph would apply them to the pad tokens).  Runtimes differ there: onnxruntime
+    raises, OpenVINO reads out of bounds or reshapes and returns numbers, tract aborts the process, ONNX's
+    Gather takes negative ids as counted from the end, where the torch model raises, and an input the file does
+    not take (a sentence pair's token types) would be ignored.  OpenVINO is refused for files whose integer
+    softmax computes in int64 (``softq.int64_softmax``): its CPU plugin runs int64 in int32."""
     if not available(runtime):
         raise ImportError(f"runtime {runtime!r} is not installed (pip install {runtime})")
     if not isinstance(threads, int) or threads < 1:
