@@ -358,6 +358,11 @@ def configure_surrogates(
     their native activation).  ``gelu=None`` keeps the native activation.  The
     plaintext model then computes exactly what the encrypted one approximates.
     """
+    from softq.hf import is_sentence_transformer
+
+    if is_sentence_transformer(model):  # softq.mpc runs Hugging Face models; the pooling is the client's
+        raise ValueError("softq.mpc takes the SentenceTransformer's Hugging Face model: pass st[0].auto_model (inputs "
+                         "from st.tokenize) and pool its revealed hidden states with softq.hf.pool")
     model_family(model)
     points = configure_attention(model)
     n_layers = len(points)

@@ -206,6 +206,16 @@ def test_quantize_and_export_a_sentence_transformer_object(folder, tmp_path) -> 
     torch.testing.assert_close(again, ours, atol=1e-6, rtol=0)
 
 
+def test_mpc_given_a_sentence_transformer_says_what_to_pass(folder) -> None:
+    """softq.mpc.run(st, ...) failed with an AttributeError deep inside attention setup."""
+    from softq import mpc
+
+    st = _sentence_transformer(folder, "normalize")
+    batch = {k: v for k, v in st.tokenize(texts(2, seed=1)).items() if k in ("input_ids", "attention_mask")}
+    with pytest.raises(ValueError, match=r"pass st\[0\].auto_model"):
+        mpc.run(st, batch, timeout=30)
+
+
 def test_pydoc_splits_are_disjoint_and_retrieval_scores_itself() -> None:
     calib, evaluation = hf.text_split("calib"), hf.text_split("eval")
     assert len(calib) > 50 and len(evaluation) > 200 and not set(calib) & set(evaluation)
