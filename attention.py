@@ -405,8 +405,12 @@ def configure_attention(
     (``softq_softmax``, ``softq_softmax_params``, ``softq_gated``, ``softq_constant_sink``)
     so a saved config records it and :func:`configure_from_config` can rebuild it.
     ``constant_sink=True`` attaches a :class:`ConstantSink` (zeros: start it with
-    :func:`init_constant_sinks`).
+    :func:`init_constant_sinks`).  A ``sentence_transformers.SentenceTransformer``: its Hugging Face model.
     """
+    from softq.hf import is_sentence_transformer
+
+    if is_sentence_transformer(model):
+        model = model[0].auto_model
     model_family(model)
     if softmax is None and softmax_params:  # refuse an unknown parameter before any layer changes
         for _, module in attention_modules(model):

@@ -214,6 +214,11 @@ def test_mpc_given_a_sentence_transformer_says_what_to_pass(folder) -> None:
     batch = {k: v for k, v in st.tokenize(texts(2, seed=1)).items() if k in ("input_ids", "attention_mask")}
     with pytest.raises(ValueError, match=r"pass st\[0\].auto_model"):
         mpc.run(st, batch, timeout=30)
+    # configure_attention takes it (its Hugging Face model): encode then runs the chosen softmax
+    before = st.encode(texts(3, seed=2), convert_to_tensor=True)
+    softq.configure_attention(st, softmax="clipped", alpha=0.5)
+    assert st[0].auto_model.config.softq_softmax == "clipped"
+    assert not torch.allclose(st.encode(texts(3, seed=2), convert_to_tensor=True), before)
 
 
 def test_pydoc_splits_are_disjoint_and_retrieval_scores_itself() -> None:
