@@ -206,8 +206,9 @@ def test_quantize_and_export_a_sentence_transformer_object(folder, tmp_path) -> 
     torch.testing.assert_close(again, ours, atol=1e-6, rtol=0)
 
 
-def test_mpc_given_a_sentence_transformer_says_what_to_pass(folder) -> None:
-    """softq.mpc.run(st, ...) failed with an AttributeError deep inside attention setup."""
+def test_mpc_and_configure_attention_given_a_sentence_transformer(folder) -> None:
+    """softq.mpc.run(st, ...) and configure_attention(st, ...) failed with an AttributeError deep inside attention
+    setup: the first now says what to pass, the second configures its Hugging Face model."""
     from softq import mpc
 
     st = _sentence_transformer(folder, "normalize")
