@@ -47,6 +47,7 @@ LEGACY_POOLING_KEYS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_tok
                        "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
                        "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
 SENTENCE_MODULES = ("Transformer", "Pooling", "Normalize")  # what softq computes of a sentence-transformers model
+TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # what a text model takes of a tokenizer's output
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model")
 # Files that describe how to use a model directory (copied next to a quantized model).
 # Installed code whose docstrings make the MiniLM distillation corpus (docstring_paragraphs).
@@ -82,7 +83,7 @@ class HFModel:
             raise ModelDirError(f"{self.path} has no tokenizer")
         enc = self.tokenizer(list(texts), padding=True, truncation=True, max_length=max_length or self.max_length,
                              return_tensors="pt")
-        return {k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc}
+        return {k: enc[k] for k in TEXT_INPUTS if k in enc}
 
     def batches(self, texts: Sequence[str], batch_size: int = 16, max_length: int | None = None) -> list[dict[str, torch.Tensor]]:
         """Tokenised model inputs, ``batch_size`` texts at a time (padding per batch)."""
@@ -408,10 +409,9 @@ def sentence_transformer_batches(st: nn.Sequential, data: Any, batch_size: int =
         return data
     items = list(data)
     tokenize = getattr(st, "preprocess", None) or st.tokenize  # sentence-transformers 6 / earlier
-    keep = ("input_ids", "attention_mask", "token_type_ids")
 
     def encode(texts: list[str]) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in tokenize([str(t) for t in texts]).items() if k in keep}
+        return {k: v for k, v in tokenize([str(t) for t in texts]).items() if k in TEXT_INPUTS}
 
     if items and all(isinstance(t, str) for t in items):
         return [encode(items[i:i + batch_size]) for i in range(0, len(items), batch_size)]

@@ -38,6 +38,7 @@ MASK_PUSH = 1.0e4
 # Denominators of plaintext surrogates are clamped here so a fully masked row
 # yields zeros instead of NaN.
 TINY = 1.0e-12
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # computed in float32 wherever their range or rounding breaks a formula
 # Largest |parameter| a variant takes (clipped softmax's alpha and zeta, 2Quad's c): far past any useful value;
 # beyond it float32 rows overflow to inf / NaN (2Quad's (x + c)^2) or every score is lost in c's rounding.
 PARAM_LIMIT = 1.0e6
@@ -182,7 +183,7 @@ def _half_in_float32(fn: Callable[..., Any]) -> Callable[..., Any]:
     and ``e^x - 1`` cancels (bfloat16 softpick of scores near 0)."""
     @functools.wraps(fn)
     def run(scores: Any, valid: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
-        if _is_plain(scores) and scores.dtype in (torch.float16, torch.bfloat16):
+        if _is_plain(scores) and scores.dtype in HALF_DTYPES:
             return fn(scores.float(), valid, *args, **kwargs).to(scores.dtype)
         return fn(scores, valid, *args, **kwargs)
 

@@ -35,8 +35,8 @@ as the input's minimum code, so each keeps the weight ``exp((qmin - max) S)`` in
 the denominator -- the reference reproduces that.  It is small only when the row's
 largest valid code lies far above ``qmin``: with valid codes near the bottom of the
 input range, or thousands of masked keys, the valid outputs shrink by whole steps
-(one valid key among 4095 masked ones at ``S = 0.05``: 216 instead of 255 for its
-code 200, 78 for code 150).
+(a lone valid key among thousands of masked ones keeps 255 only if its code is near
+the top of the range).
 Use ``qdq`` or ``int`` with masks; ``softq.export.to_onnx`` refuses ``ort`` for
 masked or causal models.
 

@@ -496,8 +496,9 @@ def _float32(model: nn.Module) -> nn.Module:
     """A float16 / bfloat16 model (a copy) as float32, exactly (its weights and scales are float32 values): the file
     computes in float32, as runtimes run such graphs, so its outputs are the float32 model's (the half model's
     within its own rounding)."""
-    halves = (torch.float16, torch.bfloat16)
-    if any(t.dtype in halves for t in (*model.parameters(), *model.buffers())):
+    from softq.softmax import HALF_DTYPES
+
+    if any(t.dtype in HALF_DTYPES for t in (*model.parameters(), *model.buffers())):
         model.float()
     return model
 

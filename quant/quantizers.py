@@ -29,13 +29,17 @@ from torch import nn
 from softq.attention import ProbsQuantizer
 from softq.calib.observers import ChannelRange, Observer, make_observer, scale_and_zero_point
 from softq.quant.config import SOFTMAX_OUTPUTS, SUM_OF_CODES, row_code_gain
-from softq.softmax import TINY
+from softq.softmax import HALF_DTYPES, TINY
 
 Mode = Literal["float", "observe", "quant"]
+
+
 # float16 / bfloat16 activations are fake-quantized in float32 and cast back: the codes are then those of the
 # same values in float32 (what an exported float32 graph computes), and a row of zeros stays zeros (the TINY
 # clamps round to 0 in float16: 0 / 0)
-HALF = (torch.float16, torch.bfloat16)
+def _float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 if it is float16 / bfloat16 (exactly), else as it is."""
+    return x.float() if x.dtype in HALF_DTYPES else x
 
 
 def _brevitas_int_quant(signed: bool) -> IntQuant:
@@ -110,7 +114,7 @@ class ActQuantizer(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "quant":
-            if x.dtype in HALF:
+            if x.dtype in HALF_DTYPES:
                 return self._forward(x.float()).to(x.dtype)
             if torch.is_grad_enabled():
                 return self.quant(self.scale, self.zero_point, self.bit_width, x)
@@ -167,7 +171,7 @@ class ActQuantizer(nn.Module):
 
     def int_repr(self, x: torch.Tensor) -> torch.Tensor:
         """Integer codes of ``x`` (what an integer runtime stores), for export and tests."""
-        return self.quant.to_int(self.scale, self.zero_point, self.bit_width, x.float() if x.dtype in HALF else x)
+        return self.quant.to_int(self.scale, self.zero_point, self.bit_width, _float32(x))
 
     def extra_repr(self) -> str:
         if self.scale.numel() > 1:
@@ -211,7 +215,7 @@ class RowScoresQuantizer(ActQuantizer):
         if self.mode != "quant":
             return x
         dtype = x.dtype
-        x = x.float() if dtype in HALF else x
+        x = _float32(x)
         m = self.row_max(x, valid)
         r = self._forward(x - m)  # Brevitas' IntQuant (with gradients) or its in-place equal
         # code 0 (T or more below the max) means exp = 0, as in the integer forms' tables
@@ -220,7 +224,7 @@ class RowScoresQuantizer(ActQuantizer):
 
     def int_repr(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """The codes ``x`` above (masked keys: whatever their score gives; exports make them 0)."""
-        x = x.float() if x.dtype in HALF else x
+        x = _float32(x)
         return super().int_repr(x - self.row_max(x, valid))
 
     def extra_repr(self) -> str:
@@ -309,7 +313,7 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
 
     def int_repr(self, probs: torch.Tensor) -> torch.Tensor:
         """Integer codes of ``probs``: uniform codes (``edge``) or the row codes ``E`` (``row``, ``row_exact``, ``row_log``)."""
-        probs = probs.float() if probs.dtype in HALF else probs
+        probs = _float32(probs)
         return self.quant.to_int(self._scale_for(probs), self.zero_point, self.bit_width, probs)
 
     def needs_probs(self) -> bool:
@@ -324,7 +328,7 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
             return probs
         if self.mode != "quant":
             return probs
-        if probs.dtype in HALF:
+        if probs.dtype in HALF_DTYPES:
             return self.forward(probs.float(), valid).to(probs.dtype)
         q = self.quantize(probs)
         if self.measuring:
@@ -469,7 +473,7 @@ def weight_codes(weight: torch.Tensor, bits: int, axis: int | None) -> tuple[tor
     all-zero row (a padding token's embedding) gave 0 / 0 codes, NaN embeddings."""
     w = weight.detach()
     dtype = w.dtype
-    w = w.float() if dtype in HALF else w
+    w = _float32(w)
     if axis is None:
         absmax = w.abs().max()
     else:
@@ -590,7 +594,7 @@ class QLinear(_CopiedWeights, QuantLinear):
         if self.input_scale.numel():
             x = x * self.input_scale
         x = self.input_act(x)
-        if self.weight.dtype in HALF and not self.weight_quant.disable_quant and (self.training
+        if self.weight.dtype in HALF_DTYPES and not self.weight_quant.disable_quant and (self.training
                                                                                   or torch.is_grad_enabled()):
             # Brevitas' half arithmetic: its 1e-10 scale floor is 0 in float16 (an all-zero row: NaN), and bfloat16
             # codes differ from float32's; the inference path's codes, straight-through
@@ -650,7 +654,7 @@ class QEmbedding(_CopiedWeights, QuantEmbedding):
         if self.weight_quant.disable_quant:  # the float table (softq.quant.sensitivity)
             return self.weight
         if self.training or torch.is_grad_enabled() and self.weight.requires_grad:
-            if self.weight.dtype in HALF:  # Brevitas' scale floor is 0 in float16 (a zero row, padding: NaN)
+            if self.weight.dtype in HALF_DTYPES:  # Brevitas' scale floor is 0 in float16 (a zero row, padding: NaN)
                 return _straight_through(self.weight, self.bits, True)
             return self.quant_weight().value
         key = (self.weight._version, self.weight.data_ptr())
