@@ -392,12 +392,27 @@ def _refuse_quantized_save(*_args: Any, **_kwargs: Any) -> None:
                      "softq export DIRECTORY --pooled exports its embedding)")
 
 
+def _refuse_quantized_save_pretrained(*_args: Any, **_kwargs: Any) -> None:
+    raise ValueError("this model is quantized by softq; save_pretrained writes the float weights, which "
+                     "from_pretrained loads back unquantized: use softq.quant.save(model, directory) and "
+                     "softq.quant.load(directory)")
+
+
 def refuse_sentence_transformer_save(st: nn.Sequential) -> None:
     """Make ``st.save`` / ``save_pretrained`` / ``push_to_hub`` of a quantized SentenceTransformer raise: they write
     the float weights, which load back as a float model (its quantizers dropped as unexpected keys).  A module-level
-    function, so the model still pickles and deep-copies."""
+    function, so the model still deep-copies."""
     for name in ("save", "save_pretrained", "push_to_hub"):
         object.__setattr__(st, name, _refuse_quantized_save)
+
+
+def refuse_save_pretrained(model: nn.Module) -> None:
+    """The same for a quantized Hugging Face model: ``save_pretrained`` (also what ``Trainer`` checkpoints call)
+    and ``push_to_hub`` write the float weights with the quantizers' tensors as extra keys, which
+    ``from_pretrained`` reports as ignorable and drops: a float model back, silently."""
+    for name in ("save_pretrained", "push_to_hub"):
+        if hasattr(model, name):
+            object.__setattr__(model, name, _refuse_quantized_save_pretrained)
 
 
 def sentence_transformer_batches(st: nn.Sequential, data: Any, batch_size: int = 16) -> Any:

@@ -38,6 +38,7 @@ from softq.calib.data import Batch, as_batches, run_batches
 from softq.calib.observers import MinMaxObserver, make_observer
 from softq.calib.smoothquant import (InputGroup, InputRecorder, post_ln, skipped, smooth, smooth_inputs,
                                      smoothable_linears, smoothing_scales)
+from softq.hf import refuse_save_pretrained
 from softq.models import conv1d_to_linear, is_causal, model_family
 from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN, AUTO_SMOOTHING_RATIO, AUTO_SMOOTHING_TIE, PREFIX_TOKENS, QuantConfig, softmax_input_span
 from softq.quant.quantizers import (ActQuantizer, BiasShift, QEmbedding, QLinear, RowScoresQuantizer,
@@ -481,6 +482,7 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
         _attach_attention_quantizers(points, config, causal)
         points.prefix_rows = prefix
     model.softq_quant_config = config
+    refuse_save_pretrained(model)
     return model
 
 

@@ -14,6 +14,7 @@ Every activation point has three modes:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
@@ -462,6 +463,23 @@ class _CopiedWeights:
             super().reset_parameters()
 
 
+class _NotPickled:
+    """Mixin for the layers built on Brevitas: pickling them (``torch.save(model)``, not of its state dict) fails
+    deep in Brevitas' injector classes ("Can't pickle <class 'brevitas.inject...'>"); say what works instead.
+    Deep copies, which softq makes, copy the attributes as before (``copy.deepcopy`` does not go through it)."""
+
+    def __reduce_ex__(self, protocol: int) -> None:
+        raise TypeError(f"{type(self).__name__} (a softq quantized layer) cannot be pickled, so torch.save(model) "
+                        "does not work on a quantized model: save it with softq.quant.save(model, directory) and "
+                        "load it with softq.quant.load(directory)")
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        replica = type(self).__new__(type(self))
+        memo[id(self)] = replica
+        replica.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return replica
+
+
 WEIGHT_SCALE_MIN = 1e-10  # Brevitas' scaling_min_val of Int8WeightPer{Channel,Tensor}Float (on max |w|)
 
 
@@ -564,7 +582,7 @@ def quantize_weight_only(model: nn.Module, weight_bits: int, table_bits: int | N
             parametrize.register_parametrization(module, "position_embeddings", WeightOnly(table_bits, axis=1))
 
 
-class QLinear(_CopiedWeights, QuantLinear):
+class QLinear(_NotPickled, _CopiedWeights, QuantLinear):
     """Brevitas ``QuantLinear`` (int weights, float bias) behind a softq activation quantizer."""
 
     def __init__(self, linear: nn.Linear, weight_bits: int, per_channel: bool, act: ActQuantizer) -> None:
@@ -629,7 +647,7 @@ class QLinear(_CopiedWeights, QuantLinear):
         return self.quant_weight().int().detach()
 
 
-class QEmbedding(_CopiedWeights, QuantEmbedding):
+class QEmbedding(_NotPickled, _CopiedWeights, QuantEmbedding):
     """Brevitas ``QuantEmbedding`` with per-row symmetric int weights (one scale per table row).
 
     Weight-only: the looked-up rows are the dequantized codes, exactly what the

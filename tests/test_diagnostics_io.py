@@ -106,6 +106,32 @@ def test_save_and_load_round_trip(family: str, tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # no temp or backup left behind
 
 
+def test_hugging_face_save_and_pickling_refused_with_what_works(tmp_path) -> None:
+    # save_pretrained wrote the float weights plus the quantizers' tensors, which from_pretrained called ignorable
+    # and dropped: a float model back without an error; torch.save failed inside Brevitas' injector classes
+    import copy
+    import io as bytes_io
+
+    calib = [tiny_inputs("bert", seed=s) for s in range(2)]
+    q = softq.quantize(tiny_model("bert"), calib)
+    for save in (q.save_pretrained, q.push_to_hub):
+        with pytest.raises(ValueError, match=r"unquantized: use softq\.quant\.save"):
+            save(tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(TypeError, match=r"torch\.save\(model\) does not work .* softq\.quant\.save"):
+        torch.save(q, bytes_io.BytesIO())
+    io.save(q, tmp_path / "q")
+    with pytest.raises(ValueError, match="softq.quant.save"):
+        io.load(tmp_path / "q").save_pretrained(tmp_path / "hf")
+    twin = copy.deepcopy(q)  # softq copies models: deep copies still work, and are independent
+    x = tiny_inputs("bert", seed=8)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(**x).logits, q(**x).logits, rtol=0, atol=0)
+        twin.bert.encoder.layer[0].output.dense.weight.add_(1.0)
+        assert not torch.equal(twin(**x).logits, q(**x).logits)
+    tiny_model("bert").save_pretrained(tmp_path / "float")  # a float model is not affected
+
+
 def test_encoder_without_pooler_round_trip(tmp_path) -> None:
     # sentence encoders are BertModel(config, add_pooling_layer=False): load must rebuild it without the pooler
     import transformers
