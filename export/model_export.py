@@ -706,8 +706,8 @@ def _rows_for_length(prefix: str, info: dict[str, Any], table: np.ndarray, head:
     """Nodes picking each row's per-row value (``table``: [1, h, positions, 1], rows past the calibrated ones hold
     the per-head value ``head``) as ``SoftmaxOutputQuantizer.beta_for`` does, into ``{prefix}{name}`` [B, h, q, 1]:
     by :meth:`~softq.quant.quantizers.SoftmaxOutputQuantizer.row_slots`, the slot of a causal row is its number of
-    valid keys minus one, a bidirectional row's its index if it sees every key at the calibrated length; rows
-    without a slot (or past the table) take ``head``."""
+    valid keys minus one, a bidirectional row's its position among its sequence's valid keys if the sequence has the
+    calibrated length; rows without a slot (or past the table) take ``head``."""
     from softq.export.int_softmax import _Builder
 
     b = _Builder(f"{prefix}{name}_rows/", opset)
@@ -731,14 +731,22 @@ def _rows_for_length(prefix: str, info: dict[str, Any], table: np.ndarray, head:
         outside = b.op("Or", [b.op("Less", [slot, b.const("zero", 0, np.int64)]), b.op("Greater", [slot, b.const(
             "last", positions - 1, np.int64)])])
         slot = b.op("Where", [outside, none, slot])
-    else:
+    elif valid_b is None:
         rows = b.op("Unsqueeze", [b.op("Range", [b.const("zero", 0, np.int64), b.op("Squeeze", [qlen]),
                                                  b.const("one", 1, np.int64)]), b.const("axes0", [0], np.int64)])
         fits = b.op("And", [b.op("Equal", [qlen, b.const("calibrated_rows", [info["beta_rows"]], np.int64)]),
                             b.op("Equal", [qlen, klen])])
-        if count is not None:
-            fits = b.op("And", [fits, b.op("Equal", [count, klen])])
         slot = b.op("Where", [fits, rows, none])
+    else:  # a bidirectional row: its position among its sequence's valid keys, if it has the calibrated length
+        keys = b.reduce("ReduceMax", b.reduce("ReduceMax", b.op("Cast", [valid_b], to=TensorProto.INT64), 1), 2)
+        keys = b.op("Squeeze", [keys, b.const("axes12", [1, 2], np.int64)])  # [B', k]
+        position = b.op("Sub", [b.op("CumSum", [keys, b.const("last_axis", -1, np.int64)]),
+                                b.const("one", 1, np.int64)])
+        length = b.reduce("ReduceSum", keys, -1)  # [B', 1]
+        fits = b.op("And", [b.op("Equal", [length, b.const("calibrated_rows", [info["beta_rows"]], np.int64)]),
+                            b.op("Equal", [keys, b.const("one2", 1, np.int64)])])
+        fits = b.op("And", [fits, b.op("Equal", [qlen, klen])])
+        slot = b.op("Where", [fits, position, none])
     picked = b.op("Gather", [b.const("table", table_t, table_t.dtype), slot], axis=0)  # [B, q, h]
     b.op("Unsqueeze", [b.op("Transpose", [picked], perm=[0, 2, 1]), b.const("axes3", [3], np.int64)],
          out=f"{prefix}{name}")

@@ -146,9 +146,10 @@ class QuantConfig:
             model's row at position i (its valid keys minus one, so padding on
             either side and a KV cache do not move it) keeps its calibrated beta
             at any length (positions past them take the per-head one), a
-            bidirectional model's unpadded rows hold theirs at the calibrated
-            length only, every other row takes the per-head beta (always when
-            the calibration batches had several lengths).
+            bidirectional model's rows hold theirs in sentences of the
+            calibrated length, alone or padded in a batch (by position among
+            the valid tokens), every other row takes the per-head beta (always
+            when the calibration batches had several lengths).
         smoothquant_alpha: SmoothQuant migration strength in [0, 1] applied to
             Linear layers fed by a LayerNorm, or ``None`` to skip.
         input_smoothing: SmoothQuant's per-channel migration for any Linear input,

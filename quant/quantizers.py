@@ -372,27 +372,36 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         self._lengths.add(int(err.shape[-2]))
 
     def row_slots(self, valid: torch.Tensor | None, shape: torch.Size | tuple[int, ...],
-                  device: torch.device | str | None = None) -> torch.Tensor:
+                  device: torch.device | str | None = None, length: int | None = None) -> torch.Tensor:
         """[B, q_len] per-row correction slot of each row of a [b, h, q_len, k_len] output (B is b or 1); -1: none.
 
-        A causal row's slot is its position, counted as its number of valid keys minus one: the same row alone,
-        right- or left-padded in a batch, or a KV cache's query row gets the same one.  A bidirectional row has a
-        slot (its index) only if it sees every key of its row (no padding) at the length calibrated: a padded
-        sentence takes the per-head beta, as it does alone at its own length.
+        A row's slot is its position in its sequence as it runs alone, without padding.  A causal row's is its
+        number of valid keys minus one: the same row alone, right- or left-padded in a batch, or a KV cache's query
+        row gets the same one.  A bidirectional row sees its whole sequence, so its slot is its position among the
+        valid keys, and only if that sequence has ``length`` valid tokens (the length calibrated; while
+        measuring, ``k_len``): a sentence of that length padded in a batch gets the slots it gets alone, any other
+        sentence takes the per-head beta.  A padding row has none.
         """
         q_len, k_len = shape[-2], shape[-1]
-        if valid is None and self.causal_rows:  # the causal triangle (a KV cache's rows: the last positions)
-            count = torch.arange(k_len - q_len + 1, k_len + 1, device=device).unsqueeze(0)
-        elif valid is None:
-            count = torch.full((1, q_len), k_len, dtype=torch.long, device=device)
-        else:
-            count = (valid != 0).sum(-1, dtype=torch.long)  # [B', H', q'] (masks do not differ per head)
-            count = count.amax(1) if count.dim() == 3 else count.reshape(-1, count.shape[-1])
-            count = count.expand(count.shape[0], q_len)
         if self.causal_rows:
+            if valid is None:  # the causal triangle (a KV cache's rows: the last positions)
+                count = torch.arange(k_len - q_len + 1, k_len + 1, device=device).unsqueeze(0)
+            else:
+                count = (valid != 0).sum(-1, dtype=torch.long)  # [B', H', q'] (masks do not differ per head)
+                count = count.amax(1) if count.dim() == 3 else count.reshape(-1, count.shape[-1])
+                count = count.expand(count.shape[0], q_len)
             return count - 1
-        rows = torch.arange(q_len, device=count.device).expand_as(count)
-        return torch.where((count == k_len) & (q_len == k_len), rows, -1)
+        length = k_len if length is None else length
+        if q_len != k_len:  # not a sequence attending to itself
+            return torch.full((1, q_len), -1, dtype=torch.long, device=device)
+        if valid is None:
+            rows = torch.arange(q_len, device=device).unsqueeze(0)
+            return rows if k_len == length else torch.full_like(rows, -1)
+        batch = valid.shape[0] if valid.dim() >= 3 else 1  # [B', H', q', k] or [B', q', k]; [q', k]: one for all
+        keys = (valid != 0).expand(*valid.shape[:-1], k_len).reshape(batch, -1, k_len).any(1).to(torch.long)
+        position = keys.cumsum(-1) - 1
+        fits = (keys.sum(-1, keepdim=True) == length) & (keys == 1)
+        return torch.where(fits, position, -1).to(device)
 
     def finish_bias_measurement(self) -> None:
         err, count = self._err_sum, self._count
@@ -420,8 +429,8 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         Per-row beta (``head_row``) belongs to a row's slot (:meth:`row_slots`).  A causal model's row at
         position i sees keys 0..i whatever the sequence's length or padding, so rows keep their calibrated beta at
         any length, padded or with a KV cache; positions past the calibrated ones take the per-head beta.  A
-        bidirectional row sees the whole sequence: its per-row beta holds at the calibrated length for unpadded
-        rows only, every other row takes the per-head beta (calibrated on several lengths, it is per-head:
+        bidirectional row sees the whole sequence: its per-row beta holds for sequences of the calibrated length,
+        alone or padded, every other row takes the per-head beta (calibrated on several lengths, it is per-head:
         :meth:`finish_bias_measurement`).  The ONNX export computes the same
         (``softq.export.model_export._beta_nodes``).
         """
@@ -430,9 +439,7 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         rows = self.beta.shape[2]
         if rows == 1:
             return self.beta
-        slots = self.row_slots(valid, q.shape, self.beta.device).to(self.beta.device)
-        if not self.causal_rows and q.shape[-2] != rows:
-            slots = torch.full_like(slots, -1)
+        slots = self.row_slots(valid, q.shape, self.beta.device, length=rows).to(self.beta.device)
         slots = torch.where((slots >= 0) & (slots < rows), slots, rows)
         table = torch.cat([self.beta, self.beta_head], dim=2)[0, :, :, 0]  # [h, rows + 1]: the last is per-head
         return table[:, slots].permute(1, 0, 2).unsqueeze(-1)  # [B, h, q_len, 1]

@@ -462,18 +462,20 @@ def test_head_row_correction_matches_torch_at_every_length(quantized, family):
             h.remove()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "bert"])
-def test_head_row_correction_of_padded_batches_matches_torch(quantized, family):
-    """A padded batch at the calibrated length (24): a left-padded GPT-2 sequence's rows take their positions'
-    beta (counted in valid keys), a right-padded BERT sentence's rows the per-head beta (as alone at its own
-    length), in torch and in the graph (qdq and int forms); the graph had picked by query length alone."""
+@pytest.mark.parametrize("family, seq", [("gpt2", 24), ("bert", 24), ("bert", 30)])
+def test_head_row_correction_of_padded_batches_matches_torch(quantized, family, seq):
+    """A padded batch: a left-padded GPT-2 sequence's rows take their positions' beta (counted in valid keys), a
+    right-padded BERT sentence's rows the per-head beta (as alone at its own length) and, in a batch of 30, a
+    sentence of the calibrated length (24) its per-row ones (as alone), in torch and in the graph (qdq and int forms); the graph had picked by query length alone."""
     model = quantized[(family, "head_row")]
-    inputs = tiny_inputs(family, batch=2, seq=24, seed=4)
+    inputs = tiny_inputs(family, batch=2, seq=seq, seed=4)
     mask = torch.ones_like(inputs["input_ids"])
     if family == "gpt2":
         mask[1, :9] = 0
-    else:
+    elif seq == 24:
         mask[1, 15:] = 0
+    else:
+        mask[1, 24:] = 0
     inputs["attention_mask"] = mask
     ref_logits, ref_probs = _torch_run(model, inputs)
     valid = mask.numpy().astype(bool) if family == "gpt2" else np.ones(ref_logits.shape[0], bool)
