@@ -483,6 +483,7 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
         points.prefix_rows = prefix
     model.softq_quant_config = config
     refuse_save_pretrained(model)
+    model.train(model.training)  # the inserted modules in the model's mode (new modules are in training mode)
     return model
 
 
