@@ -131,8 +131,9 @@ class ActQuantizer(nn.Module):
         """Brevitas' ``IntQuant`` arithmetic, op for op (divide, add zero point, round half to even, clamp,
         subtract, multiply), in place and with one ``clamp`` instead of two ``where``s: the same numbers
         about twice as fast, for evaluation without gradients (tests check it equals ``self.quant``)."""
-        qmin = float(self.quant.min_int(self.bit_width))
-        qmax = float(self.quant.max_int(self.bit_width))
+        qmin, qmax = self.quant.min_int(self.bit_width), self.quant.max_int(self.bit_width)
+        if not torch.compiler.is_compiling():  # eager: Python numbers clamp faster; compiled: no .item() break
+            qmin, qmax = float(qmin), float(qmax)
         y = x / self.scale
         y.add_(self.zero_point).round_().clamp_(qmin, qmax).sub_(self.zero_point)
         return y.mul_(self.scale)
@@ -487,6 +488,30 @@ class _NotPickled:
         return replica
 
 
+class _DequantizedCache:
+    """Mixin: the dequantized weight of inference, computed once per weight version (Brevitas re-quantizes the
+    weight on every call).  The key is the weight's version counter and storage, which in-place edits through
+    ``.data`` and fused optimizer steps leave as they were, so the cache is also dropped whenever the layer changes
+    mode (``model.train()`` / ``model.eval()``) and whenever it runs the gradient path (training).  Traced
+    (``torch.jit.trace``) and compiled (``torch.compile``) code computes the weight in its graph instead: a Python
+    cache is a branch those record as another graph, and a guard on its key per layer."""
+
+    _cache: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def _cached_dequantized(self, bits: int, per_channel: bool) -> torch.Tensor:
+        if torch.jit.is_tracing() or torch.compiler.is_compiling():
+            return dequantized_weight(self.weight, bits, per_channel)
+        key = (self.weight._version, self.weight.data_ptr())
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                self._cache = (key, dequantized_weight(self.weight, bits, per_channel))
+        return self._cache[1]
+
+    def train(self, mode: bool = True) -> nn.Module:
+        self._cache = None
+        return super().train(mode)
+
+
 WEIGHT_SCALE_MIN = 1e-10  # Brevitas' scaling_min_val of Int8WeightPer{Channel,Tensor}Float (on max |w|)
 
 
@@ -589,7 +614,7 @@ def quantize_weight_only(model: nn.Module, weight_bits: int, table_bits: int | N
             parametrize.register_parametrization(module, "position_embeddings", WeightOnly(table_bits, axis=1))
 
 
-class QLinear(_NotPickled, _CopiedWeights, QuantLinear):
+class QLinear(_NotPickled, _DequantizedCache, _CopiedWeights, QuantLinear):
     """Brevitas ``QuantLinear`` (int weights, float bias) behind a softq activation quantizer."""
 
     def __init__(self, linear: nn.Linear, weight_bits: int, per_channel: bool, act: ActQuantizer) -> None:
@@ -613,8 +638,6 @@ class QLinear(_NotPickled, _CopiedWeights, QuantLinear):
         # are quantized, so switching weight quantization off (softq.quant.sensitivity) gives the float layer back
         self.register_buffer("bias_shift", torch.zeros(0))
 
-        self._cache: tuple[tuple[int, int], torch.Tensor] | None = None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale.numel():
             x = x * self.input_scale
@@ -623,13 +646,14 @@ class QLinear(_NotPickled, _CopiedWeights, QuantLinear):
                                                                                   or torch.is_grad_enabled()):
             # Brevitas' half arithmetic: its 1e-10 scale floor is 0 in float16 (an all-zero row: NaN), and bfloat16
             # codes differ from float32's; the inference path's codes, straight-through
+            self._cache = None  # the weights may change now (an optimizer step)
             return nn.functional.linear(x, _straight_through(self.weight, self.weight_bits, self.per_channel),
                                         self.effective_bias())
         if self.training or torch.is_grad_enabled() or self.weight_quant.disable_quant:
+            self._cache = None
             y = super().forward(x)
             return y + self.bias_shift if self.bias_shift.numel() and not self.weight_quant.disable_quant else y
-        # inference: the same product on the dequantized weight, computed once per weight version
-        # (Brevitas re-quantizes the weight on every call; tests check the outputs are equal)
+        # inference: the same product on the dequantized weight, cached (tests check the outputs are equal)
         return nn.functional.linear(x, self.dequantized_weight(), self.effective_bias())
 
     def effective_bias(self) -> torch.Tensor | None:
@@ -640,11 +664,7 @@ class QLinear(_NotPickled, _CopiedWeights, QuantLinear):
         return self.bias_shift if self.bias is None else self.bias + self.bias_shift
 
     def dequantized_weight(self) -> torch.Tensor:
-        key = (self.weight._version, self.weight.data_ptr())
-        if self._cache is None or self._cache[0] != key:
-            with torch.no_grad():
-                self._cache = (key, dequantized_weight(self.weight, self.weight_bits, self.per_channel))
-        return self._cache[1]
+        return self._cached_dequantized(self.weight_bits, self.per_channel)
 
     def weight_scale(self) -> torch.Tensor:
         """Per-output-channel (or scalar) weight scale, shape [out] or []."""
@@ -654,7 +674,7 @@ class QLinear(_NotPickled, _CopiedWeights, QuantLinear):
         return self.quant_weight().int().detach()
 
 
-class QEmbedding(_NotPickled, _CopiedWeights, QuantEmbedding):
+class QEmbedding(_NotPickled, _DequantizedCache, _CopiedWeights, QuantEmbedding):
     """Brevitas ``QuantEmbedding`` with per-row symmetric int weights (one scale per table row).
 
     Weight-only: the looked-up rows are the dequantized codes, exactly what the
@@ -662,7 +682,7 @@ class QEmbedding(_NotPickled, _CopiedWeights, QuantEmbedding):
     file is about a quarter of FP32 and torch and ONNX agree.  Brevitas' own
     ``QuantEmbedding.forward`` takes per-tensor scales only, so the lookup is
     done here on ``quant_weight()``; in inference the dequantized table is
-    computed once and cached (it depends on the weights only).
+    computed once and cached (``_DequantizedCache``).
     """
 
     def __init__(self, emb: nn.Embedding, bits: int) -> None:
@@ -673,20 +693,16 @@ class QEmbedding(_NotPickled, _CopiedWeights, QuantEmbedding):
         with torch.no_grad():
             self.weight.copy_(emb.weight)
         self.bits = bits
-        self._cache: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def dequantized(self) -> torch.Tensor:
         if self.weight_quant.disable_quant:  # the float table (softq.quant.sensitivity)
             return self.weight
         if self.training or torch.is_grad_enabled() and self.weight.requires_grad:
+            self._cache = None  # the weights may change now (an optimizer step)
             if self.weight.dtype in HALF_DTYPES:  # Brevitas' scale floor is 0 in float16 (a zero row, padding: NaN)
                 return _straight_through(self.weight, self.bits, True)
             return self.quant_weight().value
-        key = (self.weight._version, self.weight.data_ptr())
-        if self._cache is None or self._cache[0] != key:
-            with torch.no_grad():
-                self._cache = (key, dequantized_weight(self.weight, self.bits, True))
-        return self._cache[1]
+        return self._cached_dequantized(self.bits, True)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(ids, self.dequantized(), self.padding_idx)

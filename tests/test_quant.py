@@ -779,3 +779,58 @@ def test_weight_bias_correction_of_a_weight_only_patch_convolution() -> None:
 def test_weight_bias_correction_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="weight_bias_correction must be True or False, got 'yes'"):
         softq.QuantConfig(weight_bias_correction="yes")
+
+
+def test_inference_uses_the_weights_after_updates_the_version_counter_misses() -> None:
+    """Inference reused a dequantized weight cached by version counter and storage: a fused AdamW step (which moves
+    neither) left the no-grad outputs on the old weights, 1.3 away from the grad-enabled ones.  The cache is dropped
+    on the gradient path and on every mode change (the documented way after editing ``.data``)."""
+    import copy
+
+    model = tiny_model("bert")
+    calib = [tiny_inputs("bert", seed=s) for s in range(2)]
+    qmodel = softq.quantize(model, calib)
+    x = tiny_inputs("bert", seed=5)
+    labels = torch.tensor([0, 1])
+
+    def both(m: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            plain = m(**x).logits
+        return plain, m(**x).logits.detach()
+
+    with torch.no_grad():
+        before = qmodel(**x).logits
+    for switch_modes in (True, False):  # a training step in train mode, or a gradient step in eval mode
+        tuned = copy.deepcopy(qmodel)
+        opt = torch.optim.AdamW(tuned.parameters(), lr=0.05, fused=True)
+        tuned.train(switch_modes)
+        tuned(**x, labels=labels).loss.backward()
+        opt.step()
+        tuned.eval()
+        plain, grad = both(tuned)
+        assert (plain - before).abs().max() > 1e-2  # the step moved the model
+        torch.testing.assert_close(plain, grad, rtol=0, atol=1e-5)
+    edited = copy.deepcopy(qmodel)
+    with torch.no_grad():
+        edited(**x)  # fills the cache
+    edited.bert.encoder.layer[0].attention.self.query.weight.data.mul_(3.0)
+    edited.bert.embeddings.word_embeddings.weight.data.mul_(3.0)
+    edited.eval()
+    plain, grad = both(edited)
+    assert (plain - before).abs().max() > 1e-2
+    torch.testing.assert_close(plain, grad, rtol=0, atol=1e-5)
+
+
+def test_tracing_a_copied_quantized_model() -> None:
+    """torch.jit.trace of a quantized model whose weight cache was empty (a deep copy, a loaded model) recorded
+    the cache-filling branch and failed its own check ("Graphs differed across invocations"); traced and compiled
+    code computes the dequantized weight in the graph."""
+    import copy
+
+    qmodel = softq.quantize(tiny_model("bert"), [tiny_inputs("bert", seed=s) for s in range(2)])
+    twin = copy.deepcopy(qmodel)
+    x = tiny_inputs("bert", seed=5)["input_ids"]
+    with torch.no_grad():
+        traced = torch.jit.trace(twin, (x,), strict=False)
+        ref = qmodel(x).logits
+    torch.testing.assert_close(traced(x)["logits"], ref, rtol=0, atol=1e-6)
