@@ -834,3 +834,14 @@ def test_tracing_a_copied_quantized_model() -> None:
         traced = torch.jit.trace(twin, (x,), strict=False)
         ref = qmodel(x).logits
     torch.testing.assert_close(traced(x)["logits"], ref, rtol=0, atol=1e-6)
+
+
+def test_torch_compile_fullgraph_of_a_quantized_model() -> None:
+    """torch.compile(fullgraph=True) failed on the weight cache's data_ptr key ("Data pointer comparison"), and the
+    default compile broke the graph at every activation quantizer (.item()) and hit the recompile limit."""
+    qmodel = softq.quantize(tiny_model("bert"), [tiny_inputs("bert", seed=s) for s in range(2)])
+    x = tiny_inputs("bert", seed=5)["input_ids"]
+    with torch.no_grad():
+        compiled = torch.compile(qmodel, fullgraph=True)(x).logits
+        ref = qmodel(x).logits
+    torch.testing.assert_close(compiled, ref, rtol=0, atol=1e-6)
