@@ -390,6 +390,10 @@ def register() -> None:
 register()
 
 
+def _head_dim(module: nn.Module) -> int:
+    return int(getattr(module, "head_dim", 0) or getattr(module, "attention_head_size", 0))
+
+
 def configure_attention(
     model: nn.Module,
     softmax: str | None = None,
@@ -412,31 +416,34 @@ def configure_attention(
     if is_sentence_transformer(model):
         model = model[0].auto_model
     model_family(model)
-    if softmax is None and softmax_params:  # refuse an unknown parameter before any layer changes
-        for _, module in attention_modules(model):
-            current = getattr(module, "softq", None)
+    modules = [module for _, module in attention_modules(model)]
+    for module in modules:  # refuse anything wrong before any layer changes (a half-configured model, its config
+        current = getattr(module, "softq", None)  # written from the first layer, would misdescribe it)
+        if softmax is not None:
+            get_softmax(softmax)(torch.zeros(1, 2), None, **softmax_params)
+        elif softmax_params:  # new parameters of the variant each layer has
             name, given = ("softmax", {}) if current is None else (current.softmax_name, current.softmax_params)
             get_softmax(name)(torch.zeros(1, 2), None, **{**given, **softmax_params})
+        if gated and (current is None or current.gate is None):
+            AttentionGate(1, 1, gate_pi_init)  # checks pi_init
+        if (gated or constant_sink) and not _head_dim(module):
+            what = "gated attention" if gated else "a constant sink"
+            raise ValueError(f"cannot tell the head size of {type(module).__name__} for {what}")
     points_list: list[AttentionPoints] = []
-    for _, module in attention_modules(model):
+    for module in modules:
         points = getattr(module, "softq", None)
         if points is None:
             points = AttentionPoints(num_heads(module))
             module.softq = points
         if softmax is not None:
             points.set_softmax(softmax, **softmax_params)
-        elif softmax_params:  # new parameters of the variant each layer has (checked on every layer first, above)
+        elif softmax_params:
             points.set_softmax(points.softmax_name, **{**points.softmax_params, **softmax_params})
-        head_dim = int(getattr(module, "head_dim", 0) or getattr(module, "attention_head_size", 0))
         ref = next(module.parameters())
         if constant_sink and points.sink is None:
-            if not head_dim:
-                raise ValueError(f"cannot tell the head size of {type(module).__name__} for a constant sink")
-            points.sink = ConstantSink(points.num_heads, head_dim).to(ref.device, ref.dtype)
+            points.sink = ConstantSink(points.num_heads, _head_dim(module)).to(ref.device, ref.dtype)
         if gated and points.gate is None:
-            if not head_dim:
-                raise ValueError(f"cannot tell the head size of {type(module).__name__} for gated attention")
-            points.gate = AttentionGate(points.num_heads, head_dim, gate_pi_init).to(ref.device, ref.dtype)
+            points.gate = AttentionGate(points.num_heads, _head_dim(module), gate_pi_init).to(ref.device, ref.dtype)
             module.register_forward_pre_hook(_stash_hidden, with_kwargs=True)
         points_list.append(points)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)

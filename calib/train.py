@@ -54,14 +54,14 @@ def output_projection(model: nn.Module, attn_name: str, attn: nn.Module) -> nn.M
 def _scale_head_inputs(layer: nn.Module, num_heads: int, factors: torch.Tensor) -> None:
     """Multiply the input features of ``layer`` that read head ``h`` by ``factors[h]``."""
     weight = layer.weight
-    if type(layer).__name__ == "Conv1D":  # GPT-2: weight is [in, out]
-        view = weight.data.view(num_heads, -1, weight.shape[1])
-        view.mul_(factors.view(-1, 1, 1).to(weight.dtype))
-    elif isinstance(layer, nn.Linear):  # weight is [out, in]
-        view = weight.data.view(weight.shape[0], num_heads, -1)
-        view.mul_(factors.view(1, -1, 1).to(weight.dtype))
-    else:
-        raise ValueError(f"cannot rescale a {type(layer).__name__} output projection")
+    with torch.no_grad():  # in place on the parameter (not .data): its version counter moves with it
+        if type(layer).__name__ == "Conv1D":  # GPT-2: weight is [in, out]
+            weight.view(num_heads, -1, weight.shape[1]).mul_(factors.view(-1, 1, 1).to(weight.dtype))
+            return
+        if isinstance(layer, nn.Linear):  # weight is [out, in]
+            weight.view(weight.shape[0], num_heads, -1).mul_(factors.view(1, -1, 1).to(weight.dtype))
+            return
+    raise ValueError(f"cannot rescale a {type(layer).__name__} output projection")
 
 
 @torch.no_grad()
@@ -73,6 +73,9 @@ def convert_to_gated(model: nn.Module, pi_init: float = 0.5) -> nn.Module:
     """
     from softq.attention import configure_attention
 
+    if getattr(model, "softq_quant_config", None) is not None:  # softq.quantize's (calib does not import quant)
+        raise ValueError("convert_to_gated rescales the output projections of a float model; this one is quantized "
+                         "(its weight codes would change): convert the float model, then quantize it")
     if getattr(model.config, "softq_gated", False):
         raise ValueError("the model already has gated attention; convert_to_gated applies to ungated models")
     if not 0.0 < pi_init < 1.0:

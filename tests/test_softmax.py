@@ -160,6 +160,23 @@ def test_variant_choice_is_written_to_the_config_and_changes_the_model() -> None
         configure_attention(tiny_model("opt"), alpha=0.5)
 
 
+def test_a_refused_configuration_changes_no_layer() -> None:
+    """An invalid gate_pi_init was refused after layer 0 had its new softmax: a half-clipped model whose config
+    (written from the first layer by the next call) described every layer as clipped."""
+    from softq.models import attention_modules
+
+    model = tiny_model("bert")
+    configure_attention(model)
+    with pytest.raises(ValueError, match="pi_init"):
+        configure_attention(model, softmax="clipped", alpha=0.5, gated=True, gate_pi_init=1.0)
+    with pytest.raises(TypeError, match="no parameter"):
+        configure_attention(model, softmax="clipped", alpah=0.5)
+    layers = [module.softq for _, module in attention_modules(model)]
+    assert [p.softmax_name for p in layers] == ["softmax", "softmax"] and all(p.gate is None for p in layers)
+    configure_attention(model, gated=True)
+    assert model.config.softq_softmax == "softmax" and model.config.softq_gated
+
+
 @pytest.mark.parametrize(
     "family, options",
     [("gpt2", {"softmax": "clipped", "alpha": 0.5}), ("bert", {"softmax": "softpick"}), ("gpt2", {"gated": True}),

@@ -54,6 +54,13 @@ def test_convert_to_gated_preserves_function(family: str) -> None:
         assert (naive(**x).logits - before).abs().max() > 1e-1
     with pytest.raises(ValueError, match="already has gated attention"):
         convert_to_gated(model)
+    # a quantized model's projections would be rescaled under its weight codes (and its cached dequantized
+    # weights, edited through .data, were used as they were): convert the float model, then quantize
+    import softq
+
+    quantized = softq.quantize(_model_and_input(family)[0], [x])
+    with pytest.raises(ValueError, match="convert the float model, then quantize"):
+        convert_to_gated(quantized)
 
 
 def test_convert_keeps_softmax_variant_and_rejects_bad_pi() -> None:
