@@ -48,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--weight-storage", choices=["int8", "uint8"], default="int8",
                    help="storage of the symmetric 8-bit weight codes (default int8: onnxruntime's fast u8s8 "
                         "kernels; on AVX2-only x86 CPUs run it with the session option "
-                        "session.x64quantprecision=1; uint8: zero point 128, exact without it, slower)")
+                        "session.x64quantprecision=1; uint8: zero point 128, exact without it, slower, for models "
+                        "with unsigned activation codes, the default)")
     p.add_argument("--embeddings", choices=["float", "int8"], default=None,
                    help="embedding tables: default as quantized (int8 codes, one scale per row, unless quantized "
                         "with embedding_bits=None); int8 also converts float tables; float stores them dequantized")

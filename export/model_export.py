@@ -1000,6 +1000,12 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
         )
     # a SentenceTransformer: its Hugging Face model, pooling and normalisation; example texts tokenized as it does
     qmodel, example_inputs, pooling, normalize = _unwrap_sentence_transformer(qmodel, example_inputs, pooling, normalize)
+    if weight_storage == "uint8" and linears == "integer" and qmodel.softq_quant_config.act_symmetric:
+        # onnxruntime fuses that into an s8 x u8 MatMulIntegerToFloat, for which it has no kernel: the file would
+        # not load at its default optimisation level
+        raise ExportError("weight_storage='uint8' pairs with unsigned activation codes; this model's are signed "
+                          "(QuantConfig(act_symmetric=True)), and onnxruntime has no int8 x uint8 integer MatMul: "
+                          "export it with weight_storage='int8' (or linears='qdq')")
     model, layers = _export_copy(qmodel, weight_storage, embeddings)
     representations = list(dict.fromkeys(info["representation"] for info in layers.values()))
     softmax = softmax or FORMS_FOR[representations[0]][0]
@@ -1173,7 +1179,8 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     ``opts.add_session_config_entry("session.x64quantprecision", "1")``).
     ``"uint8"`` stores the same codes shifted by 128 (zero point 128): exact
     everywhere without that option, but the u8u8 kernel measured 2x slower on a
-    VNNI CPU (docs/results/export_speed.md).
+    VNNI CPU (docs/results/export_speed.md); it needs unsigned activation codes (the
+    default; ``act_symmetric=True`` models are refused with ``linears="integer"``).
     ``linears``: the form of the Linear layers.  ``"integer"`` (default):
     ``MatMulInteger -> Cast -> Mul -> Add(bias)``, which onnxruntime fuses into one
     ``MatMulIntegerToFloat`` with the bias and tract runs on its int8 kernels;
