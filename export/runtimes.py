@@ -172,6 +172,9 @@ def _check_feeds(spec: _Spec, feeds: object) -> dict[str, np.ndarray]:
             if isinstance(want, int) and want > 0 and got != want:
                 raise ValueError(f"{name} must have shape {_dims_text(declared)}, got {shape}: dimension {axis} "
                                  f"is fixed to {want} in this file")
+            if got == 0:  # runtimes fail deep inside on empty tensors (a Reshape of 0 elements)
+                raise ValueError(f"{name} has shape {shape}: dimension {axis} is empty; give at least one "
+                                 f"{'example' if axis == 0 else 'element'} along it")
             if isinstance(want, str):
                 seen = symbols.setdefault(want, (name, got))
                 if seen[1] != got:

@@ -167,6 +167,10 @@ def test_runner_refuses_ids_outside_the_table_and_missing_inputs(qmodels, tmp_pa
             run({**feeds, "input_ids": ids})
     with pytest.raises(ValueError, match="missing input 'attention_mask'"):
         run({"input_ids": feeds["input_ids"]})
+    # empty batches and sequences failed inside the runtime (onnxruntime: a Reshape of 0 elements)
+    for empty, axis in (((0, 8), 0), ((2, 0), 1)):
+        with pytest.raises(ValueError, match=re.escape(f"input_ids has shape {empty}: dimension {axis} is empty")):
+            run({k: np.zeros(empty, np.int64) for k in feeds})
 
 
 @pytest.mark.parametrize("runtime", [pytest.param("onnxruntime"), *OTHERS])
