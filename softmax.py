@@ -145,6 +145,9 @@ def softmax(scores: Any, valid: torch.Tensor | None = None, dim: int = -1) -> An
 
 
 CLIPPED_ALPHA = 4.0  # the clipped softmax's default stretch: gamma = -alpha / T
+# from scratch: a fresh model's rows are uniform (p = 1/T) and survive the clip only if alpha < T / (T - 1); at 4
+# every row of a fresh ViT is 0 and no gradient reaches Q and K (docs/outliers.md section 3)
+CLIPPED_ALPHA_FROM_SCRATCH = 0.5
 
 
 def clipped_softmax(

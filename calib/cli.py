@@ -18,7 +18,12 @@ from pathlib import Path
 from softq._files import check_writable_parent
 from softq.cli import positive_int
 
-from softq.softmax import CLIPPED_ALPHA as DEFAULT_ALPHA  # --alpha: clipped softmax's gamma = -alpha / T
+# --alpha: clipped softmax's gamma = -alpha / T; softq train trains from scratch: alpha < 1 (CLIPPED_ALPHA, 4,
+# kills every row of a fresh model)
+from softq.softmax import CLIPPED_ALPHA_FROM_SCRATCH as DEFAULT_ALPHA
+
+DEFAULT_PI = 0.5  # --pi: gated attention's initial gate opening
+DEFAULT_LR = 3e-4  # --lr of --finetune-gated
 
 
 def attention_from_args(args: argparse.Namespace) -> dict | None:
@@ -28,7 +33,13 @@ def attention_from_args(args: argparse.Namespace) -> dict | None:
     if args.alpha is not None and args.softmax != "clipped":
         raise ValueError(f"--alpha sets the clipped softmax's gamma = -alpha / T; it does nothing with "
                          f"--softmax {args.softmax or 'softmax'}: add --softmax clipped or drop --alpha")
-    return attention_options(args.softmax, DEFAULT_ALPHA if args.alpha is None else args.alpha, args.gated, args.pi)
+    if args.pi is not None and not args.gated:
+        raise ValueError("--pi sets the gates' initial opening; it does nothing without --gated (or --finetune-gated)")
+    if args.lr is not None:
+        raise ValueError("--lr is the learning rate of --finetune-gated; training from scratch follows the "
+                         "workload's own schedule: drop --lr")
+    return attention_options(args.softmax, DEFAULT_ALPHA if args.alpha is None else args.alpha, args.gated,
+                             DEFAULT_PI if args.pi is None else args.pi)
 
 
 def _finetune_gated(args: argparse.Namespace) -> int:
@@ -50,8 +61,10 @@ def _finetune_gated(args: argparse.Namespace) -> int:
         wanted = "--model vit" if args.model == "vit" else f"--model lm --family {args.family}"
         raise ValueError(f"{args.finetune_gated} holds a {model.config.model_type} model, not {wanted}")
     steps = 100 if args.steps is None else args.steps
-    model, losses = finetune_to_gated(model, steps, args.pi, lr=args.lr, seed=args.seed, progress=not args.quiet)
-    return _finish(args, model, steps, f"gated (pi_init {args.pi}) fine-tuned {steps} steps from {args.finetune_gated}")
+    pi = DEFAULT_PI if args.pi is None else args.pi
+    model, losses = finetune_to_gated(model, steps, pi, lr=DEFAULT_LR if args.lr is None else args.lr, seed=args.seed,
+                                      progress=not args.quiet)
+    return _finish(args, model, steps, f"gated (pi_init {pi}) fine-tuned {steps} steps from {args.finetune_gated}")
 
 
 def _finish(args: argparse.Namespace, model: object, step: int, what: str) -> int:
@@ -85,6 +98,9 @@ def _train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():  # before any step: the first checkpoint would fail after training
         raise NotADirectoryError(f"--out {out} is a file; give a directory for the checkpoint and the model")
+    check_writable_parent(out / "checkpoint.pt")  # a file further up (--out a_file/run): also before any step
+    if (out / "model").exists() and not (out / "checkpoint.pt").is_file():  # the finished run would replace it
+        raise FileExistsError(f"--out {out} already holds model/ and no checkpoint.pt to resume; give another --out")
     if args.resume and args.softmax == "softmax" and (out / "checkpoint.pt").is_file():
         saved = load_checkpoint(out / "checkpoint.pt")["run"]["attention"]
         if saved and saved.get("softmax"):  # an explicit exact softmax is a mismatch, not "as saved"
@@ -114,7 +130,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--softmax", default=None, help="softq softmax variant (e.g. clipped); default exact softmax")
     p.add_argument("--alpha", type=float, default=None, help=f"clipped softmax: gamma = -alpha / T (default {DEFAULT_ALPHA:g})")
     p.add_argument("--gated", action="store_true", help="gated attention")
-    p.add_argument("--pi", type=float, default=0.5, help="gated attention: initial gate opening pi_init")
+    p.add_argument("--pi", type=float, default=None, help=f"gated attention: initial gate opening pi_init (default {DEFAULT_PI:g})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=positive_int, default=None, help="total steps of the schedule (default: size's budget)")
     p.add_argument("--out", required=True, help="run directory (checkpoint.pt and, when done, model/)")
@@ -124,7 +140,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--finetune-gated", metavar="MODEL_DIR", default=None,
                    help="instead of training from scratch: convert this saved model to gated attention "
                         "(function-preserving) and fine-tune it for --steps (default 100) steps at --lr")
-    p.add_argument("--lr", type=float, default=3e-4, help="learning rate of --finetune-gated")
+    p.add_argument("--lr", type=float, default=None, help=f"learning rate of --finetune-gated (default {DEFAULT_LR:g})")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=_train)

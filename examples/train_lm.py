@@ -1,7 +1,7 @@
 """Train (or load from the cache) softq's reference character LM and print its held-out perplexity.
 
     python examples/train_lm.py                       # vanilla GPT-2 style, reference size
-    python examples/train_lm.py --softmax clipped     # clipped softmax (alpha 4)
+    python examples/train_lm.py --softmax clipped     # clipped softmax (alpha 0.5)
     python examples/train_lm.py --gated --pi 0.25     # gated attention
     python examples/train_lm.py --size tiny --steps 50
 

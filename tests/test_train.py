@@ -135,7 +135,7 @@ def test_train_cli_resume_rejects_other_settings(tmp_path: Path, capsys: pytest.
     assert "trained with softmax='clipped', not 'softmax'" in capsys.readouterr().err
     # resumed without attention flags: it continues as saved, and says so (it used to print "vanilla")
     assert softq_main(lm) == 0
-    assert "trained lm tiny alpha=4,softmax=clipped to step 6" in capsys.readouterr().out
+    assert "trained lm tiny alpha=0.5,softmax=clipped to step 6" in capsys.readouterr().out
     # a model written by softq train is not a Hugging Face directory: one line saying what it is
     assert softq_main(["quantize", str(tmp_path / "r" / "model"), "--no-eval"]) == 1
     assert "is a model written by softq train" in capsys.readouterr().err
@@ -153,6 +153,46 @@ def test_train_cli_unreadable_checkpoint_or_bad_out_is_one_line(tmp_path: Path, 
     assert _train(tmp_path / "out", "--resume") == 1
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_train_cli_refuses_flags_it_would_ignore_and_outs_it_would_clobber(tmp_path: Path, capsys) -> None:
+    """--lr (of --finetune-gated) and --pi without --gated did nothing, silently; an --out holding model/ but no
+    checkpoint lost model/ (and what else it held) at the end of the run; --out under a file failed at the first
+    checkpoint, after training.  Each is one line now, before the first step."""
+    lm = ["train", "--model", "lm", "--size", "tiny", "--steps", "2", "--quiet"]
+    for extra, message in ((["--lr", "100"], "--lr is the learning rate of --finetune-gated"),
+                           (["--pi", "0.9"], "--pi sets the gates' initial opening")):
+        assert softq_main([*lm, *extra, "--out", str(tmp_path / "x")]) == 1
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1 and not (tmp_path / "x").exists()
+    (tmp_path / "kept" / "model").mkdir(parents=True)
+    (tmp_path / "kept" / "model" / "notes.txt").write_text("mine")
+    assert softq_main([*lm, "--out", str(tmp_path / "kept")]) == 1
+    assert "already holds model/ and no checkpoint.pt" in capsys.readouterr().err
+    assert (tmp_path / "kept" / "model" / "notes.txt").read_text() == "mine"
+    (tmp_path / "a_file").write_text("x")
+    assert softq_main([*lm, "--out", str(tmp_path / "a_file" / "run")]) == 1
+    assert "a_file is a file" in capsys.readouterr().err
+
+
+def test_train_cli_clipped_default_keeps_a_fresh_models_rows_alive() -> None:
+    """softq train's clipped softmax took alpha 4 (the registry default): every row of a fresh model is clipped to
+    zero, no gradient reaches Q and K (docs/outliers.md section 3).  It trains from scratch: alpha 0.5."""
+    import argparse
+
+    from softq.calib.cli import attention_from_args
+
+    from softq.attention import configure_attention
+
+    options = attention_from_args(argparse.Namespace(softmax="clipped", alpha=None, gated=False, pi=None, lr=None))
+    model = W.build_model(W.vit_config("tiny"))
+    configure_attention(model, **options)
+    x = W.vit_eval_inputs(model.config.image_size, batch_size=2)[0]["pixel_values"]
+    out = model(pixel_values=x, output_attentions=True)
+    assert all(a.max() > 0 for a in out.attentions)  # rows survive the clip
+    out.logits.sum().backward()
+    query = next(p for n, p in model.named_parameters() if "q_proj" in n and n.endswith("weight"))
+    assert query.grad.abs().max() > 0
 
 
 def test_clipped_softmax_refuses_non_finite_parameters(capsys) -> None:

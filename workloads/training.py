@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from softq.softmax import CLIPPED_ALPHA
+from softq.softmax import CLIPPED_ALPHA_FROM_SCRATCH
 from softq.workloads.data import CharTokenizer, check_choice, _progress, lm_batches, vit_batches
 from softq.workloads.models import LM_SIZES, VIT_SIZES, _configure, attention_options, build_model, lm_config, vit_config
 
@@ -192,7 +192,9 @@ def add_training_args(parser: Any, sizes: Iterable[str]) -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the size's budget)")
     parser.add_argument("--size", choices=sorted(sizes), default="reference")
     parser.add_argument("--softmax", default=None, help="softq softmax variant to train with (e.g. clipped)")
-    parser.add_argument("--alpha", type=float, default=CLIPPED_ALPHA, help="clipped softmax: gamma = -alpha / T")
+    parser.add_argument("--alpha", type=float, default=CLIPPED_ALPHA_FROM_SCRATCH,
+                        help=f"clipped softmax: gamma = -alpha / T (default {CLIPPED_ALPHA_FROM_SCRATCH:g}: from scratch, "
+                             "alpha < 1 keeps a fresh model's rows alive)")
     parser.add_argument("--gated", action="store_true", help="train with gated attention")
     parser.add_argument("--pi", type=float, default=0.5, help="gated attention: initial gate opening")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
