@@ -406,13 +406,22 @@ def refuse_sentence_transformer_save(st: nn.Sequential) -> None:
         object.__setattr__(st, name, _refuse_quantized_save)
 
 
-def refuse_save_pretrained(model: nn.Module) -> None:
+def _refuse_smoothed_save_pretrained(*_args: Any, **_kwargs: Any) -> None:
+    raise ValueError("this model's Linear inputs are smoothed (softq.calib.smoothquant.smooth_inputs): their 1/s "
+                     "scales live in forward hooks, which save_pretrained does not write, so the saved model would "
+                     "compute another function; quantize it (softq.quantize, whose input_smoothing does the same) "
+                     "and save it with softq.quant.save")
+
+
+def refuse_save_pretrained(model: nn.Module, smoothed: bool = False) -> None:
     """The same for a quantized Hugging Face model: ``save_pretrained`` (also what ``Trainer`` checkpoints call)
     and ``push_to_hub`` write the float weights with the quantizers' tensors as extra keys, which
-    ``from_pretrained`` reports as ignorable and drops: a float model back, silently."""
+    ``from_pretrained`` reports as ignorable and drops: a float model back, silently.  ``smoothed``: a float model
+    after ``smooth_inputs``, whose weights are written without the input scales its hooks apply."""
+    refusal = _refuse_smoothed_save_pretrained if smoothed else _refuse_quantized_save_pretrained
     for name in ("save_pretrained", "push_to_hub"):
         if hasattr(model, name):
-            object.__setattr__(model, name, _refuse_quantized_save_pretrained)
+            object.__setattr__(model, name, refusal)
 
 
 def sentence_transformer_batches(st: nn.Sequential, data: Any, batch_size: int = 16) -> Any:

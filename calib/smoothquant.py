@@ -314,6 +314,10 @@ def smooth_inputs(model: nn.Module, batches: list[Batch], alpha: float, min_rati
                 if previous is None:  # the float Linear applies it too (softq's QLinear takes it over)
                     lin.register_forward_pre_hook(_scale_input)
                 done.append(name)
+    if done:  # save_pretrained would write the scaled weights without the hooks' 1/s: another function
+        from softq.hf import refuse_save_pretrained
+
+        refuse_save_pretrained(model, smoothed=True)
     return done
 
 

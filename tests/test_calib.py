@@ -148,6 +148,14 @@ def test_input_smoothing_keeps_the_function_and_exports_one_mul_per_input(tmp_pa
     assert any(n.endswith("intermediate.dense") for n in names)
     with torch.no_grad():
         torch.testing.assert_close(smoothed(**x).logits, model(**x).logits, rtol=1e-4, atol=1e-5)
+    # save_pretrained wrote the scaled weights without the hooks' 1/s, which from_pretrained loaded back as another
+    # function (3.95 off on a tiny BERT) without a word
+    with pytest.raises(ValueError, match="smoothed .* save_pretrained does not write"):
+        smoothed.save_pretrained(tmp_path / "smoothed")
+    assert not (tmp_path / "smoothed").exists()
+    with pytest.raises(ValueError, match="quantized by softq"):  # quantized, it says what a quantized model says
+        softq.quantize(smoothed, calib).save_pretrained(tmp_path / "smoothed")
+    model.save_pretrained(tmp_path / "float")  # the model it was copied from is not affected
     q = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8))
     layer = q.bert.encoder.layer[0]
     qkv = [layer.attention.self.query, layer.attention.self.key, layer.attention.self.value]
