@@ -370,7 +370,14 @@ def teacher_fingerprint(model: nn.Module) -> list[float]:
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch has no CUDA device (torch.cuda.is_available() is False); "
+                         "use device='cpu' or 'auto'")
+    return dev
 
 
 def finetune_outliers(
@@ -403,7 +410,13 @@ def finetune_outliers(
     config = config or OutlierFinetuneConfig()
     if not isinstance(config, OutlierFinetuneConfig):
         raise ValueError(f"config must be an OutlierFinetuneConfig, got {type(config).__name__}")
-    texts = [t for t in texts if isinstance(t, str) and t.strip()]
+    if isinstance(texts, (str, bytes)):  # a string is a sequence too: of one-letter texts
+        raise ValueError("texts must be a list of training texts, got one string (it would train on its letters)")
+    texts = list(texts)
+    wrong = next((t for t in texts if not isinstance(t, str)), None)
+    if wrong is not None:
+        raise ValueError(f"texts must be strings, got a {type(wrong).__name__} among them")
+    texts = [t for t in texts if t.strip()]
     if not texts:
         raise ValueError("finetune_outliers needs at least one non-empty training text")
     if checkpoint_every < 1:
@@ -413,6 +426,12 @@ def finetune_outliers(
     if resume and checkpoint is None:
         raise ValueError("resume=True needs a checkpoint path")
     check_model(model)
+    from softq.models import max_tokens
+
+    positions = max_tokens(model.config)
+    if positions is not None and config.max_length > positions:
+        raise ValueError(f"OutlierFinetuneConfig.max_length is {config.max_length}, but this model takes at most "
+                         f"{positions} tokens (its position table): set max_length <= {positions}")
     dev = resolve_device(device)
 
     sink_batches = None

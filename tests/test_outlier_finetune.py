@@ -164,6 +164,19 @@ def test_bad_inputs(tokenizer) -> None:
         finetune_outliers(gated, tokenizer, TEXTS, small_config(), progress=False)
     with pytest.raises(ValueError, match="resume=True needs a checkpoint"):
         finetune_outliers(model, tokenizer, TEXTS, small_config(), resume=True, progress=False)
+    # one string trained on its letters; non-strings were dropped; a max_length past the position table and a
+    # missing CUDA device failed deep in torch
+    for texts, message in ((" ".join(TEXTS), "got one string"), ([*TEXTS, b"bytes"], "got a bytes among them")):
+        with pytest.raises(ValueError, match=message):
+            finetune_outliers(model, tokenizer, texts, small_config(), progress=False)
+    for config in (small_config(max_length=200), small_config(max_length=200, constant_sink=True)):
+        with pytest.raises(ValueError, match=r"max_length is 200, but this model takes at most 128 tokens"):
+            finetune_outliers(model, tokenizer, TEXTS, config, progress=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="this torch has no CUDA device"):
+            finetune_outliers(model, tokenizer, TEXTS, small_config(), device="cuda", progress=False)
+    with pytest.raises(ValueError, match="is not a torch device"):
+        finetune_outliers(model, tokenizer, TEXTS, small_config(), device="gpu0", progress=False)
 
 
 def test_minilm_gated_conversion_preserves_embeddings() -> None:
