@@ -61,6 +61,8 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                         "takes; auto for row_log) or one calibrated grid per tensor (tensor: auto for edge)")
     p.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA", help="SmoothQuant migration strength")
     p.add_argument("--observer", choices=["minmax", "percentile", "mse"], default="minmax")
+    p.add_argument("--percentile", type=float, default=None,
+                   help="--observer percentile: the percentile of the values its range clips to (default 99.99)")
     p.add_argument("--residual-groups", type=_groups, default=None, metavar="K",
                    help="scales per residual-stream point: K groups of hidden dimensions, 1 = per tensor, "
                         "'auto' (default) = groups only where outlier dimensions are seen")
@@ -133,6 +135,8 @@ def _config(args: argparse.Namespace):
     extra = {} if args.residual_groups is None else {"residual_groups": args.residual_groups}
     if args.residual_prefix is not None:
         extra["residual_prefix"] = args.residual_prefix
+    if args.percentile is not None:
+        extra["percentile"] = args.percentile
     return QuantConfig(
         weight_bits=args.weight_bits, act_bits=args.act_bits,
         softmax_bits=args.softmax_bits or None, bias_correction=args.bias_correction,

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
+DEFAULT_PERCENTILE = 99.99  # QuantConfig.percentile: the percentile observer's clip
 BIAS_CORRECTION_GRANULARITIES = ("tensor", "head", "head_row")
 SOFTMAX_OUTPUTS = ("row", "row_exact", "row_log", "edge")
 # Representations whose P.V is divided by the sum of the codes (rows sum to exactly 1; the rest: the exact sum of exp;
@@ -303,7 +304,7 @@ class QuantConfig:
     softmax_input: Literal["auto", "row", "tensor", "float"] = "auto"
     softmax_scale: Literal["fixed", "calibrated"] = "fixed"
     observer: Literal["minmax", "percentile", "mse"] = "minmax"
-    percentile: float = 99.99
+    percentile: float = DEFAULT_PERCENTILE
     bias_correction: Literal["tensor", "head", "head_row"] | None = None
     weight_bias_correction: bool = True
     smoothing_into_v: bool | Literal["auto"] = "auto"
@@ -356,6 +357,9 @@ class QuantConfig:
                              f"'{self.softmax_output}' codes are scaled by each row's max")
         if self.observer not in ("minmax", "percentile", "mse"):
             raise ValueError(f"observer must be 'minmax', 'percentile' or 'mse', got {self.observer!r}")
+        if self.percentile != DEFAULT_PERCENTILE and self.observer != "percentile":
+            raise ValueError(f"percentile={self.percentile!r} sets the percentile observer's clip; observer="
+                             f"{self.observer!r} does not read it: add observer='percentile' or drop percentile")
         if self.bias_correction is not None and self.bias_correction not in BIAS_CORRECTION_GRANULARITIES:
             raise ValueError(
                 f"bias_correction must be one of {BIAS_CORRECTION_GRANULARITIES} or None, got {self.bias_correction!r}"

@@ -28,7 +28,7 @@ from torch.nn.utils import parametrize
 
 from softq._files import atomic_directory, error_line
 from softq.attention import configure_from_config
-from softq.quant.config import BIAS_CORRECTION_GRANULARITIES, EMBEDDING_MIN_ROWS, QuantConfig
+from softq.quant.config import BIAS_CORRECTION_GRANULARITIES, DEFAULT_PERCENTILE, EMBEDDING_MIN_ROWS, QuantConfig
 from softq.quant.quantize import is_quantized, prepare, set_mode
 from softq.quant.quantizers import ActQuantizer, BiasShift, QLinear, SoftmaxOutputQuantizer
 
@@ -153,6 +153,8 @@ def load(path: str | os.PathLike) -> nn.Module:
     if raw.get("softmax_bits") is None:  # a float softmax: no softmax grid, whatever the file says
         raw["softmax_input"] = "auto" if raw.get("softmax_input") in ("row", "tensor") else raw["softmax_input"]
         raw["softmax_scale"] = "fixed"
+    if raw.get("observer", "minmax") != "percentile":  # no percentile observer read it
+        raw["percentile"] = DEFAULT_PERCENTILE
     if raw.get("smoothing_into_v") is True and (raw.get("input_smoothing") is None
                                                 or raw.get("weight_per_channel") is False):
         raw["smoothing_into_v"] = False  # it folded nothing

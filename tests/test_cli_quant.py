@@ -110,3 +110,18 @@ def test_quantize_cli_smoothing_into_v_is_auto_on_or_off() -> None:
     assert _config(parser.parse_args(["--smoothing-into-v", "off"])).smoothing_into_v is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--smoothing-into-v", "yes"])
+
+
+def test_quantize_cli_sets_the_percentile_of_the_percentile_observer() -> None:
+    """The percentile observer's clip had no flag (always 99.99); given with another observer it does nothing."""
+    import argparse
+
+    from softq.quant.cli import _add_quant_options, _config
+
+    parser = argparse.ArgumentParser()
+    _add_quant_options(parser)
+    config = _config(parser.parse_args(["--observer", "percentile", "--percentile", "99.9"]))
+    assert config.observer == "percentile" and config.percentile == 99.9
+    assert _config(parser.parse_args([])).percentile == 99.99
+    with pytest.raises(ValueError, match="observer='minmax' does not read it"):
+        _config(parser.parse_args(["--percentile", "99.9"]))

@@ -197,7 +197,7 @@ def test_float_softmax_files_with_settings_now_refused_still_load(tmp_path, save
     io.save(q, tmp_path / "q")
     meta_path = tmp_path / "q" / "quant_config.json"
     meta = json.loads(meta_path.read_text())
-    for key, value in {**saved, "smoothing_into_v": True, "input_smoothing": None}.items():
+    for key, value in {**saved, "smoothing_into_v": True, "input_smoothing": None, "percentile": 90.0}.items():
         if value is None:
             meta["quant_config"].pop(key)
         else:
@@ -208,7 +208,7 @@ def test_float_softmax_files_with_settings_now_refused_still_load(tmp_path, save
     loaded = io.load(tmp_path / "q")
     config = loaded.softq_quant_config
     assert config.softmax_bits is None and config.softmax_scale == "fixed" and config.smoothing_into_v is False
-    assert config.softmax_input in ("auto", "float")
+    assert config.softmax_input in ("auto", "float") and config.observer == "minmax" and config.percentile == 99.99
 
 
 def test_load_and_save_refuse_bad_input(tmp_path) -> None:

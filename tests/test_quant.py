@@ -475,6 +475,7 @@ def test_inputs_that_do_not_fit_the_model_are_refused() -> None:
     ("act_symmetric", 2, "act_symmetric must be True or False"),
     ("percentile", "99", r"percentile must be a number in \(50, 100\]"),
     ("percentile", 40.0, r"percentile must be a number in \(50, 100\]"),
+    ("percentile", 90.0, "observer='minmax' does not read it"),  # was ignored: the min-max ranges
     ("smoothquant_alpha", "0.5", r"smoothquant_alpha must be in \[0, 1\] or None"),
     ("smoothquant_alpha", True, r"smoothquant_alpha must be in \[0, 1\] or None"),
     ("exclude", "classifier", "exclude must be a tuple of module-name substrings"),
