@@ -18,7 +18,12 @@ Per attention head (softmax output as the model computes it, quantized or not):
   * ``sink_rate``: mean attention mass on the first key (query rows that can see
     more than one key), the "attention sink" that heads use to do nothing;
   * ``row_sum_deficit``: mean of ``1 - sum_k p`` over valid rows, the mass lost
-    by rounding (0 in float; grows at low softmax bits without bias correction).
+    by rounding (0 in float for softmax rows; grows at low softmax bits without
+    bias correction); a clipped softmax or sigmoid attention gives up mass by
+    design, in float too.
+Both are means over every query row of ``batches``, however they are batched.
+Collecting switches ``model`` to softq's attention (``configure_attention``,
+which computes the same function for the exact softmax) if it is not on it yet.
 """
 
 from __future__ import annotations
@@ -156,13 +161,16 @@ def collect(model: nn.Module, batches: list[Batch]) -> Diagnostics:
             mask = torch.ones_like(p) if valid is None else torch.broadcast_to(valid, p.shape).float()
             rows_valid = mask.amax(-1)  # rows with at least one valid key
             rows_multi = (mask.sum(-1) > 1).float()
-            sink = (p[..., 0] * rows_multi).sum(dim=(0, 2)) / rows_multi.sum(dim=(0, 2)).clamp_min(1)
-            deficit = ((1 - p.sum(-1)) * rows_valid).sum(dim=(0, 2)) / rows_valid.sum(dim=(0, 2)).clamp_min(1)
+            # sums and row counts, so the means are over rows whatever the batching (a mean of batch means
+            # weighted a batch of 1 like one of 16)
+            sink, sink_rows = (p[..., 0] * rows_multi).sum(dim=(0, 2)), rows_multi.sum(dim=(0, 2))
+            deficit, deficit_rows = ((1 - p.sum(-1)) * rows_valid).sum(dim=(0, 2)), rows_valid.sum(dim=(0, 2))
             for h in range(p.shape[1]):
-                acc = head_sums.setdefault((index, h), [0.0, 0.0, 0])
+                acc = head_sums.setdefault((index, h), [0.0, 0.0, 0.0, 0.0])
                 acc[0] += sink[h].item()
-                acc[1] += deficit[h].item()
-                acc[2] += 1
+                acc[1] += sink_rows[h].item()
+                acc[2] += deficit[h].item()
+                acc[3] += deficit_rows[h].item()
         return hook
 
     for i, (_, points) in enumerate(layers):
@@ -207,7 +215,7 @@ def collect(model: nn.Module, batches: list[Batch]) -> Diagnostics:
     finally:
         for h in handles:
             h.remove()
-    heads = [HeadStats(l, h, v[0] / v[2], v[1] / v[2]) for (l, h), v in sorted(head_sums.items())]
+    heads = [HeadStats(l, h, v[0] / max(v[1], 1.0), v[2] / max(v[3], 1.0)) for (l, h), v in sorted(head_sums.items())]
     return Diagnostics(layer_stats, heads)
 
 

@@ -46,6 +46,24 @@ def test_sink_rate_sees_a_head_that_attends_to_the_first_token() -> None:
     assert sunk.mean_sink_rate > 0.99
 
 
+def test_head_statistics_are_means_over_rows_however_batched() -> None:
+    """sink_rate and row_sum_deficit were means of per-batch means: the same 17 sequences gave other figures as one
+    batch and as batches of 1 + 16 (a batch of one weighed as much as sixteen)."""
+    model = tiny_model("bert")
+    with torch.no_grad():  # attention that is not uniform, and one odd sequence
+        for layer in model.bert.encoder.layer:
+            layer.attention.self.query.weight.mul_(8)
+    ids = tiny_inputs("bert", batch=17, seq=10, seed=3)["input_ids"]
+    ids[0] = ids[0, 0]
+    softq.configure_attention(model)
+    with torch.no_grad():
+        attentions = model(input_ids=ids, output_attentions=True).attentions
+    rows = torch.stack([a[..., 0].mean((0, 2)) for a in attentions]).reshape(-1)
+    for batches in ([{"input_ids": ids}], [{"input_ids": ids[:1]}, {"input_ids": ids[1:]}]):
+        sinks = torch.tensor([h.sink_rate for h in diagnostics.collect(model, batches).heads])
+        torch.testing.assert_close(sinks, rows, rtol=1e-5, atol=1e-6)
+
+
 def test_quantized_softmax_row_sum_deficit_is_reported() -> None:
     model = tiny_model("bert")
     calib = [tiny_inputs("bert", batch=4, seq=96, seed=s) for s in range(2)]
