@@ -115,15 +115,31 @@ class MSEObserver(MinMaxObserver):
     def __init__(self) -> None:
         super().__init__()
         self.samples: list[torch.Tensor] = []
+        self.counts: list[int] = []  # how many values each sample stands for
 
     def _update(self, x: torch.Tensor, lo: float, hi: float) -> None:
         super()._update(x, lo, hi)
         self.samples.append(_subsample(x, RESERVOIR // 8))
+        self.counts.append(x.numel())
         if sum(s.numel() for s in self.samples) > RESERVOIR:
-            self.samples = [_subsample(torch.cat(self.samples), RESERVOIR)]
+            self.samples, self.counts = [self.uniform_sample()], [sum(self.counts)]
+
+    def uniform_sample(self) -> torch.Tensor:
+        """At most ``RESERVOIR`` of the values seen, each batch's value as likely as any other's: every sample is
+        thinned to the density of the sparsest (a merged reservoir stands for all the batches it holds; it was
+        weighted like one batch, so later batches filled most of it)."""
+        total = sum(self.counts)
+        density = min([RESERVOIR / total] + [s.numel() / n for s, n in zip(self.samples, self.counts)])
+        generator = torch.Generator().manual_seed(total % (1 << 31))
+        kept = []
+        for sample, n in zip(self.samples, self.counts):
+            k = min(sample.numel(), round(density * n))
+            kept.append(sample if k == sample.numel() else
+                        sample[torch.randperm(sample.numel(), generator=generator)[:k]])
+        return torch.cat(kept)
 
     def _range(self, bits: int, signed: bool) -> tuple[float, float]:
-        values = torch.cat(self.samples)
+        values = self.uniform_sample()
         lo, hi = min(self.lo, 0.0), max(self.hi, 0.0)
         best, best_err = (lo, hi), float("inf")
         for factor in self.GRID.tolist():

@@ -59,6 +59,26 @@ def test_observer_refuses_nan_and_unknown_kind() -> None:
         MinMaxObserver().range(8, True)
 
 
+def test_mse_observer_samples_every_batch_alike() -> None:
+    """Each merge of the MSE observer's reservoir weighted everything merged before like one batch: of 24 equal
+    batches the last 12 filled 75% of it, and the same data in reverse order chose another clip."""
+    from softq.calib.observers import MSEObserver
+
+    observer = MSEObserver()
+    for i in range(24):
+        observer.update(torch.full((40000,), 1.0 if i < 12 else 2.0))
+    assert abs((observer.uniform_sample() == 2.0).float().mean().item() - 0.5) < 0.02
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(40000, generator=g) * (4.0 if i < 12 else 0.25) for i in range(24)]
+    ranges = []
+    for order in (batches, batches[::-1]):
+        observer = MSEObserver()
+        for b in order:
+            observer.update(b)
+        ranges.append(observer.range(8, True))
+    assert ranges[0].hi == pytest.approx(ranges[1].hi, rel=0.02)
+
+
 @pytest.mark.parametrize("observer", ["minmax", "percentile", "mse"])
 def test_every_observer_quantizes_a_model(observer: str) -> None:
     model = tiny_model("vit")
