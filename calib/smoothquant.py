@@ -86,6 +86,14 @@ def _tied(model: nn.Module, weight: torch.Tensor) -> bool:
     return count > 1
 
 
+def _conv1d_hint(model: nn.Module) -> str:
+    """What to do first where the model's Linear layers are GPT-2's Conv1D (smoothing finds nn.Linear only)."""
+    if any(type(m).__name__ == "Conv1D" for m in model.modules()):
+        return ("; its projections are GPT-2 Conv1D layers: call softq.models.conv1d_to_linear(model) first "
+                "(softq.quantize does)")
+    return ""
+
+
 def smooth(model: nn.Module, batches: list[Batch], alpha: float = 0.5) -> list[str]:
     """Apply SmoothQuant in place; returns the names of the LayerNorms that were smoothed."""
     family = getattr(getattr(model, "config", None), "model_type", "")
@@ -98,7 +106,8 @@ def smooth(model: nn.Module, batches: list[Batch], alpha: float = 0.5) -> list[s
     groups = [g for g in find_norm_linear_groups(model, batches[0])
               if g.norm.weight is not None and not any(_tied(model, lin.weight) for _, lin in g.linears)]
     if not groups:
-        raise ValueError("SmoothQuant found no LayerNorm that feeds only untied Linear layers in this model")
+        raise ValueError("SmoothQuant found no LayerNorm that feeds only untied Linear layers in this model"
+                         + _conv1d_hint(model))
     handles = []
 
     def observe(group: SmoothGroup):
@@ -303,6 +312,9 @@ def smooth_inputs(model: nn.Module, batches: list[Batch], alpha: float, min_rati
     (it records the inputs during its observation pass)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"input smoothing alpha must be in [0, 1], got {alpha}")
+    hint = _conv1d_hint(model)
+    if hint:  # it would find no Linear to smooth and return [] (nothing done) without a word
+        raise ValueError("input smoothing works on nn.Linear layers" + hint)
     done: list[str] = []
     with torch.no_grad():
         for group, s in smoothing_scales(find_input_groups(model, batches), alpha, min_ratio, exclude):

@@ -90,6 +90,20 @@ def test_every_observer_quantizes_a_model(observer: str) -> None:
     assert rel < 0.15
 
 
+def test_smoothing_a_gpt2_as_loaded_says_to_convert_its_conv1d_layers() -> None:
+    """GPT-2's projections are Conv1D: smooth() said it found no LayerNorm to fold into, smooth_inputs() returned []
+    (nothing smoothed) without a word."""
+    from softq.calib.smoothquant import smooth, smooth_inputs
+
+    calib = [tiny_inputs("gpt2", seed=s) for s in range(2)]
+    for call in (lambda m: smooth(m, calib), lambda m: smooth_inputs(m, calib, 0.5)):
+        with pytest.raises(ValueError, match=r"Conv1D layers: call softq.models.conv1d_to_linear\(model\) first"):
+            call(tiny_model("gpt2"))
+    model = tiny_model("gpt2")
+    conv1d_to_linear(model)
+    assert smooth_inputs(model, calib, 0.5)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "opt", "vit"])
 def test_smoothquant_keeps_the_float_function_and_flattens_channels(family: str) -> None:
     model = tiny_model(family)

@@ -126,6 +126,9 @@ def test_gate_values_report(tokenizer) -> None:
     assert len(report) == 2 and len(report[0]["mean"]) == 4
     assert report[0]["mean"][0] == pytest.approx(0.25, abs=1e-5)  # fresh gates: weights 0, bias logit(pi)
     assert gate_values(model, batches) == []
+    # batches without an attention mask (unpadded text, a vision model) failed with KeyError: 'attention_mask'
+    unmasked = [{"input_ids": batches[0]["input_ids"]}]
+    assert gate_values(gated, unmasked)[0]["mean"][0] == pytest.approx(0.25, abs=1e-5)
 
 
 def test_windows_are_deterministic_per_step() -> None:
