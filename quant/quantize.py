@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from softq.attention import AttentionPoints, attention_points
-from softq.calib.data import Batch, as_batches, run_batches
+from softq.calib.data import Batch, CalibrationDataError, as_batches, run_batches
 from softq.calib.observers import MinMaxObserver, make_observer
 from softq.calib.smoothquant import (InputGroup, InputRecorder, post_ln, skipped, smooth, smooth_inputs,
                                      smoothable_linears, smoothing_scales)
@@ -303,8 +303,18 @@ def smoothing_report(qmodel: nn.Module) -> str:
 
 
 def _finish(qmodel: nn.Module) -> None:
-    for q in act_quantizers(qmodel):
-        q.finish_calibration()
+    prefix = max((getattr(points, "prefix_rows", 0) for _, points in attention_points(qmodel)), default=0)
+    for name, q in qmodel.named_modules():
+        if not isinstance(q, (ActQuantizer, SoftmaxOutputQuantizer)):
+            continue
+        try:
+            q.finish_calibration()
+        except RuntimeError as err:
+            if "saw no data" not in str(err):
+                raise
+            why = (f"; the model gives its first {prefix} position(s) scales of their own (QuantConfig.residual_"
+                   "prefix), so calibration sequences need more tokens than that" if prefix else "")
+            raise CalibrationDataError(f"no calibration value reached {name}{why}") from None
     set_mode(qmodel, "quant")
 
 

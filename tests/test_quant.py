@@ -468,6 +468,11 @@ def test_inputs_that_do_not_fit_the_model_are_refused() -> None:
         softq.quantize(tiny_model("vit"), [torch.randn(1, 3, 16, 16)])
     with pytest.raises(CalibrationDataError, match=r"input_ids must be \[batch, seq\]"):
         softq.quantize(tiny_model("bert"), [torch.randint(0, 64, (8,))])
+    # one-token sequences with [CLS] scales of their own: every value went to the prefix row's quantizers, and the
+    # others failed with "observer saw no data", naming no layer and not why
+    with pytest.raises(CalibrationDataError, match=r"no calibration value reached .*input_act; the model gives its "
+                                                   r"first 1 position\(s\) scales of their own"):
+        softq.quantize(tiny_model("bert"), [torch.randint(0, 64, (2, 1))], softq.QuantConfig(softmax_output="edge"))
 
 
 @pytest.mark.parametrize("field, value, message", [
