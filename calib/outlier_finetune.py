@@ -539,7 +539,7 @@ def gate_values(model: nn.Module, batches: Sequence[dict[str, torch.Tensor]]) ->
         def fn(_m: nn.Module, _inputs: tuple, out: torch.Tensor) -> None:
             g = out.squeeze(-1).float()  # [b, heads, s]
             mask = mask_box["mask"]  # no attention_mask (a vision model, unpadded text): every token
-            valid = torch.ones(g.shape[0], 1, g.shape[2]) if mask is None else mask.to(g.dtype)[:, None, :]
+            valid = g.new_ones(g.shape[0], 1, g.shape[2]) if mask is None else mask.to(g)[:, None, :]
             acc = sums.setdefault(index, [torch.zeros(g.shape[1]), torch.zeros(g.shape[1]), 0.0, 0.0])
             acc[0] += (g * valid).sum(dim=(0, 2)).cpu()
             acc[1] += g[:, :, 0].sum(0).cpu()

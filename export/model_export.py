@@ -1005,7 +1005,7 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
         # not load at its default optimisation level
         raise ExportError("weight_storage='uint8' pairs with unsigned activation codes; this model's are signed "
                           "(QuantConfig(act_symmetric=True)), and onnxruntime has no int8 x uint8 integer MatMul: "
-                          "export it with weight_storage='int8' (or linears='qdq')")
+                          "export it with weight_storage='int8' (or linears='qdq'; CLI: --weight-storage int8)")
     model, layers = _export_copy(qmodel, weight_storage, embeddings)
     representations = list(dict.fromkeys(info["representation"] for info in layers.values()))
     softmax = softmax or FORMS_FOR[representations[0]][0]

@@ -313,7 +313,7 @@ def _finish(qmodel: nn.Module) -> None:
             if "saw no data" not in str(err):
                 raise
             why = (f"; the model gives its first {prefix} position(s) scales of their own (QuantConfig.residual_"
-                   "prefix), so calibration sequences need more tokens than that" if prefix else "")
+                   f"prefix): calibration sequences of {prefix} token(s) reach only those" if prefix else "")
             raise CalibrationDataError(f"no calibration value reached {name}{why}") from None
     set_mode(qmodel, "quant")
 

@@ -26,6 +26,7 @@ from brevitas.core.quant.int_base import IntQuant
 from brevitas.nn import QuantEmbedding, QuantLinear
 from brevitas.quant import Int8WeightPerChannelFloat, Int8WeightPerTensorFloat
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from softq.attention import ProbsQuantizer
 from softq.calib.observers import ChannelRange, Observer, make_observer, scale_and_zero_point
@@ -484,24 +485,41 @@ class _NotPickled:
     def __deepcopy__(self, memo: dict) -> nn.Module:
         replica = type(self).__new__(type(self))
         memo[id(self)] = replica
-        replica.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        replica.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
         return replica
+
+    def __copy__(self) -> nn.Module:  # copy.copy goes through __reduce_ex__ too: a shallow copy, as nn.Module's
+        replica = type(self).__new__(type(self))
+        replica.__dict__.update(self.__getstate__())
+        return replica
+
+
+_optimizer_steps = 0  # steps of any torch optimizer so far: part of the dequantized-weight cache's key
+
+
+def _count_optimizer_step(*_args: object) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 class _DequantizedCache:
     """Mixin: the dequantized weight of inference, computed once per weight version (Brevitas re-quantizes the
-    weight on every call).  The key is the weight's version counter and storage, which in-place edits through
-    ``.data`` and fused optimizer steps leave as they were, so the cache is also dropped whenever the layer changes
-    mode (``model.train()`` / ``model.eval()``) and whenever it runs the gradient path (training).  Traced
-    (``torch.jit.trace``) and compiled (``torch.compile``) code computes the weight in its graph instead: a Python
-    cache is a branch those record as another graph, and a guard on its key per layer."""
+    weight on every call).  The key is the weight's version counter and storage and the number of optimizer steps
+    taken (a fused optimizer step moves no version counter); the cache is also dropped whenever the layer changes
+    mode (``model.train()`` / ``model.eval()``: what to call after editing weights through ``.data``, which nothing
+    sees) and whenever it runs the gradient path.  Traced (``torch.jit.trace``) and compiled (``torch.compile``)
+    code computes the weight in its graph instead: a Python cache is a branch those record as another graph, and a
+    guard on its key per layer."""
 
-    _cache: tuple[tuple[int, int], torch.Tensor] | None = None
+    _cache: tuple[tuple[int, int, int], torch.Tensor] | None = None
 
     def _cached_dequantized(self, bits: int, per_channel: bool) -> torch.Tensor:
         if torch.jit.is_tracing() or torch.compiler.is_compiling():
             return dequantized_weight(self.weight, bits, per_channel)
-        key = (self.weight._version, self.weight.data_ptr())
+        key = (self.weight._version, self.weight.data_ptr(), _optimizer_steps)
         if self._cache is None or self._cache[0] != key:
             with torch.no_grad():
                 self._cache = (key, dequantized_weight(self.weight, bits, per_channel))
