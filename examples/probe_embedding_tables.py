@@ -150,4 +150,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # --help; no options
     raise SystemExit(main())
