@@ -390,6 +390,18 @@ def register() -> None:
 register()
 
 
+def _variant_for(current: AttentionPoints | None, softmax: str | None,
+                 params: dict[str, float]) -> tuple[str, dict[str, float]] | None:
+    """The (variant, parameters) a layer gets: parameters given change those of the variant it has (also when that
+    variant is named again: naming it to add gates kept nothing of its alpha before); None: unchanged."""
+    name, given = ("softmax", {}) if current is None else (current.softmax_name, current.softmax_params)
+    if softmax is None and not params:
+        return None
+    if softmax is None or softmax == name:
+        return name, {**given, **params}
+    return softmax, dict(params)
+
+
 def _head_dim(module: nn.Module) -> int:
     return int(getattr(module, "head_dim", 0) or getattr(module, "attention_head_size", 0))
 
@@ -405,7 +417,8 @@ def configure_attention(
     """Switch ``model`` to softq attention; optionally set its softmax variant, gates and constant sinks.
 
     Idempotent: state already attached (quantizers, trained gates) is kept and only
-    what is asked for changes (softmax parameters without ``softmax``: those of the variant the layers have).  The choice is also written to ``model.config``
+    what is asked for changes (softmax parameters without ``softmax``, or with the variant the layers have: those
+    parameters of it; another variant starts from its defaults).  The choice is also written to ``model.config``
     (``softq_softmax``, ``softq_softmax_params``, ``softq_gated``, ``softq_constant_sink``)
     so a saved config records it and :func:`configure_from_config` can rebuild it.
     ``constant_sink=True`` attaches a :class:`ConstantSink` (zeros: start it with
@@ -419,11 +432,9 @@ def configure_attention(
     modules = [module for _, module in attention_modules(model)]
     for module in modules:  # refuse anything wrong before any layer changes (a half-configured model, its config
         current = getattr(module, "softq", None)  # written from the first layer, would misdescribe it)
-        if softmax is not None:
-            get_softmax(softmax)(torch.zeros(1, 2), None, **softmax_params)
-        elif softmax_params:  # new parameters of the variant each layer has
-            name, given = ("softmax", {}) if current is None else (current.softmax_name, current.softmax_params)
-            get_softmax(name)(torch.zeros(1, 2), None, **{**given, **softmax_params})
+        wanted = _variant_for(current, softmax, softmax_params)
+        if wanted is not None:
+            get_softmax(wanted[0])(torch.zeros(1, 2), None, **wanted[1])
         if gated and (current is None or current.gate is None):
             AttentionGate(1, 1, gate_pi_init)  # checks pi_init
         if (gated or constant_sink) and not _head_dim(module):
@@ -435,10 +446,9 @@ def configure_attention(
         if points is None:
             points = AttentionPoints(num_heads(module))
             module.softq = points
-        if softmax is not None:
-            points.set_softmax(softmax, **softmax_params)
-        elif softmax_params:
-            points.set_softmax(points.softmax_name, **{**points.softmax_params, **softmax_params})
+        wanted = _variant_for(points, softmax, softmax_params)
+        if wanted is not None:
+            points.set_softmax(wanted[0], **wanted[1])
         ref = next(module.parameters())
         if constant_sink and points.sink is None:
             points.sink = ConstantSink(points.num_heads, _head_dim(module)).to(ref.device, ref.dtype)

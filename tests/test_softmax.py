@@ -158,6 +158,12 @@ def test_variant_choice_is_written_to_the_config_and_changes_the_model() -> None
         assert not torch.allclose(model(**x).logits, clipped)
     with pytest.raises(TypeError, match="softmax variant 'softmax' has no parameter"):
         configure_attention(tiny_model("opt"), alpha=0.5)
+    # naming the variant the layers have again (to add gates) kept none of its parameters: alpha back to 4
+    configure_attention(model, softmax="clipped", zeta=1.1)
+    configure_attention(model, softmax="clipped", gated=True)
+    assert model.config.softq_softmax_params == {"alpha": 0.5, "zeta": 1.1} and model.config.softq_gated
+    configure_attention(model, softmax="softpick")  # another variant starts from its own defaults
+    assert model.config.softq_softmax == "softpick" and model.config.softq_softmax_params == {}
 
 
 def test_a_refused_configuration_changes_no_layer() -> None:
