@@ -270,16 +270,20 @@ def _surrogate_text(softmax: Any, gelu: Any) -> str:
 
 
 def _party(args: argparse.Namespace) -> int:
-    from softq.mpc.party import run_party, settings_from_args
+    from softq.mpc.party import exit_skipping_teardown, run_party, settings_from_args
 
-    result = run_party(settings_from_args(args))
+    try:
+        result = run_party(settings_from_args(args))
+    except (ValueError, OSError, RuntimeError) as err:  # softq's CLI line, then no teardown where one could abort
+        print(f"softq mpc: error: {err}", file=sys.stderr)
+        return exit_skipping_teardown(1)
     if result is not None:
         from softq.mpc.accounting import CommReport
 
         print(CommReport.from_dict(result["report"]).table())
         if not args.output:
             print(result["outputs"])
-    return 0
+    return exit_skipping_teardown(0)
 
 
 def text_windows(paragraphs: list[str], window: int) -> list[str]:
