@@ -398,14 +398,6 @@ def _refuse_quantized_save_pretrained(*_args: Any, **_kwargs: Any) -> None:
                      "softq.quant.load(directory)")
 
 
-def refuse_sentence_transformer_save(st: nn.Sequential) -> None:
-    """Make ``st.save`` / ``save_pretrained`` / ``push_to_hub`` of a quantized SentenceTransformer raise: they write
-    the float weights, which load back as a float model (its quantizers dropped as unexpected keys).  A module-level
-    function, so the model still deep-copies."""
-    for name in ("save", "save_pretrained", "push_to_hub"):
-        object.__setattr__(st, name, _refuse_quantized_save)
-
-
 def _refuse_smoothed_save_pretrained(*_args: Any, **_kwargs: Any) -> None:
     raise ValueError("this model's Linear inputs are smoothed (softq.calib.smoothquant.smooth_inputs): their 1/s "
                      "scales live in forward hooks, which save_pretrained does not write, so the saved model would "
@@ -414,12 +406,17 @@ def _refuse_smoothed_save_pretrained(*_args: Any, **_kwargs: Any) -> None:
 
 
 def refuse_save_pretrained(model: nn.Module, smoothed: bool = False) -> None:
-    """The same for a quantized Hugging Face model: ``save_pretrained`` (also what ``Trainer`` checkpoints call)
-    and ``push_to_hub`` write the float weights with the quantizers' tensors as extra keys, which
-    ``from_pretrained`` reports as ignorable and drops: a float model back, silently.  ``smoothed``: a float model
-    after ``smooth_inputs``, whose weights are written without the input scales its hooks apply."""
-    refusal = _refuse_smoothed_save_pretrained if smoothed else _refuse_quantized_save_pretrained
-    for name in ("save_pretrained", "push_to_hub"):
+    """Make the saves of a quantized model raise: a Hugging Face model's ``save_pretrained`` (also what
+    ``Trainer`` checkpoints call) and ``push_to_hub`` write the float weights with the quantizers' tensors as extra
+    keys, which ``from_pretrained`` reports as ignorable and drops: a float model back, silently; a
+    SentenceTransformer's ``save`` too.  ``smoothed``: a float model after ``smooth_inputs``, whose weights would
+    be written without the input scales its hooks apply.  Module-level functions, so the model still deep-copies."""
+    if is_sentence_transformer(model):
+        names, refusal = ("save", "save_pretrained", "push_to_hub"), _refuse_quantized_save
+    else:
+        names = ("save_pretrained", "push_to_hub")
+        refusal = _refuse_smoothed_save_pretrained if smoothed else _refuse_quantized_save_pretrained
+    for name in names:
         if hasattr(model, name):
             object.__setattr__(model, name, refusal)
 

@@ -24,6 +24,10 @@ RESERVOIR = 1 << 18
 QUANTILE_LIMIT = 1 << 24  # torch.quantile refuses larger inputs
 
 
+class NoCalibrationData(RuntimeError):
+    """An observer asked for a range before any calibration value reached it (softq.quantize names the point)."""
+
+
 @dataclass(frozen=True)
 class QuantRange:
     """A calibrated [lo, hi] interval, lo <= 0 <= hi (zero must be representable)."""
@@ -54,7 +58,7 @@ class Observer:
 
     def range(self, bits: int, signed: bool) -> QuantRange:
         if self.batches == 0:
-            raise RuntimeError("observer saw no data: the calibration set never reached this layer")
+            raise NoCalibrationData("observer saw no data: the calibration set never reached this layer")
         lo, hi = self._range(bits, signed)
         return QuantRange(min(lo, 0.0), max(hi, 0.0))
 
@@ -205,7 +209,7 @@ class ChannelRange(Observer):
 
     def widths(self, signed: bool) -> torch.Tensor:
         if self.batches == 0 or self.lo is None or self.hi is None:
-            raise RuntimeError("observer saw no data: the calibration set never reached this layer")
+            raise NoCalibrationData("observer saw no data: the calibration set never reached this layer")
         lo, hi = self.lo.clamp_max(0.0), self.hi.clamp_min(0.0)
         return hi.abs().maximum(lo.abs()) if signed else hi - lo
 

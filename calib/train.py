@@ -54,14 +54,14 @@ def output_projection(model: nn.Module, attn_name: str, attn: nn.Module) -> nn.M
 def _scale_head_inputs(layer: nn.Module, num_heads: int, factors: torch.Tensor) -> None:
     """Multiply the input features of ``layer`` that read head ``h`` by ``factors[h]``."""
     weight = layer.weight
+    if type(layer).__name__ == "Conv1D":  # GPT-2: weight is [in, out]
+        heads, factor_shape = (num_heads, -1, weight.shape[1]), (-1, 1, 1)
+    elif isinstance(layer, nn.Linear):  # weight is [out, in]
+        heads, factor_shape = (weight.shape[0], num_heads, -1), (1, -1, 1)
+    else:
+        raise ValueError(f"cannot rescale a {type(layer).__name__} output projection")
     with torch.no_grad():  # in place on the parameter (not .data): its version counter moves with it
-        if type(layer).__name__ == "Conv1D":  # GPT-2: weight is [in, out]
-            weight.view(num_heads, -1, weight.shape[1]).mul_(factors.view(-1, 1, 1).to(weight.dtype))
-            return
-        if isinstance(layer, nn.Linear):  # weight is [out, in]
-            weight.view(weight.shape[0], num_heads, -1).mul_(factors.view(1, -1, 1).to(weight.dtype))
-            return
-    raise ValueError(f"cannot rescale a {type(layer).__name__} output projection")
+        weight.view(heads).mul_(factors.view(factor_shape).to(weight.dtype))
 
 
 @torch.no_grad()

@@ -35,10 +35,11 @@ from torch.nn.utils import parametrize
 
 from softq.attention import AttentionPoints, attention_points
 from softq.calib.data import Batch, CalibrationDataError, as_batches, run_batches
-from softq.calib.observers import MinMaxObserver, make_observer
+from softq.calib.observers import MinMaxObserver, NoCalibrationData, make_observer
 from softq.calib.smoothquant import (InputGroup, InputRecorder, post_ln, skipped, smooth, smooth_inputs,
                                      smoothable_linears, smoothing_scales)
-from softq.hf import refuse_save_pretrained
+from softq.hf import (is_sentence_transformer, refuse_save_pretrained, sentence_transformer_batches,
+                      sentence_transformer_pooling)
 from softq.models import conv1d_to_linear, is_causal, model_family
 from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN, AUTO_SMOOTHING_RATIO, AUTO_SMOOTHING_TIE, PREFIX_TOKENS, QuantConfig, softmax_input_span
 from softq.quant.quantizers import (ActQuantizer, BiasShift, QEmbedding, QLinear, RowScoresQuantizer,
@@ -135,8 +136,6 @@ def quantize(
     ``inplace=True``.  A ``sentence_transformers.SentenceTransformer`` also takes a list of
     texts: its Hugging Face model is quantized (:func:`_quantize_sentence_transformer`).
     """
-    from softq.hf import is_sentence_transformer
-
     if is_sentence_transformer(model):
         return _quantize_sentence_transformer(model, calib_data, config, inplace)
     config = QuantConfig() if config is None else config
@@ -255,13 +254,11 @@ def _quantize_sentence_transformer(st: nn.Module, calib_data: Any, config: Quant
     """:func:`quantize` for a ``sentence_transformers.SentenceTransformer``: its Hugging Face model quantized in a copy
     (or in place), calibrated on texts tokenized as the SentenceTransformer does (or on its model inputs); the
     result's ``encode`` runs the quantized model, and :func:`softq.export.to_onnx` exports it with its pooling."""
-    from softq.hf import refuse_sentence_transformer_save, sentence_transformer_batches, sentence_transformer_pooling
-
     sentence_transformer_pooling(st)  # a pipeline softq does not compute: one line before any work
     batches = sentence_transformer_batches(st, calib_data)
     target = st if inplace else independent_copy(st)
     quantize(target[0].auto_model, batches, config, inplace=True)
-    refuse_sentence_transformer_save(target)
+    refuse_save_pretrained(target)
     return target
 
 
@@ -309,9 +306,7 @@ def _finish(qmodel: nn.Module) -> None:
             continue
         try:
             q.finish_calibration()
-        except RuntimeError as err:
-            if "saw no data" not in str(err):
-                raise
+        except NoCalibrationData:
             why = (f"; the model gives its first {prefix} position(s) scales of their own (QuantConfig.residual_"
                    f"prefix): calibration sequences of {prefix} token(s) reach only those" if prefix else "")
             raise CalibrationDataError(f"no calibration value reached {name}{why}") from None
@@ -696,8 +691,6 @@ def _try_forward(model: nn.Module, batch: Batch) -> None:
 
 def is_quantized(model: nn.Module) -> bool:
     """True for a model returned by :func:`quantize` (a SentenceTransformer: its Hugging Face model)."""
-    from softq.hf import is_sentence_transformer
-
     if is_sentence_transformer(model):
         model = model[0].auto_model
     return isinstance(getattr(model, "softq_quant_config", None), QuantConfig)

@@ -510,7 +510,7 @@ class _DequantizedCache:
     weight on every call).  The key is the weight's version counter and storage and the number of optimizer steps
     taken (a fused optimizer step moves no version counter); the cache is also dropped whenever the layer changes
     mode (``model.train()`` / ``model.eval()``: what to call after editing weights through ``.data``, which nothing
-    sees) and whenever it runs the gradient path.  Traced (``torch.jit.trace``) and compiled (``torch.compile``)
+    sees).  Traced (``torch.jit.trace``) and compiled (``torch.compile``)
     code computes the weight in its graph instead: a Python cache is a branch those record as another graph, and a
     guard on its key per layer."""
 
@@ -664,11 +664,9 @@ class QLinear(_NotPickled, _DequantizedCache, _CopiedWeights, QuantLinear):
                                                                                   or torch.is_grad_enabled()):
             # Brevitas' half arithmetic: its 1e-10 scale floor is 0 in float16 (an all-zero row: NaN), and bfloat16
             # codes differ from float32's; the inference path's codes, straight-through
-            self._cache = None  # the weights may change now (an optimizer step)
             return nn.functional.linear(x, _straight_through(self.weight, self.weight_bits, self.per_channel),
                                         self.effective_bias())
         if self.training or torch.is_grad_enabled() or self.weight_quant.disable_quant:
-            self._cache = None
             y = super().forward(x)
             return y + self.bias_shift if self.bias_shift.numel() and not self.weight_quant.disable_quant else y
         # inference: the same product on the dequantized weight, cached (tests check the outputs are equal)
@@ -716,7 +714,6 @@ class QEmbedding(_NotPickled, _DequantizedCache, _CopiedWeights, QuantEmbedding)
         if self.weight_quant.disable_quant:  # the float table (softq.quant.sensitivity)
             return self.weight
         if self.training or torch.is_grad_enabled() and self.weight.requires_grad:
-            self._cache = None  # the weights may change now (an optimizer step)
             if self.weight.dtype in HALF_DTYPES:  # Brevitas' scale floor is 0 in float16 (a zero row, padding: NaN)
                 return _straight_through(self.weight, self.bits, True)
             return self.quant_weight().value
