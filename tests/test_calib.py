@@ -61,7 +61,7 @@ def test_observer_refuses_nan_and_unknown_kind() -> None:
 
 def test_mse_observer_samples_every_batch_alike() -> None:
     """Each merge of the MSE observer's reservoir weighted everything merged before like one batch: of 24 equal
-    batches the last 12 filled 75% of it, and the same data in reverse order chose another clip."""
+    batches the last 12 filled most of it, and the same data in reverse order chose another clip."""
     from softq.calib.observers import MSEObserver
 
     observer = MSEObserver()
@@ -183,7 +183,7 @@ def test_input_smoothing_keeps_the_function_and_exports_one_mul_per_input(tmp_pa
     with torch.no_grad():
         torch.testing.assert_close(smoothed(**x).logits, model(**x).logits, rtol=1e-4, atol=1e-5)
     # save_pretrained wrote the scaled weights without the hooks' 1/s, which from_pretrained loaded back as another
-    # function (3.95 off on a tiny BERT) without a word
+    # function without a word
     with pytest.raises(ValueError, match="smoothed .* save_pretrained does not write"):
         smoothed.save_pretrained(tmp_path / "smoothed")
     assert not (tmp_path / "smoothed").exists()

@@ -159,7 +159,7 @@ def test_encoder_without_pooler_round_trip(tmp_path) -> None:
                                   num_attention_heads=4, hidden_size=32, intermediate_size=64)
     model = transformers.BertModel(cfg, add_pooling_layer=False).eval()
     with torch.no_grad():  # biases as trained (nonzero): the loaded model's layers were left in training mode,
-        for name, p in model.named_parameters():  # whose Brevitas path adds the bias apart (7e-7 off)
+        for name, p in model.named_parameters():  # whose Brevitas path adds the bias apart (outputs off)
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
     calib = [tiny_inputs("bert", seed=s) for s in range(2)]

@@ -292,7 +292,7 @@ def test_head_row_correction_is_the_same_for_a_sequence_alone_and_padded(family:
 
 def test_bidirectional_sentence_of_the_calibrated_length_keeps_its_row_betas_when_padded() -> None:
     """A BERT sentence of the calibrated length (16) got its per-row betas alone and the per-head beta when padded
-    in a batch: 0.07 apart, about the whole quantization error, on a model whose attention is not uniform (weights
+    in a batch, as far apart as the quantization error itself, on a model whose attention is not uniform (weights
     at initializer_range 0.2; the betas of the tiny default models are too small to see)."""
     import transformers
 
@@ -789,7 +789,7 @@ def test_weight_bias_correction_must_be_a_bool() -> None:
 
 def test_inference_uses_the_weights_after_updates_the_version_counter_misses() -> None:
     """Inference reused a dequantized weight cached by version counter and storage: a fused AdamW step (which moves
-    neither) left the no-grad outputs on the old weights, 1.3 away from the grad-enabled ones.  The cache is dropped
+    neither) left the no-grad outputs on the old weights, far from the grad-enabled ones.  The cache is dropped
     on the gradient path and on every mode change (the documented way after editing ``.data``)."""
     import copy
 
