@@ -111,6 +111,7 @@ class _Spec:
     prefix_rows: int = 0  # first positions that must hold real tokens (right padding only)
     prefix_why: str = ""
     int64_core: bool = False
+    ort_ops: tuple[str, ...] = ()  # onnxruntime's own (com.microsoft) operators in the graph
 
 
 def _spec(path: str) -> _Spec:
@@ -143,7 +144,8 @@ def _spec(path: str) -> _Spec:
     rows = meta.get(RIGHT_PADDING_KEY, "")
     return _Spec(names, dims, bounds, int(length) if length and length.isdigit() else None, dtypes,
                  int(rows) if rows.isdigit() else 0, meta.get(RIGHT_PADDING_WHY_KEY, ""),
-                 meta.get(INT64_CORE_KEY) == "true")
+                 meta.get(INT64_CORE_KEY) == "true",
+                 tuple(sorted({n.op_type for n in graph.node if n.domain == "com.microsoft"})))
 
 
 def _check_feeds(spec: _Spec, feeds: object) -> dict[str, np.ndarray]:
@@ -231,7 +233,9 @@ def runner(path: str | os.PathLike, runtime: str = "onnxruntime", threads: int =
     raises, OpenVINO reads out of bounds or reshapes and returns numbers, tract aborts the process, ONNX's
     Gather takes negative ids as counted from the end, where the torch model raises, and an input the file does
     not take (a sentence pair's token types) would be ignored.  OpenVINO is refused for files whose integer
-    softmax computes in int64 (``softq.int64_softmax``): its CPU plugin runs int64 in int32."""
+    softmax computes in int64 (``softq.int64_softmax``): its CPU plugin runs int64 in int32.  Files with
+    onnxruntime's own operators (the ``ort`` form's ``com.microsoft.QLinearSoftmax``) run in onnxruntime only:
+    tract does not implement them and OpenVINO's outputs were about 1e-2 off onnxruntime's."""
     if not available(runtime):
         raise ImportError(f"runtime {runtime!r} is not installed (pip install {runtime})")
     if not isinstance(threads, int) or threads < 1:
@@ -241,6 +245,10 @@ def runner(path: str | os.PathLike, runtime: str = "onnxruntime", threads: int =
         raise ValueError(f"{path}: its integer softmax computes in int64 (the int form with bias correction or inputs "
                          "wider than 8 bits), which OpenVINO's CPU plugin runs in int32 and overflows; run it in "
                          "onnxruntime or tract, or export the qdq form")
+    if runtime != "onnxruntime" and spec.ort_ops:
+        raise ValueError(f"{path}: it uses onnxruntime's own {', '.join(spec.ort_ops)} (com.microsoft; softq's 'ort' "
+                         f"form), which {'tract does not implement' if runtime == 'tract' else 'OpenVINO rounds otherwise (outputs about 1e-2 off onnxruntime)'}; "
+                         "run it in onnxruntime, or export the standard-op qdq form")
     if runtime == "onnxruntime":
         run = _onnxruntime(str(path), threads)
     else:  # the file's input names (tract: in their order; OpenVINO: to find them among a port's names)

@@ -135,6 +135,18 @@ def test_row_relative_input_stage_bit_exact(tmp_path, runtime):
 
 
 @pytest.mark.parametrize("runtime", OTHERS)
+def test_the_ort_form_is_refused_outside_onnxruntime(qmodels, tmp_path, runtime):
+    """The ``ort`` form's com.microsoft.QLinearSoftmax: OpenVINO ran it with outputs about 1e-2 off onnxruntime's
+    and the torch model's, without an error; tract failed deep in its loader."""
+    feeds = _feeds("bert", seed=5)
+    path = tmp_path / "m.onnx"
+    onnx.save(build_onnx(qmodels["bert-edge"], {k: torch.from_numpy(v) for k, v in feeds.items()}, "ort"), path)
+    assert runtimes.runner(path, "onnxruntime")(feeds)[0].shape[0] == 2
+    with pytest.raises(ValueError, match=r"onnxruntime's own QLinearSoftmax .* run it in onnxruntime"):
+        runtimes.runner(path, runtime)
+
+
+@pytest.mark.parametrize("runtime", OTHERS)
 def test_edge_int_softmax_bit_exact(tmp_path, runtime):
     q = SoftmaxQuant(scale=0.06, zero_point=0, signed=True)
     x = np.random.default_rng(4).integers(-128, 128, (2, 4, 9, 40)).astype(np.int8)
