@@ -676,13 +676,15 @@ def example_feeds(model: nn.Module, example_inputs: Any, names: list[str]) -> di
     return {n: feeds[n].to(torch.float32 if n == "pixel_values" else torch.int64) for n in names}
 
 
-def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str], outputs: list[str]) -> onnx.ModelProto:
-    dynamic = {n: {0: "batch", 1: "seq"} for n in names if n != "pixel_values"}
-    if "pixel_values" in names:
-        dynamic = {"pixel_values": {0: "batch"}}
-        dynamic.update({o: {0: "batch"} for o in outputs})
-    else:
-        dynamic.update({o: {0: "batch"} if o == "sentence_embedding" else {0: "batch", 1: "seq"} for o in outputs})
+def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str], outputs: list[str],
+           shapes: list[tuple[int, ...]]) -> onnx.ModelProto:
+    """The traced file; ``shapes``: the outputs' shapes on ``feeds`` (:func:`_run_once`).  Outputs declare a
+    dynamic batch, a dynamic sequence where they have one (text outputs of rank 3: per token), the rest as
+    computed (a sequence classifier's ``[batch, labels]``)."""
+    text = "pixel_values" not in names
+    dynamic = {n: {0: "batch", 1: "seq"} for n in names} if text else {"pixel_values": {0: "batch"}}
+    for o, shape in zip(outputs, shapes):
+        dynamic[o] = {0: "batch", 1: "seq"} if text and len(shape) >= 3 else {0: "batch"}
     buf = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
@@ -694,7 +696,14 @@ def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str],
             )
         except torch.onnx.errors.UnsupportedOperatorError as err:
             raise ExportError(f"softq cannot export this model: {err}") from err
-    return onnx.load_from_string(buf.getvalue())
+    model = onnx.load_from_string(buf.getvalue())
+    for value, shape in zip(model.graph.output, shapes):
+        dims = value.type.tensor_type.shape.dim
+        for axis, dim in enumerate(dims):
+            if axis not in dynamic[value.name] and len(dims) == len(shape):
+                dim.Clear()
+                dim.dim_value = shape[axis]
+    return model
 
 
 def _init(name: str, value: np.ndarray) -> TensorProto:
@@ -1028,8 +1037,8 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
             "each: outputs of padded inputs are approximate (unpadded inputs are exact); 'int' and 'qdq' mask "
             "exactly", UserWarning, stacklevel=2,
         )
-    _run_once(wrapper, feeds, "the quantized model")
-    onnx_model = _trace(wrapper, feeds, names, outputs)
+    shapes = _run_once(wrapper, feeds, "the quantized model")
+    onnx_model = _trace(wrapper, feeds, names, outputs, shapes)
     onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
     onnx_model, _ = onnx_utils.dedupe(onnx_utils.prune(onnx_model))
     fuse.fuse(onnx_model, linears=linears != "qdq", dynamic=linears == "dynamic")  # fewer nodes around the integer linears (export/fuse.py)
@@ -1060,8 +1069,8 @@ def build_onnx_float(model: nn.Module, example_inputs: Any, pooling: str | None 
     configure_attention(model)
     wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
     feeds = example_feeds(model, example_inputs, names)
-    _run_once(wrapper, feeds, "the float model")
-    onnx_model = onnx_utils.drop_identity_casts(onnx_utils.prune(_trace(wrapper, feeds, names, outputs)))
+    shapes = _run_once(wrapper, feeds, "the float model")
+    onnx_model = onnx_utils.drop_identity_casts(onnx_utils.prune(_trace(wrapper, feeds, names, outputs, shapes)))
     _mark_max_length(onnx_model, model, names)
     _mark_right_padding(onnx_model, model, names)
     onnx.checker.check_model(onnx_model, full_check=True)
@@ -1093,10 +1102,12 @@ def _mark_max_length(onnx_model: onnx.ModelProto, model: nn.Module, names: list[
         entry.key, entry.value = MAX_LENGTH_KEY, str(limit)
 
 
-def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> None:
+def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> list[tuple[int, ...]]:
+    """The shapes of the wrapper's outputs on ``feeds``; an example that does not fit, one ExportError."""
     try:
         with torch.no_grad():
-            wrapper(*feeds.values())
+            out = wrapper(*feeds.values())
+        return [tuple(t.shape) for t in (out if isinstance(out, tuple) else (out,))]
     except ExportError:
         raise
     except (RuntimeError, IndexError, ValueError) as err:

@@ -860,3 +860,27 @@ def test_float_softmax_export_matches_torch(family, tmp_path, capsys):
         assert "softmax=float" in capsys.readouterr().out
         got = U.run(out, _feeds(family, inputs), "all")[0]
         assert np.abs(got - ref_logits).max() / np.abs(ref_logits).max() <= 1e-4
+
+
+def test_outputs_declare_their_own_shapes(tmp_path) -> None:
+    """Every text output declared [batch, seq, ..]: a sequence classifier's logits [batch, 3] read as
+    [batch, seq], and OPT's quantized logits named their vocabulary axis after a node ('Addlogits_dim_2')."""
+    import transformers
+
+    def declared(path: str) -> dict[str, list]:
+        return {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
+                for o in onnx.load(path).graph.output}
+
+    for family, want in (("bert", ["batch", 3]), ("opt", ["batch", "seq", 64]), ("vit", ["batch", 10])):
+        example = tiny_inputs(family, batch=2, seq=5)
+        qmodel = softq.quantize(tiny_model(family), _calib(family), softq.QuantConfig())
+        assert declared(to_onnx(qmodel, tmp_path / f"{family}.onnx", example)) == {"logits": want}
+        assert declared(to_onnx_float(tiny_model(family), tmp_path / f"{family}_fp32.onnx", example)) == {"logits": want}
+    torch.manual_seed(0)
+    encoder = transformers.BertModel(transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                             num_attention_heads=4, intermediate_size=64),
+                                     add_pooling_layer=False).eval()
+    path = to_onnx_float(encoder, tmp_path / "enc.onnx", tiny_inputs("bert", batch=2, seq=5), pooling="mean")
+    assert declared(path) == {"last_hidden_state": ["batch", "seq", 32], "sentence_embedding": ["batch", 32]}
+    session = U.session(path, "all")
+    assert [o.shape for o in session.get_outputs()] == [["batch", "seq", 32], ["batch", 32]]
