@@ -4,8 +4,8 @@ Three rules, chosen per model with ``QuantConfig.observer``:
 
 * ``minmax``: the extreme values seen.  Never clips, so one outlier stretches the
   scale for every other value.
-* ``percentile``: the ``q``-th / ``(100-q)``-th percentile of each batch, averaged
-  over batches.  Clips rare outliers (activation clipping).
+* ``percentile``: the ``q``-th / ``(100-q)``-th percentile of all calibration values,
+  however they are batched.  Clips rare outliers (activation clipping).
 * ``mse``: the clipping range whose quantize-dequantize error on a reservoir of
   calibration values is smallest.  Costs a small grid search once.
 
@@ -21,7 +21,6 @@ import torch
 
 # Values kept per observer for percentile and MSE rules (uniform random subsample).
 RESERVOIR = 1 << 18
-QUANTILE_LIMIT = 1 << 24  # torch.quantile refuses larger inputs
 
 
 class NoCalibrationData(RuntimeError):
@@ -89,22 +88,74 @@ def _subsample(x: torch.Tensor, limit: int) -> torch.Tensor:
 
 
 class PercentileObserver(Observer):
+    """The ``q``-th and ``(100-q)``-th percentiles of every value seen (``torch.quantile``'s linear
+    interpolation), the same whether the values came in one batch or many.
+
+    Exact while the tail beyond the percentile is at most ``TAIL`` values (each side keeps the ``TAIL`` most
+    extreme values seen: for ``q = 99.99``, up to 655 million values per point); past that (a lower ``q`` on
+    much data) it reads the percentile off a uniform sample of up to ``RESERVOIR`` values, which then holds
+    thousands of values beyond it.  Until 2026-12-05 it averaged each batch's percentiles, which moved with
+    the batch size (a batch of one sentence has few values beyond its 99.99th percentile: it is nearly its max).
+    """
+
+    TAIL = 1 << 16
+
     def __init__(self, percentile: float = 99.99) -> None:
         super().__init__()
         if not 50.0 < percentile <= 100.0:
             raise ValueError(f"percentile must be in (50, 100], got {percentile}")
         self.q = percentile / 100.0
-        self.lo_sum = 0.0
-        self.hi_sum = 0.0
+        self.count = 0
+        self.top = torch.empty(0)  # the TAIL largest values seen, and the TAIL smallest
+        self.bottom = torch.empty(0)
+        self.samples: list[torch.Tensor] = []  # for a tail longer than TAIL
+        self.counts: list[int] = []
 
     def _update(self, x: torch.Tensor, lo: float, hi: float) -> None:
-        flat = _subsample(x, QUANTILE_LIMIT)
-        qs = torch.quantile(flat, torch.tensor([1.0 - self.q, self.q]))
-        self.lo_sum += qs[0].item()
-        self.hi_sum += qs[1].item()
+        flat = x.reshape(-1)
+        self.count += flat.numel()
+        top = torch.cat([self.top, flat])
+        bottom = torch.cat([self.bottom, flat])
+        k = min(self.TAIL, top.numel())
+        self.top = top if top.numel() == k else torch.topk(top, k).values
+        self.bottom = bottom if bottom.numel() == k else torch.topk(bottom, k, largest=False).values
+        self.samples.append(_subsample(x, RESERVOIR // 8))
+        self.counts.append(flat.numel())
+        if sum(s.numel() for s in self.samples) > RESERVOIR:
+            self.samples, self.counts = [_uniform_sample(self.samples, self.counts)], [sum(self.counts)]
+
+    def _quantile(self, q: float) -> float:
+        """``torch.quantile`` of every value seen at ``q`` (position ``q (n - 1)`` in ascending order)."""
+        n = self.count
+        pos = q * (n - 1)
+        i0, i1 = math.floor(pos), math.ceil(pos)
+        if q >= 0.5 and n - i0 <= self.top.numel():  # both neighbours among the largest kept
+            ranked = torch.sort(self.top, descending=True).values
+            a, b = ranked[n - 1 - i0].item(), ranked[n - 1 - i1].item()
+        elif q < 0.5 and i1 < self.bottom.numel():
+            ranked = torch.sort(self.bottom).values
+            a, b = ranked[i0].item(), ranked[i1].item()
+        else:
+            return torch.quantile(_uniform_sample(self.samples, self.counts), q).item()
+        return a + (b - a) * (pos - i0)
 
     def _range(self, bits: int, signed: bool) -> tuple[float, float]:
-        return self.lo_sum / self.batches, self.hi_sum / self.batches
+        return self._quantile(1.0 - self.q), self._quantile(self.q)
+
+
+def _uniform_sample(samples: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+    """At most ``RESERVOIR`` of the values seen, each batch's value as likely as any other's: every sample is
+    thinned to the density of the sparsest (a merged reservoir stands for all the batches it holds; weighted
+    like one batch, later batches would fill most of it)."""
+    total = sum(counts)
+    density = min([RESERVOIR / total] + [s.numel() / n for s, n in zip(samples, counts)])
+    generator = torch.Generator().manual_seed(total % (1 << 31))
+    kept = []
+    for sample, n in zip(samples, counts):
+        k = min(sample.numel(), round(density * n))
+        kept.append(sample if k == sample.numel() else
+                    sample[torch.randperm(sample.numel(), generator=generator)[:k]])
+    return torch.cat(kept)
 
 
 class MSEObserver(MinMaxObserver):
@@ -129,18 +180,8 @@ class MSEObserver(MinMaxObserver):
             self.samples, self.counts = [self.uniform_sample()], [sum(self.counts)]
 
     def uniform_sample(self) -> torch.Tensor:
-        """At most ``RESERVOIR`` of the values seen, each batch's value as likely as any other's: every sample is
-        thinned to the density of the sparsest (a merged reservoir stands for all the batches it holds; it was
-        weighted like one batch, so later batches filled most of it)."""
-        total = sum(self.counts)
-        density = min([RESERVOIR / total] + [s.numel() / n for s, n in zip(self.samples, self.counts)])
-        generator = torch.Generator().manual_seed(total % (1 << 31))
-        kept = []
-        for sample, n in zip(self.samples, self.counts):
-            k = min(sample.numel(), round(density * n))
-            kept.append(sample if k == sample.numel() else
-                        sample[torch.randperm(sample.numel(), generator=generator)[:k]])
-        return torch.cat(kept)
+        """At most ``RESERVOIR`` of the values seen, each batch's value as likely as any other's."""
+        return _uniform_sample(self.samples, self.counts)
 
     def _range(self, bits: int, signed: bool) -> tuple[float, float]:
         values = self.uniform_sample()

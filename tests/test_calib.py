@@ -59,6 +59,41 @@ def test_observer_refuses_nan_and_unknown_kind() -> None:
         MinMaxObserver().range(8, True)
 
 
+def test_percentile_observer_reads_the_percentile_of_all_values_however_batched() -> None:
+    """It averaged each batch's percentiles: the same values in small batches gave a wider range (each small
+    batch's 99.9th percentile is nearly its max) than in one batch."""
+    x = heavy_tailed(200_000, seed=3)
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(1))]
+    sizes = [1000, 7, 50_000, 48_993, 100_000]  # uneven batches, the outliers spread over them
+    for q in (99.9, 99.99, 100.0):
+        whole, parts = PercentileObserver(q), PercentileObserver(q)
+        whole.update(x)
+        for part in torch.split(x, sizes):
+            parts.update(part)
+        expected = torch.quantile(x.double(), torch.tensor([1 - q / 100, q / 100], dtype=torch.float64))
+        for obs in (whole, parts):
+            r = obs.range(8, True)
+            assert (r.lo, r.hi) == pytest.approx((expected[0].item(), expected[1].item()), rel=1e-6)
+        assert whole.range(8, True) == parts.range(8, True)
+    minmax = MinMaxObserver()
+    minmax.update(x)
+    assert parts.range(8, True) == minmax.range(8, True)  # q = 100 (the last): the min-max range
+
+
+def test_percentile_observer_past_its_kept_tail_reads_a_uniform_sample() -> None:
+    """A tail longer than the kept extremes (a low percentile on much data): the percentile from the uniform
+    sample of every batch, close to the exact one whatever the batching."""
+    x = heavy_tailed(400_000, seed=4)
+    expected = torch.quantile(x, torch.tensor([0.05, 0.95]))
+    for sizes in ([400_000], [20_000] * 20):
+        obs = PercentileObserver(95.0)
+        obs.TAIL = 1000  # the tail is 20,000 values
+        for part in torch.split(x, sizes):
+            obs.update(part)
+        r = obs.range(8, True)
+        assert (r.lo, r.hi) == pytest.approx((expected[0].item(), expected[1].item()), rel=0.02)
+
+
 def test_mse_observer_samples_every_batch_alike() -> None:
     """Each merge of the MSE observer's reservoir weighted everything merged before like one batch: of 24 equal
     batches the last 12 filled most of it, and the same data in reverse order chose another clip."""
@@ -503,3 +538,4 @@ def test_input_recorder_sees_a_layernorm_output_through_a_view() -> None:
     x = torch.randn(2, 5, 4)
     assert _same_values(x, x.view(2, 5, 4)) and _same_values(x, x[:, -5:])
     assert not _same_values(x, x.clone()) and not _same_values(x, x[:, 1:]) and not _same_values(x, x.view(10, 4))
+
