@@ -1015,6 +1015,12 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
         raise ExportError("weight_storage='uint8' pairs with unsigned activation codes; this model's are signed "
                           "(QuantConfig(act_symmetric=True)), and onnxruntime has no int8 x uint8 integer MatMul: "
                           "export it with weight_storage='int8' (or linears='qdq'; CLI: --weight-storage int8)")
+    if linears == "dynamic" and qmodel.softq_quant_config.act_bits != 8:
+        # the static grid's Clip between QuantizeLinear and DequantizeLinear kept the fusion from finding the
+        # input quantization: the file came out in the integer form, silently
+        raise ExportError(f"linears='dynamic' quantizes Linear inputs to 8 bits per call (DynamicQuantizeLinear); "
+                          f"this model's activations have {qmodel.softq_quant_config.act_bits} bits: export it with "
+                          "linears='integer' or 'qdq'")
     model, layers = _export_copy(qmodel, weight_storage, embeddings)
     representations = list(dict.fromkeys(info["representation"] for info in layers.values()))
     softmax = softmax or FORMS_FOR[representations[0]][0]
@@ -1034,8 +1040,9 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
         warnings.warn(
             "softmax='ort' on a model with attention masks: QLinearSoftmax has no mask input, so in a padded row "
             "the padding keys enter as the lowest score code and keep a weight exp((qmin - row max) * scale) "
-            "each: outputs of padded inputs are approximate (unpadded inputs are exact); 'int' and 'qdq' mask "
-            "exactly", UserWarning, stacklevel=2,
+            "each, as much as a real key's where the calibrated score range is narrow: outputs of padded inputs "
+            "are wrong by that much (unpadded inputs are exact; softq's runner refuses padded batches for this "
+            "file); 'int' and 'qdq' mask exactly", UserWarning, stacklevel=2,
         )
     shapes = _run_once(wrapper, feeds, "the quantized model")
     onnx_model = _trace(wrapper, feeds, names, outputs, shapes)

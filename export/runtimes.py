@@ -193,6 +193,10 @@ def _check_feeds(spec: _Spec, feeds: object) -> dict[str, np.ndarray]:
             why = spec.prefix_why or "treats its first positions specially"
             raise ValueError(f"attention_mask: a sequence of this batch is left-padded; the model {why}, so pad on "
                              "the right (tokenizer.padding_side='right')")
+    if "QLinearSoftmax" in spec.ort_ops and mask is not None and not mask.all():
+        raise ValueError("attention_mask has padding, and this file's softmax (the ort form's QLinearSoftmax) has no "
+                         "mask input: the pad keys would keep weight in every row; run sequences of one length "
+                         "unpadded (one per call), or export the qdq or int form, which mask exactly")
     for name, rows in spec.bounds.items():
         ids = arrays[name]
         if ids.size and (ids.min() < 0 or ids.max() >= rows):
@@ -235,7 +239,8 @@ def runner(path: str | os.PathLike, runtime: str = "onnxruntime", threads: int =
     not take (a sentence pair's token types) would be ignored.  OpenVINO is refused for files whose integer
     softmax computes in int64 (``softq.int64_softmax``): its CPU plugin runs int64 in int32.  Files with
     onnxruntime's own operators (the ``ort`` form's ``com.microsoft.QLinearSoftmax``) run in onnxruntime only:
-    tract does not implement them and OpenVINO's outputs were about 1e-2 off onnxruntime's."""
+    tract does not implement them and OpenVINO's outputs were about 1e-2 off onnxruntime's; their batches must
+    be unpadded (``QLinearSoftmax`` has no mask input: pad keys keep weight)."""
     if not available(runtime):
         raise ImportError(f"runtime {runtime!r} is not installed (pip install {runtime})")
     if not isinstance(threads, int) or threads < 1:

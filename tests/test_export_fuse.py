@@ -364,6 +364,18 @@ def test_dynamic_linears_of_symmetric_activations_see_the_unclipped_input():
     assert dql and not any(d.input[0] in made and made[d.input[0]].op_type == "Clip" for d in dql)
 
 
+def test_dynamic_linears_of_narrower_activations_are_refused():
+    """act_bits < 8: the static grid's Clip kept the fusion from finding the input quantization, and the file came
+    out in the integer form, byte for byte, with no word."""
+    from softq.export.model_export import ExportError
+
+    qmodel = softq.quantize(tiny_model("vit"), [tiny_inputs("vit", seed=s) for s in range(3)],
+                            softq.QuantConfig(act_bits=4))
+    with pytest.raises(ExportError, match="linears='dynamic' quantizes Linear inputs to 8 bits .* 4 bits"):
+        build_onnx(qmodel, tiny_inputs("vit"), "fast", linears="dynamic")
+    assert build_onnx(qmodel, tiny_inputs("vit"), "fast", linears="integer").graph.node
+
+
 def _shared_graph(requant: bool, extra_reader: bool = False) -> onnx.ModelProto:
     """x -> codes -> three integer Linears (fuse_linears' form) on the same codes; each then quantized again
     (the second through Reshape -> Transpose, as Q/K/V are) or, with ``requant=False``, output in float."""
