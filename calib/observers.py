@@ -15,12 +15,53 @@ Observers see raw float activations; they do not quantize.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 
-# Values kept per observer for percentile and MSE rules (uniform random subsample).
+# Values kept per observer for the MSE rule and a long percentile tail: every value while they fit, then a uniform
+# random subsample of them.
 RESERVOIR = 1 << 18
+
+
+_VALID_TOKENS: ContextVar[torch.Tensor | None] = ContextVar("softq_valid_tokens", default=None)
+
+
+@contextmanager
+def valid_tokens(mask: object) -> Iterator[None]:
+    """While a calibration batch runs: its ``attention_mask`` ([batch, seq], nonzero at real tokens), so that what
+    is observed meanwhile counts the rows of real tokens only (:func:`token_mask`).  A padding row holds what the
+    model computes for a pad token, which no output reads; counted, pad rows widened ranges (all-MiniLM-L6-v2's
+    layer-0 Q/K/V input among them) and the ranges depended on how the texts were batched."""
+    m = mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+    token = _VALID_TOKENS.set(m)
+    try:
+        yield
+    finally:
+        _VALID_TOKENS.reset(token)
+
+
+def token_mask(x: torch.Tensor) -> torch.Tensor | None:
+    """The running calibration batch's token mask ([batch, seq]) if ``x`` holds one row per token on dimension
+    -2 (``[batch, .., seq, channels]``: Linear inputs, per-head Q/K/V) and some row is padding; else None."""
+    m = _VALID_TOKENS.get()
+    if m is None or x.dim() < 3 or x.shape[0] != m.shape[0] or x.shape[-2] != m.shape[1] or bool(m.all()):
+        return None
+    return m.to(x.device)
+
+
+def token_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ([batch, .., seq, channels]) at the tokens ``mask`` ([batch, seq]) keeps: ``[tokens, .., channels]``."""
+    return x if mask is None else x.movedim(-2, 1)[mask]
+
+
+class NonFiniteActivation(ValueError):
+    """A NaN or Inf reached an observer; ``source``: the module observing it (``run_batches`` names it)."""
+
+    source: object = None
 
 
 class NoCalibrationData(RuntimeError):
@@ -48,7 +89,7 @@ class Observer:
         # One pass gives the extremes and the finiteness check (NaN and Inf propagate into them).
         lo, hi = (v.item() for v in torch.aminmax(x))
         if not (math.isfinite(lo) and math.isfinite(hi)):
-            raise ValueError("non-finite activation (NaN or Inf) reached an observer")
+            raise NonFiniteActivation("non-finite activation (NaN or Inf) reached an observer")
         self.batches += 1
         self._update(x, lo, hi)
 
@@ -119,7 +160,7 @@ class PercentileObserver(Observer):
         k = min(self.TAIL, top.numel())
         self.top = top if top.numel() == k else torch.topk(top, k).values
         self.bottom = bottom if bottom.numel() == k else torch.topk(bottom, k, largest=False).values
-        self.samples.append(_subsample(x, RESERVOIR // 8))
+        self.samples.append(_subsample(x, RESERVOIR))
         self.counts.append(flat.numel())
         if sum(s.numel() for s in self.samples) > RESERVOIR:
             self.samples, self.counts = [_uniform_sample(self.samples, self.counts)], [sum(self.counts)]
@@ -174,7 +215,7 @@ class MSEObserver(MinMaxObserver):
 
     def _update(self, x: torch.Tensor, lo: float, hi: float) -> None:
         super()._update(x, lo, hi)
-        self.samples.append(_subsample(x, RESERVOIR // 8))
+        self.samples.append(_subsample(x, RESERVOIR))
         self.counts.append(x.numel())
         if sum(s.numel() for s in self.samples) > RESERVOIR:
             self.samples, self.counts = [self.uniform_sample()], [sum(self.counts)]

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from softq.calib.data import Batch, run_batches
+from softq.calib.observers import token_mask, token_rows
 
 # LayerNorms whose output also reaches a residual add (post-LN families).
 POST_LN_FAMILIES = ("bert", "roberta")
@@ -112,7 +113,10 @@ def smooth(model: nn.Module, batches: list[Batch], alpha: float = 0.5) -> list[s
 
     def observe(group: SmoothGroup):
         def hook(_m, _inp, out):
-            amax = out.detach().abs().reshape(-1, out.shape[-1]).amax(0).float()
+            rows = token_rows(out.detach(), token_mask(out)).reshape(-1, out.shape[-1])  # real tokens only
+            if rows.shape[0] == 0:
+                return
+            amax = rows.abs().amax(0).float()
             group.act_absmax = amax if group.act_absmax is None else torch.maximum(group.act_absmax, amax)
         return hook
 
@@ -212,8 +216,11 @@ class InputRecorder:
                     self.members[name] = name
                     if _same_values(self._norm_out.get(x.data_ptr()), x):
                         self.after_norm.add(name)
-            if self.members.get(name) == name:
-                flat = x.detach().reshape(-1, x.shape[-1]).float()
+            if self.members.get(name) == name:  # real tokens' rows only (observers.valid_tokens)
+                seen = token_rows(x.detach(), token_mask(x))
+                flat = seen.reshape(-1, x.shape[-1]).float()
+                if flat.shape[0] == 0:
+                    return
                 lo, hi = flat.amin(0), flat.amax(0)  # 4x faster than aminmax(dim=0) on CPU (timed ad hoc)
                 if name in self.lo:
                     lo, hi = torch.minimum(self.lo[name], lo), torch.maximum(self.hi[name], hi)

@@ -330,12 +330,23 @@ def _held_out_split(batches: list[Batch]) -> tuple[list[Batch], list[Batch]] | N
     """(observed, held-out) calibration batches for "auto"'s search, or None when nothing can be held out.
 
     Every 4th batch is held out (the last one of 2 or 3); a single batch is first cut into up to 4 along its
-    examples (min-max ranges over the pieces are those over the batch)."""
+    examples (min-max ranges over the pieces are those over the batch), its examples without a real token
+    (all padding) left out.  Held-out batches without a real token judge nothing and are not held out."""
     if len(batches) == 1:
         batch = batches[0]
         sizes = {v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
         n = max(sizes, default=0)
         if n < 2 or not sizes <= {1, n}:  # tensors of one example (size 1) broadcast over the others
+            return None
+        mask = batch.get("attention_mask")
+        keep = mask.reshape(n, -1).any(1) if isinstance(mask, torch.Tensor) and mask.shape[0] == n else None
+
+        def kept(v: object) -> object:
+            return v[keep] if keep is not None and isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n else v
+
+        batch = {k: kept(v) for k, v in batch.items()}
+        n = n if keep is None else int(keep.sum())
+        if n < 2:
             return None
         pieces = min(4, n)
 
@@ -343,8 +354,16 @@ def _held_out_split(batches: list[Batch]) -> tuple[list[Batch], list[Batch]] | N
             return v.tensor_split(pieces)[i] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n else v
 
         batches = [{k: piece(v, i) for k, v in batch.items()} for i in range(pieces)]
-    held = batches[3::4] if len(batches) >= 4 else batches[-1:]
+    held = [h for h in (batches[3::4] if len(batches) >= 4 else batches[-1:]) if _has_tokens(h)]
+    if not held:
+        return None
     return [b for b in batches if not any(b is h for h in held)], held
+
+
+def _has_tokens(batch: Batch) -> bool:
+    """Whether ``batch`` has a real token (an attention mask not all zero; inputs without a mask do)."""
+    mask = batch.get("attention_mask")
+    return not isinstance(mask, torch.Tensor) or bool(mask.any())
 
 
 def _first_example(batch: Batch) -> Batch:

@@ -29,7 +29,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from softq.attention import ProbsQuantizer
-from softq.calib.observers import ChannelRange, Observer, make_observer, scale_and_zero_point
+from softq.calib.observers import (ChannelRange, NonFiniteActivation, Observer, make_observer, scale_and_zero_point,
+                                   token_mask, token_rows)
 from softq.quant.config import SOFTMAX_OUTPUTS, SUM_OF_CODES, row_code_gain
 from softq.softmax import HALF_DTYPES, TINY
 
@@ -108,13 +109,17 @@ class ActQuantizer(nn.Module):
             row.mode = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # observing a calibration batch: padding rows are not observed (calib.observers.valid_tokens)
+        valid = token_mask(x) if self.mode == "observe" else None
         if len(self.prefix) and x.dim() >= 3 and self.mode != "float":
-            rows = [q(x[..., i:i + 1, :]) for i, q in enumerate(self.prefix)]  # empty past a short input's end
-            rest = self._forward(x[..., len(self.prefix):, :])
+            p = len(self.prefix)
+            rows = [q._forward(x[..., i:i + 1, :], None if valid is None else valid[:, i:i + 1])
+                    for i, q in enumerate(self.prefix)]  # empty past a short input's end
+            rest = self._forward(x[..., p:, :], None if valid is None else valid[:, p:])
             return x if self.mode == "observe" else torch.cat([*rows, rest], dim=-2)
-        return self._forward(x)
+        return self._forward(x, valid)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         if self.mode == "quant":
             if x.dtype in HALF_DTYPES:
                 return self._forward(x.float()).to(x.dtype)
@@ -122,10 +127,15 @@ class ActQuantizer(nn.Module):
                 return self.quant(self.scale, self.zero_point, self.bit_width, x)
             return self.fake_quant_inference(x)
         if self.mode == "observe":
-            if self.observer is not None:
-                self.observer.update(x)
-            if self.channels is not None:
-                self.channels.update(x)
+            seen = token_rows(x, valid)
+            try:
+                if self.observer is not None:
+                    self.observer.update(seen)
+                if self.channels is not None:
+                    self.channels.update(seen)
+            except NonFiniteActivation as err:
+                err.source = err.source or self
+                raise
         return x
 
     def fake_quant_inference(self, x: torch.Tensor) -> torch.Tensor:
@@ -356,6 +366,9 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
     def _accumulate(self, probs: torch.Tensor, q: torch.Tensor, valid: torch.Tensor | None) -> None:
         err = (probs - q).detach()
         weight = torch.ones_like(err) if valid is None else torch.broadcast_to(valid, err.shape).to(err.dtype)
+        rows = token_mask(err)  # a calibration batch's padding queries (observers.valid_tokens): not counted
+        if rows is not None:
+            weight = weight * rows[:, None, :, None].to(err.dtype)
         # per (batch, head, row): summed over keys; per-row statistics go to each row's slot (its position)
         err_bhq, cnt_bhq = (err * weight).sum(3), weight.sum(3)
         self._head_err = err_bhq.sum((0, 2)) + (0 if self._head_err is None else self._head_err)

@@ -94,6 +94,18 @@ def test_percentile_observer_past_its_kept_tail_reads_a_uniform_sample() -> None
         assert (r.lo, r.hi) == pytest.approx((expected[0].item(), expected[1].item()), rel=0.02)
 
 
+def test_mse_observer_keeps_every_value_while_they_fit() -> None:
+    """Each batch was cut to an eighth of the reservoir before anything was full: the same values as one batch
+    and as eight gave other clips."""
+    x = heavy_tailed(65_536, seed=5)
+    whole, parts = MSEObserver(), MSEObserver()
+    whole.update(x)
+    for part in x.chunk(8):
+        parts.update(part)
+    assert whole.uniform_sample().numel() == x.numel()
+    assert whole.range(8, True) == parts.range(8, True)
+
+
 def test_mse_observer_samples_every_batch_alike() -> None:
     """Each merge of the MSE observer's reservoir weighted everything merged before like one batch: of 24 equal
     batches the last 12 filled most of it, and the same data in reverse order chose another clip."""
@@ -539,3 +551,52 @@ def test_input_recorder_sees_a_layernorm_output_through_a_view() -> None:
     assert _same_values(x, x.view(2, 5, 4)) and _same_values(x, x[:, -5:])
     assert not _same_values(x, x.clone()) and not _same_values(x, x[:, 1:]) and not _same_values(x, x.view(10, 4))
 
+
+# smoothing_into_v=False: "auto" folds or not on a held-out error that the two batchings need not tie on
+@pytest.mark.parametrize("config", [dict(), dict(input_smoothing=0.8, observer="percentile", smoothing_into_v=False),
+                                    dict(softmax_output="edge", residual_prefix=1),
+                                    dict(softmax_output="edge", bias_correction="head")])
+def test_padding_rows_are_not_observed(config) -> None:
+    """The observers and the smoothing statistics counted every row of a padded batch: the pad token's activations
+    (here an outlier channel) widened the ranges, and the same texts batched otherwise gave another model."""
+    from softq.quant.quantizers import ActQuantizer, SoftmaxOutputQuantizer
+
+    lengths = (9, 4, 7, 2)
+    g = torch.Generator().manual_seed(0)
+    texts = [torch.randint(2, 64, (n,), generator=g) for n in lengths]
+    padded = torch.zeros(len(texts), max(lengths), dtype=torch.long)  # pad id 0
+    mask = torch.zeros_like(padded)
+    for i, t in enumerate(texts):
+        padded[i, :len(t)], mask[i, :len(t)] = t, 1
+    model = tiny_model("bert")
+    with torch.no_grad():
+        pad = model.bert.embeddings.word_embeddings.weight[0]
+        pad.zero_()
+        pad[0] = 100.0  # the pad token's rows: one channel far outside the real tokens' range
+    one_by_one = [{"input_ids": t[None], "attention_mask": torch.ones(1, len(t), dtype=torch.long)} for t in texts]
+    cfg = softq.QuantConfig(**config)
+    a = softq.quantize(model, one_by_one, cfg)
+    b = softq.quantize(model, [{"input_ids": padded, "attention_mask": mask}], cfg)
+    scales = [(n, m.scale, other.scale) for (n, m), other in
+              zip(a.named_modules(), b.modules()) if isinstance(m, ActQuantizer)]
+    assert len(scales) > 10
+    for name, sa, sb in scales:
+        assert torch.allclose(sa, sb, rtol=1e-5), name
+    for m, other in zip(a.modules(), b.modules()):  # softmax bias correction: padding queries' rows not counted
+        if isinstance(m, SoftmaxOutputQuantizer) and m.beta is not None:
+            assert torch.allclose(m.beta, other.beta, rtol=1e-4, atol=1e-10)
+    x = {"input_ids": padded, "attention_mask": mask}
+    with torch.no_grad():
+        assert torch.allclose(a(**x).logits, b(**x).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_auto_smoothing_holds_out_real_tokens_of_a_single_batch(family) -> None:
+    """A single batch whose last example is all padding: "auto" held that example out alone, its distance was
+    NaN and the search failed with "min() arg is an empty sequence"."""
+    batch = tiny_inputs(family, batch=4, seq=12, seed=3)
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["attention_mask"][3] = 0
+    qmodel = softq.quantize(tiny_model(family), [batch], softq.QuantConfig())
+    errors = qmodel.softq_smoothing_errors  # the held-out examples judged the candidates
+    assert errors and all(np.isfinite(e) for e in errors.values()) and not qmodel.softq_smoothing_unjudged

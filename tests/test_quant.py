@@ -415,6 +415,16 @@ def test_non_finite_calibration_batch_is_named(bad: float) -> None:
         softq.quantize(tiny_model("vit"), calib)
 
 
+def test_a_model_computing_nan_names_the_point_and_batch() -> None:
+    """Finite inputs, a NaN weight: the error said only "non-finite activation (NaN or Inf) reached an observer"."""
+    model = tiny_model("bert")
+    with torch.no_grad():
+        model.bert.encoder.layer[1].intermediate.dense.weight[3, 5] = math.nan
+    with pytest.raises(CalibrationDataError, match=r"calibration batch 0: the model computes NaN or Inf at "
+                                                   r"bert\.encoder\.layer\.1\.output\.dense\..*input"):
+        softq.quantize(model, calib_for("bert", 2))
+
+
 def test_unsupported_model_lists_supported_families() -> None:
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
