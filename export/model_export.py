@@ -574,7 +574,9 @@ class _TextWrapper(nn.Module):
         extra = {}
         if self.model.config.model_type == "opt":  # OPT derives positions from the 2-D mask, as here
             mask = attention_mask.to(torch.long)
-            extra["position_ids"] = torch.cumsum(mask, dim=1) * mask - 1
+            # HF's cumsum(mask) * mask - 1, as a Where: at one token tract turned that Mul into an int64 Square
+            # it has no kernel for
+            extra["position_ids"] = torch.where(mask != 0, torch.cumsum(mask, dim=1) - 1, -1)
         out = self.model(input_ids=input_ids, attention_mask=pad, use_cache=False, **extra)
         if self.outputs == ("logits",):
             return _logits(out, self.model)

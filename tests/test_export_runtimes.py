@@ -81,6 +81,19 @@ def test_whole_model_matches_onnxruntime(qmodels, tmp_path, runtime, model_key, 
 
 
 @pytest.mark.parametrize("runtime", OTHERS)
+def test_opt_runs_one_token(qmodels, tmp_path, runtime):
+    """OPT's positions were cumsum(mask) * mask - 1: at one token tract made that Mul an int64 Square it has no
+    kernel for ("Square does not support I64"); they are a Where now."""
+    path = tmp_path / "opt.onnx"
+    onnx.save(build_onnx(qmodels["opt"], {k: torch.from_numpy(v) for k, v in _feeds("opt", seed=5).items()}, "fast"),
+              path)
+    for batch in (1, 3):
+        feeds = {"input_ids": np.full((batch, 1), 5, np.int64), "attention_mask": np.ones((batch, 1), np.int64)}
+        ref = runtimes.runner(path, "onnxruntime")(feeds)[0]
+        assert np.abs(runtimes.runner(path, runtime)(feeds)[0] - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("runtime", OTHERS)
 def test_int64_integer_softmax_runs_in_tract_and_is_refused_by_openvino(tmp_path, runtime):
     """The int form with bias correction computes in int64; OpenVINO's CPU plugin runs it in int32 and returned
     logits far from onnxruntime's without an error.  The file says so in its metadata and the runner refuses it;
