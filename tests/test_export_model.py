@@ -884,3 +884,21 @@ def test_outputs_declare_their_own_shapes(tmp_path) -> None:
     assert declared(path) == {"last_hidden_state": ["batch", "seq", 32], "sentence_embedding": ["batch", 32]}
     session = U.session(path, "all")
     assert [o.shape for o in session.get_outputs()] == [["batch", "seq", 32], ["batch", 32]]
+
+
+@pytest.mark.parametrize("family,form", [("bert", "fast"), ("gpt2", "fast"), ("vit", "fast"), ("bert-row", "int")])
+def test_integer_linears_give_the_same_outputs_at_every_optimization_level(family, form) -> None:
+    """What README says of deployments at other onnxruntime optimisation levels (mobile builds often run basic or
+    extended): the integer-linear files' outputs are bit for bit the same at each."""
+    name = family.split("-")[0]
+    config = softq.QuantConfig(softmax_input="row") if family == "bert-row" else softq.QuantConfig()
+    qmodel = softq.quantize(tiny_model(name), _calib(name), config)
+    model = build_onnx(qmodel, tiny_inputs(name), form)
+    x = tiny_inputs(name, batch=3, seq=9, seed=4)
+    feeds = {k: v.numpy() for k, v in x.items() if k in ("input_ids", "pixel_values")}
+    if name != "vit":
+        feeds["attention_mask"] = np.ones_like(feeds["input_ids"])
+        feeds["attention_mask"][1, 6:] = 0
+    outs = [U.run(model, feeds, level)[0] for level in ("disable", "basic", "extended", "all")]
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
