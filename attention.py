@@ -26,6 +26,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from softq.calib.observers import token_mask
 from softq.models import attention_modules, model_family, num_heads
 from softq.softmax import compiled_softmax, get_softmax
 
@@ -247,7 +248,11 @@ def _scores_point(points: AttentionPoints, scores: torch.Tensor, valid: torch.Te
     if getattr(points.scores, "takes_valid", False):  # a grid relative to each row's max over valid keys
         return points.scores(scores, valid)
     if valid is not None and getattr(points.scores, "mode", None) == "observe":
-        points.scores(scores.masked_select(valid.expand_as(scores) != 0))
+        keep = valid.expand_as(scores) != 0
+        rows = token_mask(scores)  # a calibration batch's padding queries' rows (calib.observers.valid_tokens)
+        if rows is not None:
+            keep = keep & rows[:, None, :, None]
+        points.scores(scores.masked_select(keep))
         return scores
     return points.scores(scores)
 

@@ -114,12 +114,12 @@ def run_batches(model: nn.Module, batches: list[Batch], desc: str | None = None)
     from tqdm.auto import tqdm
 
     with _eval_no_grad(model):
-        for i, batch in enumerate(tqdm(batches, desc=desc, disable=desc is None or len(batches) < 4, leave=False)):
+        for batch in tqdm(batches, desc=desc, disable=desc is None or len(batches) < 4, leave=False):
             try:
                 with valid_tokens(batch.get("attention_mask")):  # observers count real tokens' rows only
                     model(**batch)
-            except NonFiniteActivation as err:
+            except NonFiniteActivation as err:  # the inputs were checked finite (check_batch names those)
                 where = next((f"at {n}" for n, m in model.named_modules() if m is err.source), "in an activation")
                 raise CalibrationDataError(
-                    f"calibration batch {i}: the model computes NaN or Inf {where} (check its weights and this "
-                    "batch; a float16 or bfloat16 model may overflow: calibrate it in float32)") from None
+                    f"the model computes NaN or Inf {where} on a calibration batch (check its weights; a float16 "
+                    "or bfloat16 model may overflow: calibrate it in float32)") from None

@@ -37,7 +37,7 @@ def valid_tokens(mask: object) -> Iterator[None]:
     model computes for a pad token, which no output reads; counted, pad rows widened ranges (all-MiniLM-L6-v2's
     layer-0 Q/K/V input among them) and the ranges depended on how the texts were batched."""
     m = mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-    token = _VALID_TOKENS.set(m)
+    token = _VALID_TOKENS.set(None if m is None or bool(m.all()) else m)  # no padding: nothing to leave out
     try:
         yield
     finally:
@@ -45,17 +45,25 @@ def valid_tokens(mask: object) -> Iterator[None]:
 
 
 def token_mask(x: torch.Tensor) -> torch.Tensor | None:
-    """The running calibration batch's token mask ([batch, seq]) if ``x`` holds one row per token on dimension
-    -2 (``[batch, .., seq, channels]``: Linear inputs, per-head Q/K/V) and some row is padding; else None."""
+    """The running calibration batch's token mask, shaped for ``x``'s rows, if the batch has padding and ``x``
+    holds one row per token: ``[batch, seq]`` for ``[batch, .., seq, channels]`` (Linear inputs, per-head Q/K/V,
+    attention score rows), ``[batch * seq]`` for ``[batch * seq, channels]`` (OPT flattens its tokens before
+    the feed-forward layers); else None."""
     m = _VALID_TOKENS.get()
-    if m is None or x.dim() < 3 or x.shape[0] != m.shape[0] or x.shape[-2] != m.shape[1] or bool(m.all()):
+    if m is None or x.dim() < 2:
+        return None
+    if x.dim() == 2:
+        return m.reshape(-1).to(x.device) if x.shape[0] == m.numel() else None
+    if x.shape[0] != m.shape[0] or x.shape[-2] != m.shape[1]:
         return None
     return m.to(x.device)
 
 
 def token_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """``x`` ([batch, .., seq, channels]) at the tokens ``mask`` ([batch, seq]) keeps: ``[tokens, .., channels]``."""
-    return x if mask is None else x.movedim(-2, 1)[mask]
+    """``x`` at the tokens ``mask`` (:func:`token_mask`) keeps: ``[tokens, .., channels]``."""
+    if mask is None:
+        return x
+    return x[mask] if mask.dim() == 1 else x.movedim(-2, 1)[mask]
 
 
 class NonFiniteActivation(ValueError):
@@ -155,8 +163,8 @@ class PercentileObserver(Observer):
     def _update(self, x: torch.Tensor, lo: float, hi: float) -> None:
         flat = x.reshape(-1)
         self.count += flat.numel()
-        top = torch.cat([self.top, flat])
-        bottom = torch.cat([self.bottom, flat])
+        top = torch.cat([self.top.to(flat.device), flat])  # kept on the data's device (a CUDA model's)
+        bottom = torch.cat([self.bottom.to(flat.device), flat])
         k = min(self.TAIL, top.numel())
         self.top = top if top.numel() == k else torch.topk(top, k).values
         self.bottom = bottom if bottom.numel() == k else torch.topk(bottom, k, largest=False).values

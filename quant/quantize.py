@@ -642,7 +642,9 @@ def correct_weight_bias(qmodel: nn.Module, batches: list[Batch]) -> int:
         def hook(_q: nn.Module, _inp: tuple, out: torch.Tensor) -> None:
             mask = current["mask"]
             rows = out.detach().reshape(-1, out.shape[-1])
-            if mask is not None and tuple(mask.shape) == tuple(out.shape[:-1]):
+            # [batch, seq, ..] or OPT's flattened [batch * seq, ..] feed-forward inputs
+            if mask is not None and (tuple(mask.shape) == tuple(out.shape[:-1])
+                                     or out.dim() == 2 and mask.dim() == 2 and out.shape[0] == mask.numel()):
                 rows = rows[mask.reshape(-1).bool()]
             add(name, rows.sum(0, dtype=torch.float64), float(rows.shape[0]))
         return hook

@@ -553,24 +553,28 @@ def test_input_recorder_sees_a_layernorm_output_through_a_view() -> None:
 
 
 # smoothing_into_v=False: "auto" folds or not on a held-out error that the two batchings need not tie on
-@pytest.mark.parametrize("config", [dict(), dict(input_smoothing=0.8, observer="percentile", smoothing_into_v=False),
-                                    dict(softmax_output="edge", residual_prefix=1),
-                                    dict(softmax_output="edge", bias_correction="head")])
-def test_padding_rows_are_not_observed(config) -> None:
+@pytest.mark.parametrize("family,config", [
+    ("bert", dict()), ("bert", dict(input_smoothing=0.8, observer="percentile", smoothing_into_v=False)),
+    ("bert", dict(softmax_output="edge", residual_prefix=1)), ("bert", dict(softmax_output="edge", bias_correction="head")),
+    ("opt", dict(input_smoothing=None)), ("opt", dict(input_smoothing=0.8, smoothing_into_v=False)),
+    ("opt", dict(softmax_output="edge", bias_correction="head", input_smoothing=None))])
+def test_padding_rows_are_not_observed(family, config) -> None:
     """The observers and the smoothing statistics counted every row of a padded batch: the pad token's activations
-    (here an outlier channel) widened the ranges, and the same texts batched otherwise gave another model."""
+    (here an outlier channel) widened the ranges, and the same texts batched otherwise gave another model.  OPT
+    flattens its tokens before the feed-forward layers ([batch * seq, channels]); edge codes observe the scores."""
     from softq.quant.quantizers import ActQuantizer, SoftmaxOutputQuantizer
 
     lengths = (9, 4, 7, 2)
+    pad_id = 0 if family == "bert" else 1
     g = torch.Generator().manual_seed(0)
     texts = [torch.randint(2, 64, (n,), generator=g) for n in lengths]
-    padded = torch.zeros(len(texts), max(lengths), dtype=torch.long)  # pad id 0
+    padded = torch.full((len(texts), max(lengths)), pad_id, dtype=torch.long)
     mask = torch.zeros_like(padded)
     for i, t in enumerate(texts):
         padded[i, :len(t)], mask[i, :len(t)] = t, 1
-    model = tiny_model("bert")
+    model = tiny_model(family)
     with torch.no_grad():
-        pad = model.bert.embeddings.word_embeddings.weight[0]
+        pad = model.get_input_embeddings().weight[pad_id]
         pad.zero_()
         pad[0] = 100.0  # the pad token's rows: one channel far outside the real tokens' range
     one_by_one = [{"input_ids": t[None], "attention_mask": torch.ones(1, len(t), dtype=torch.long)} for t in texts]
@@ -600,3 +604,22 @@ def test_auto_smoothing_holds_out_real_tokens_of_a_single_batch(family) -> None:
     qmodel = softq.quantize(tiny_model(family), [batch], softq.QuantConfig())
     errors = qmodel.softq_smoothing_errors  # the held-out examples judged the candidates
     assert errors and all(np.isfinite(e) for e in errors.values()) and not qmodel.softq_smoothing_unjudged
+
+
+def test_the_score_observer_skips_padding_queries() -> None:
+    """Edge codes observe the attention scores over valid keys; a padding query's row (what a pad token attends
+    with, which no output reads) was observed too."""
+    from types import SimpleNamespace
+
+    from softq.attention import _scores_point
+    from softq.calib.observers import valid_tokens
+    from softq.quant.quantizers import ActQuantizer
+
+    scores = torch.tensor([[1.0, -2.0, 9.0], [0.5, 1.5, 9.0], [80.0, -70.0, 9.0]])[None, None]  # [1, 1, 3, 3]
+    keys = torch.tensor([1, 1, 0])
+    observer = ActQuantizer(8, True)
+    observer.mode = "observe"
+    with valid_tokens(keys[None]):
+        _scores_point(SimpleNamespace(scores=observer), scores, keys[None, None, None, :])
+    observer.finish_calibration()
+    assert observer.scale.item() == pytest.approx(2.0 / 127)  # rows 0 and 1 at keys 0 and 1: |s| <= 2
