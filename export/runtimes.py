@@ -239,7 +239,7 @@ def runner(path: str | os.PathLike, runtime: str = "onnxruntime", threads: int =
     not take (a sentence pair's token types) would be ignored.  OpenVINO is refused for files whose integer
     softmax computes in int64 (``softq.int64_softmax``): its CPU plugin runs int64 in int32.  Files with
     onnxruntime's own operators (the ``ort`` form's ``com.microsoft.QLinearSoftmax``) run in onnxruntime only:
-    tract does not implement them and OpenVINO's outputs were about 1e-2 off onnxruntime's; their batches must
+    tract does not implement them and OpenVINO's outputs differ from onnxruntime's; their batches must
     be unpadded (``QLinearSoftmax`` has no mask input: pad keys keep weight)."""
     if not available(runtime):
         raise ImportError(f"runtime {runtime!r} is not installed (pip install {runtime})")
@@ -252,7 +252,7 @@ def runner(path: str | os.PathLike, runtime: str = "onnxruntime", threads: int =
                          "onnxruntime or tract, or export the qdq form")
     if runtime != "onnxruntime" and spec.ort_ops:
         raise ValueError(f"{path}: it uses onnxruntime's own {', '.join(spec.ort_ops)} (com.microsoft; softq's 'ort' "
-                         f"form), which {'tract does not implement' if runtime == 'tract' else 'OpenVINO rounds otherwise (outputs about 1e-2 off onnxruntime)'}; "
+                         f"form), which {'tract does not implement' if runtime == 'tract' else 'OpenVINO computes otherwise (other outputs than onnxruntime)'}; "
                          "run it in onnxruntime, or export the standard-op qdq form")
     if runtime == "onnxruntime":
         run = _onnxruntime(str(path), threads)
