@@ -188,6 +188,15 @@ class Bench:
             rows.append(out.reshape(-1, out.shape[-1]).astype(np.float64))
         return np.concatenate(rows)
 
+    @torch.no_grad()
+    def torch_output_rows(self, model: torch.nn.Module) -> np.ndarray:
+        """A torch model's output vectors on the held-out data, as :meth:`output_rows` takes a file's: one row
+        per token (LM logits), per image (ViT logits) or per text (the pooled embedding)."""
+        if self.name in ("bert-base", "minilm"):
+            return np.concatenate(self.reference(model)).astype(np.float64)
+        rows = [model(**batch).logits.float().numpy() for batch in self.eval]
+        return np.concatenate([r.reshape(-1, r.shape[-1]) for r in rows]).astype(np.float64)
+
     def torch_accuracy(self, qmodel: torch.nn.Module, ref: list[np.ndarray] | None) -> float:
         if self.name in ("lm", "vit"):
             return self.task.evaluate(qmodel)

@@ -21,12 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_export_speed import Bench, commit  # noqa: E402
-from benchutil import command_line, write_atomic  # noqa: E402
+from benchutil import command_line, mean_cosine_distance, write_atomic  # noqa: E402
 
 import softq  # noqa: E402
 
@@ -43,20 +42,6 @@ def rechunk(batches: list[dict], size: int) -> list[dict]:
     return out
 
 
-@torch.no_grad()
-def output_rows(b: Bench, model: torch.nn.Module) -> np.ndarray:
-    """The model's output vectors on the held-out data, one row per token (LM), image (ViT) or text."""
-    if b.name in ("minilm", "bert-base"):
-        return np.concatenate(b.reference(model)).astype(np.float64)
-    rows = [model(**batch).logits.float().numpy() for batch in b.eval]
-    return np.concatenate([r.reshape(-1, r.shape[-1]) for r in rows]).astype(np.float64)
-
-
-def distance(rows: np.ndarray, ref: np.ndarray) -> float:
-    cos = (rows * ref).sum(-1) / (np.linalg.norm(rows, axis=-1) * np.linalg.norm(ref, axis=-1))
-    return float((1.0 - cos).mean())
-
-
 def configs(percentiles: list[float]) -> dict[str, softq.QuantConfig]:
     out = {"minmax (default)": softq.QuantConfig()}
     for p in percentiles:
@@ -67,7 +52,7 @@ def configs(percentiles: list[float]) -> dict[str, softq.QuantConfig]:
 
 def bench_model(name: str, args: argparse.Namespace) -> dict:
     b = Bench(name, args)
-    ref_rows = output_rows(b, b.model)
+    ref_rows = b.torch_output_rows(b.model)
     ref = None if name in ("lm", "vit") else b.reference(b.model)
     chunked = rechunk(b.calib, args.rechunk)
     result = {"name": name, "metric": b.metric, "fp32": b.torch_accuracy(b.model, ref) if ref is None else 1.0,
@@ -76,7 +61,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
         row = {}
         for key, calib in (("given", b.calib), ("rechunked", chunked)):
             q = softq.quantize(b.model, calib, config)
-            row[key] = {"acc": b.torch_accuracy(q, ref), "distance": distance(output_rows(b, q), ref_rows)}
+            row[key] = {"acc": b.torch_accuracy(q, ref),
+                        "distance": mean_cosine_distance(b.torch_output_rows(q), ref_rows)}
         result["rows"][label] = row
         print(f"[{name}] {label}: {row}", file=sys.stderr, flush=True)
     return result

@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_export_speed import Bench  # noqa: E402
 from bench_quant import command_line, write_atomic  # noqa: E402
+from benchutil import mean_cosine_distance  # noqa: E402
 
 import softq  # noqa: E402
 from softq.quant.quantize import correct_weight_bias  # noqa: E402
@@ -33,31 +34,18 @@ from softq.quant.quantizers import BiasShift, QLinear  # noqa: E402
 MEASURE = {"bert-base": "mean cosine to FP32", "minilm": "mean cosine to FP32", "lm": "perplexity", "vit": "top-1 %"}
 
 
-@torch.no_grad()
-def output_rows(bench: Bench, model: torch.nn.Module) -> np.ndarray:
-    """The model's output vectors on the held-out data, as export_speed.md's distance column takes them."""
-    if bench.name in ("bert-base", "minilm"):
-        return np.concatenate(bench.reference(model)).astype(np.float64)
-    rows = [model(**batch).logits.float().numpy() for batch in bench.eval]
-    return np.concatenate([r.reshape(-1, r.shape[-1]) for r in rows]).astype(np.float64)
-
-
-def distance(a: np.ndarray, b: np.ndarray) -> float:
-    cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
-    return float((1 - cos).mean())
-
-
 def model_rows(name: str) -> list[str]:
     bench = Bench(name, argparse.Namespace(calib_batches=4))
     ref = None if name in ("lm", "vit") else bench.reference(bench.model)  # the text encoders' float embeddings
-    reference = output_rows(bench, bench.model) if ref is None else np.concatenate(ref).astype(np.float64)
+    reference = bench.torch_output_rows(bench.model) if ref is None else np.concatenate(ref).astype(np.float64)
     lines = []
     for softmax, bits in (("integer (default)", 8), ("float (`softmax_bits=None`)", None)):
         cells = {}
         for correct in (False, True):
             qmodel = softq.quantize(bench.model, bench.calib,
                                     softq.QuantConfig(softmax_bits=bits, weight_bias_correction=correct))
-            cells[correct] = (distance(output_rows(bench, qmodel), reference), bench.torch_accuracy(qmodel, ref))
+            cells[correct] = (mean_cosine_distance(bench.torch_output_rows(qmodel), reference),
+                              bench.torch_accuracy(qmodel, ref))
             if correct:
                 layers = sum(1 for m in qmodel.modules() if isinstance(m, BiasShift)
                              or (isinstance(m, QLinear) and m.bias_shift.numel()))
