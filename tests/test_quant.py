@@ -521,6 +521,12 @@ def test_misuse_of_quantize_is_named() -> None:
     empty = {**calib[0], "attention_mask": torch.zeros_like(calib[0]["input_ids"])}
     with pytest.raises(CalibrationDataError, match="batch 1: attention_mask is all zeros"):
         softq.quantize(model, [calib[1], empty])
+    # an additive float mask (0 at real tokens, -inf at padding): read as 0/1, calibration would observe the padding
+    additive = {**calib[0], "attention_mask": torch.zeros(calib[0]["input_ids"].shape)}
+    for pad in (float("-inf"), -10000.0):
+        additive["attention_mask"][0, -2:] = pad
+        with pytest.raises(CalibrationDataError, match=f"batch 0: attention_mask must be 1 at real tokens and 0 at padding.*{pad:g}"):
+            softq.quantize(model, [additive])
     one_empty = {**calib[0], "attention_mask": torch.ones_like(calib[0]["input_ids"])}
     one_empty["attention_mask"][0] = 0
     softq.quantize(model, [calib[1], one_empty], softq.QuantConfig(input_smoothing=None))
