@@ -9,6 +9,11 @@ MiniLM: sentence embeddings; BERT-base: mean-pooled hidden states).  Each config
 the same samples: in the benchmark's batches, and with every batch cut into batches of ``--rechunk`` samples.
 An observer whose range depends on how the samples are batched reads differently in the two columns.
 
+The peer, in the same run: onnxruntime's ``quantize_static`` (QDQ, per-channel) on the float model's ONNX
+export, calibrated on the same batches with each of its calibrators (``--ort``: MinMax, Percentile, Entropy by
+default), measured as files in onnxruntime; next to them softq's default exported the same way (``to_onnx``), so
+the file rows compare like with like.
+
 Usage (the command used for the committed table is written into it)::
 
     python examples/bench_observers.py
@@ -18,16 +23,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_export import ort_quantize_static  # noqa: E402
 from bench_export_speed import Bench, commit  # noqa: E402
 from benchutil import command_line, mean_cosine_distance, write_atomic  # noqa: E402
 
 import softq  # noqa: E402
+from softq.export.model_export import to_onnx, to_onnx_float  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("minilm", "lm", "vit", "bert-base")
@@ -65,7 +73,38 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
                         "distance": mean_cosine_distance(b.torch_output_rows(q), ref_rows)}
         result["rows"][label] = row
         print(f"[{name}] {label}: {row}", file=sys.stderr, flush=True)
+    if args.ort:
+        result["files"] = file_rows(b, args, chunked, ref, ref_rows)
     return result
+
+
+def file_rows(b: Bench, args: argparse.Namespace, chunked: list[dict], ref: list | None, ref_rows) -> dict:  # noqa: ANN001
+    """ONNX files in onnxruntime: softq's default export and onnxruntime's quantize_static with each calibrator,
+    each calibrated on the given batches and on the cut ones."""
+    pool = {} if b.pooling is None else {"pooling": b.pooling[0], "normalize": b.pooling[1]}
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        fp32 = Path(to_onnx_float(b.model, work / "fp32.onnx", b.example(), overwrite=True, **pool))
+        rows["float model (ONNX)"] = {"given": measure(b, fp32, ref, ref_rows)}
+        for key, calib in (("given", b.calib), ("rechunked", chunked)):
+            q = softq.quantize(b.model, calib, softq.QuantConfig())
+            path = Path(to_onnx(q, work / f"softq_{key}.onnx", b.example(), overwrite=True, **pool))
+            rows.setdefault("softq default (to_onnx)", {})[key] = measure(b, path, ref, ref_rows)
+        for method in args.ort:
+            label = f"ORT quantize_static, {method}"
+            for key, calib in (("given", b.calib), ("rechunked", chunked)):
+                path = work / f"ort_{method}_{key}.onnx"
+                t0 = time.perf_counter()
+                ort_quantize_static(fp32, path, calib, b.names, reduce_range=False, method=method)
+                rows.setdefault(label, {})[key] = measure(b, path, ref, ref_rows)
+                rows[label][key]["seconds"] = time.perf_counter() - t0
+            print(f"[{b.name}] {label}: {rows[label]}", file=sys.stderr, flush=True)
+    return rows
+
+
+def measure(b: Bench, path: Path, ref: list | None, ref_rows) -> dict:  # noqa: ANN001
+    return {"acc": b.accuracy(path, ref), "distance": mean_cosine_distance(b.output_rows(path), ref_rows)}
 
 
 def write(results: list[dict], args: argparse.Namespace, minutes: float) -> Path:
@@ -79,7 +118,15 @@ def write(results: list[dict], args: argparse.Namespace, minutes: float) -> Path
              "(LM: every token's logits; ViT: every image's logits; MiniLM: sentence embeddings; BERT-base: "
              "mean-pooled hidden states). `given`: calibrated in the benchmark's batches; `batches of "
              f"{args.rechunk}`: the same samples with every batch cut into batches of {args.rechunk}. "
-             "The lowest distance of each model in bold.", ""]
+             "The lowest distance of each model in bold.", "",
+             "Below each model's table, the peer in the same run: onnxruntime's `quantize_static` (QDQ, "
+             "per-channel int8 weights, uint8 activations, its defaults otherwise) on the float model's ONNX export, "
+             "calibrated on the same batches with each of its calibrators, next to softq's default exported with "
+             "`to_onnx`; all measured as files in onnxruntime against the torch float model. ORT's calibrators "
+             "see every token of a padded batch, padding included. `quantize_static` passes no bin counts to its "
+             "Entropy calibrator, whose defaults (128 histogram bins, 128 quantized bins) leave the entropy search "
+             "one candidate while the histogram keeps its 128 bins, the full range: its rows then equal MinMax's "
+             "(onnxruntime/quantization/calibrate.py, `EntropyCalibrater`, `get_entropy_threshold`).", ""]
     for r in results:
         lines += [f"## {r['name']}", "",
                   f"Metric: {r['metric']} (float model {r['fp32']:.4f}). Calibration: {r['batches'][0]} batches, "
@@ -93,6 +140,20 @@ def write(results: list[dict], args: argparse.Namespace, minutes: float) -> Path
             d = f"**{g['distance']:.3e}**" if g["distance"] == best else f"{g['distance']:.3e}"
             lines.append(f"| {label} | {g['acc']:.4f} | {d} | {c['acc']:.4f} | {c['distance']:.3e} |")
         lines.append("")
+        if "files" in r:
+            files = {k: v for k, v in r["files"].items() if "rechunked" in v}
+            best = min(row["given"]["distance"] for row in files.values())
+            fp = r["files"]["float model (ONNX)"]["given"]
+            lines += ["ONNX files in onnxruntime (the float file: metric "
+                      f"{fp['acc']:.4f}, distance {fp['distance']:.3e} from the torch float model):", "",
+                      f"| file | metric, given | distance to float, given | metric, batches of {args.rechunk} | "
+                      f"distance, batches of {args.rechunk} |",
+                      "|---|---|---|---|---|"]
+            for label, row in files.items():
+                g, c = row["given"], row["rechunked"]
+                d = f"**{g['distance']:.3e}**" if g["distance"] == best else f"{g['distance']:.3e}"
+                lines.append(f"| {label} | {g['acc']:.4f} | {d} | {c['acc']:.4f} | {c['distance']:.3e} |")
+            lines.append("")
     path = ROOT / args.output
     write_atomic(path, "\n".join(lines))
     return path
@@ -106,12 +167,17 @@ def main() -> None:
     p.add_argument("--rechunk", type=int, default=4, help="the second calibration: batches of this many samples")
     p.add_argument("--calib-batches", type=int, default=4,
                    help="calibration batches as bench_export_speed.py takes them (MiniLM and the ViT: 16 each)")
+    p.add_argument("--ort", default="MinMax,Percentile,Entropy", type=lambda s: [m for m in s.split(",") if m],
+                   help="onnxruntime quantize_static calibrators to compare (CalibrationMethod names; '' for none)")
     p.add_argument("--output", default="docs/results/observers.md")
     args = p.parse_args()
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in MODELS]
     if bad or args.rechunk < 1:
         p.error(f"unknown model(s) {bad}; choose from {MODELS}" if bad else "--rechunk must be at least 1")
+    methods = ("MinMax", "Entropy", "Percentile", "Distribution")
+    if any(m not in methods for m in args.ort):
+        p.error(f"--ort: unknown calibrator in {args.ort}; choose from {','.join(methods)}")
     if "minilm" in models:
         from softq import hf
 
