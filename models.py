@@ -22,7 +22,14 @@ ATTENTION_CLASSES: dict[str, tuple[str, ...]] = {
     "gpt2": ("GPT2Attention",),
     "vit": ("ViTSelfAttention", "ViTAttention"),
     "deit": ("DeiTSelfAttention", "DeiTAttention"),
+    "xlm-roberta": ("XLMRobertaSelfAttention",),
+    "camembert": ("CamembertSelfAttention",),
+    "electra": ("ElectraSelfAttention",),
+    "distilbert": ("DistilBertSelfAttention",),
 }
+# model_type -> the family softq treats it as: the same layers and positions under other class names
+# (XLM-RoBERTa and CamemBERT are RoBERTa; ELECTRA is BERT, with a Linear from its embedding size where that differs)
+FAMILY_OF: dict[str, str] = {"xlm-roberta": "roberta", "camembert": "roberta", "electra": "bert"}
 SUPPORTED_FAMILIES = tuple(ATTENTION_CLASSES)
 CAUSAL_FAMILIES = ("gpt2", "opt")  # decoders: every attention row is masked past its own position
 
@@ -46,7 +53,7 @@ def max_tokens(config: object) -> int | None:
     RoBERTa's positions start after its padding index (``pad_token_id + 1``): a 514-row table takes 512 tokens."""
     positions = next((v for v in (getattr(config, a, None) for a in ("max_position_embeddings", "n_positions"))
                       if isinstance(v, int) and v > 0), None)
-    if positions is not None and getattr(config, "model_type", None) == "roberta":
+    if positions is not None and family_of(getattr(config, "model_type", None)) == "roberta":
         pad = getattr(config, "pad_token_id", None)
         positions -= (pad if isinstance(pad, int) else 1) + 1
     return positions
@@ -68,7 +75,12 @@ def output_fields(output: object) -> str:
     return ", ".join(keys()) if callable(keys) else type(output).__name__
 
 
-def model_family(model: nn.Module) -> str:
+def family_of(model_type: str | None) -> str | None:
+    """The family softq treats a Hugging Face ``model_type`` as (``xlm-roberta`` -> ``roberta``; itself else)."""
+    return FAMILY_OF.get(model_type, model_type) if isinstance(model_type, str) else model_type
+
+
+def model_type(model: nn.Module) -> str:
     """The Hugging Face ``model_type`` of ``model``, checked against the supported list."""
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
@@ -78,6 +90,12 @@ def model_family(model: nn.Module) -> str:
             f"softq does not support {what}; supported Hugging Face families: {', '.join(SUPPORTED_FAMILIES)}"
         )
     return family
+
+
+def model_family(model: nn.Module) -> str:
+    """The family softq treats ``model`` as: its checked ``model_type``, RoBERTa for XLM-RoBERTa and CamemBERT,
+    BERT for ELECTRA (:data:`FAMILY_OF`)."""
+    return family_of(model_type(model))
 
 
 def is_causal(model: nn.Module) -> bool:
@@ -94,7 +112,7 @@ def has_cross_attention(model: nn.Module) -> bool:
 
 def attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(name, module) of every attention module that calls the attention interface, in order."""
-    wanted = ATTENTION_CLASSES[model_family(model)]
+    wanted = ATTENTION_CLASSES[model_type(model)]
 
     def matches(module: nn.Module) -> bool:
         return type(module).__name__ in wanted

@@ -47,9 +47,11 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from softq.models import family_of
+
 METHODS = ("gated", "clipped", "none")
 POOLINGS = ("mean", "cls")
-FAMILIES = ("bert", "roberta")
+FAMILIES = ("bert", "roberta", "distilbert")  # softq.models.family_of: XLM-RoBERTa, CamemBERT, ELECTRA too
 RUN_KIND = "outlier-finetune-1"
 
 
@@ -190,7 +192,7 @@ class OutlierFinetuneResult:
 def check_model(model: nn.Module) -> None:
     """An encoder softq can fine-tune here: a BERT-like family whose output has ``last_hidden_state``."""
     family = getattr(getattr(model, "config", None), "model_type", None)
-    if family not in FAMILIES:
+    if family_of(family) not in FAMILIES:
         raise ValueError(f"finetune_outliers supports {', '.join(FAMILIES)} encoders, not {family or type(model).__name__}")
     if getattr(model.config, "softq_gated", False):
         raise ValueError("the model already has gated attention; pass the original (ungated) model as the teacher")

@@ -25,9 +25,10 @@ from torch import nn
 
 from softq.calib.data import Batch, run_batches
 from softq.calib.observers import token_mask, token_rows
+from softq.models import family_of
 
 # LayerNorms whose output also reaches a residual add (post-LN families).
-POST_LN_FAMILIES = ("bert", "roberta")
+POST_LN_FAMILIES = ("bert", "roberta", "distilbert")
 
 
 @dataclass
@@ -77,7 +78,7 @@ def post_ln(model: nn.Module) -> bool:
     """True where LayerNorm outputs also feed the residual stream (BERT, RoBERTa, OPT-350m's layout): a scale on
     them cannot fold into the LayerNorm."""
     config = getattr(model, "config", None)
-    family = getattr(config, "model_type", "")
+    family = family_of(getattr(config, "model_type", ""))
     return family in POST_LN_FAMILIES or (family == "opt" and not getattr(config, "do_layer_norm_before", True))
 
 

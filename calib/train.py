@@ -32,9 +32,9 @@ from softq._files import default_mode, error_line
 from softq.models import attention_modules
 
 # Attributes holding the projection right after the attention heads, per family
-# (GPT-2 c_proj, OPT out_proj, ViT 5.x o_proj).  BERT-like models keep it in the
+# (GPT-2 c_proj, OPT out_proj, ViT 5.x o_proj, DistilBERT out_lin).  BERT-like models keep it in the
 # sibling ``output.dense``.
-_OUT_PROJ_NAMES = ("o_proj", "out_proj", "c_proj")
+_OUT_PROJ_NAMES = ("o_proj", "out_proj", "c_proj", "out_lin")
 
 
 def output_projection(model: nn.Module, attn_name: str, attn: nn.Module) -> nn.Module:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from softq.models import has_cross_attention, is_causal
+from softq.models import has_cross_attention, is_causal, model_family
 from softq.mpc._crypten_shim import load_crypten
 from softq.mpc.accounting import CommRecorder
 from softq.mpc.approx import ROW_SCALE_LIMIT, accurate_functions, normalize_rows
@@ -84,6 +84,29 @@ def example_inputs(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], publ
     if is_causal(model):
         kwargs["use_cache"] = False
     return kwargs
+
+
+def public_positions(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``inputs``, with a RoBERTa-family model's ``position_ids`` added from the public ``attention_mask``.
+
+    RoBERTa (XLM-RoBERTa, CamemBERT) numbers its positions from the token ids that are not its padding id, a
+    comparison of the secret ids that no party can make; the mask shows the same padding, so the positions are
+    public: ``cumsum(mask) * mask + pad`` (transformers' ``create_position_ids_from_input_ids``).  Where the ids
+    put their padding id elsewhere than the mask does, the model would number them otherwise: refused."""
+    if (model_family(model) != "roberta" or "position_ids" in inputs or not isinstance(inputs.get("input_ids"), torch.Tensor)
+            or inputs["input_ids"].is_floating_point()):
+        return dict(inputs)
+    ids = inputs["input_ids"]
+    pad = model.config.pad_token_id
+    mask = inputs.get("attention_mask")
+    keep = (torch.ones_like(ids) if mask is None else mask.ne(0)).long()
+    if keep.shape != ids.shape or not torch.equal(ids.ne(pad), keep.bool()):
+        where = "the attention_mask" if mask is not None else "no attention_mask (every token kept)"
+        raise ValueError(f"{type(model).__name__} numbers its positions from the input_ids that are not its padding id "
+                         f"{pad}, and these input_ids put that id elsewhere than {where} marks padding: the positions "
+                         "would come from secret ids; pass an attention_mask that is 0 exactly at the padding tokens, "
+                         "or position_ids")
+    return {**inputs, "position_ids": keep.cumsum(-1) * keep + pad}
 
 
 def export_model(model: nn.Module, kwargs: Mapping[str, Any]) -> torch.export.ExportedProgram:

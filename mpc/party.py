@@ -240,7 +240,8 @@ def _atomic_save(obj: Any, path: str | Path, as_json: bool = False) -> None:
 def run_party(s: PartySettings) -> dict[str, Any] | None:
     """Run one party to completion; the client gets the revealed outputs back."""
     from softq.mpc.accounting import CommRecorder
-    from softq.mpc.graph import PUBLIC_INPUTS, SECRET_INPUTS, GraphInterpreter, SecretOneHot, example_inputs, export_model
+    from softq.mpc.graph import (PUBLIC_INPUTS, SECRET_INPUTS, GraphInterpreter, SecretOneHot, example_inputs,
+                                 export_model, public_positions)
     from softq.mpc.surrogates import configure_surrogates
 
     _fault(s.rank, "start")
@@ -265,6 +266,8 @@ def run_party(s: PartySettings) -> dict[str, Any] | None:
         if unknown:
             raise ValueError(f"unsupported model inputs {sorted(unknown)}; use {SECRET_INPUTS + PUBLIC_INPUTS}")
     model = _load_model(s)  # before joining: loading errors then surface on their own
+    if s.rank == s.client:
+        client_inputs = public_positions(model, client_inputs)  # RoBERTa's positions, from the public mask
     crypten = init_communicator(s)
     comm = crypten.communicator.get()
     wire = WireLog(comm) if os.environ.get(WIRE_LOG_ENV) else None

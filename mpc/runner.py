@@ -145,6 +145,7 @@ def run(
         raise ValueError(f"an encrypted run needs at least 2 parties, got world_size={world_size}")
     if provider not in ("TFP", "TTP"):
         raise ValueError(f"unknown provider '{provider}'; use TFP or TTP")
+    from softq.mpc.graph import public_positions
     from softq.mpc.ranges import RangeConfig, check_model
     from softq.mpc.surrogates import configure_surrogates
     from softq.mpc.truncation import TRUNCATION_MODES
@@ -155,6 +156,7 @@ def run(
     if isinstance(inputs, torch.Tensor):
         inputs = {"input_ids" if not inputs.is_floating_point() else "pixel_values": inputs}
     inputs = {k: v for k, v in inputs.items() if v is not None}
+    public_positions(model, inputs)  # what the client party would refuse (RoBERTa's padding ids off the mask), here
     checked = copy.deepcopy(model)
     configure_surrogates(checked, softmax=softmax, gelu=gelu, softmax_params=softmax_params)
     # the run's own inputs are always checked (this launcher holds them); calibration adds batches, it never

@@ -79,7 +79,7 @@ AUTO_SMOOTHING_RATIO = 16.0
 # shared by nearly every token, so its rounding error is one shift of every token rather than noise)
 EMBEDDING_MIN_ROWS = 16
 # residual_prefix: special tokens at the start of every sequence, per encoder family
-PREFIX_TOKENS = {"bert": 1, "roberta": 1, "vit": 1, "deit": 2}
+PREFIX_TOKENS = {"bert": 1, "roberta": 1, "distilbert": 1, "vit": 1, "deit": 2}
 MAX_PREFIX = 8
 
 
