@@ -139,14 +139,18 @@ class ActQuantizer(nn.Module):
         return x
 
     def fake_quant_inference(self, x: torch.Tensor) -> torch.Tensor:
-        """Brevitas' ``IntQuant`` arithmetic, op for op (divide, add zero point, round half to even, clamp,
-        subtract, multiply), in place and with one ``clamp`` instead of two ``where``s: the same numbers
-        about twice as fast, for evaluation without gradients (tests check it equals ``self.quant``)."""
+        """ONNX ``QuantizeLinear`` -> ``DequantizeLinear`` arithmetic, op for op: divide, round half to even,
+        add the zero point, clamp, subtract, multiply (in place, one ``clamp``), for evaluation without
+        gradients.  Brevitas' ``IntQuant`` (``self.quant``, which trains) adds the zero point before rounding:
+        the same integer in exact arithmetic, but in float32 ``x / s + z`` can round onto a half that
+        ``x / s`` was not on (x / s = -61.500004, z = 127: 65.5, rounded to 66 where onnxruntime gives 65),
+        about 12 values in a million, each a code the exported file does not compute; one such code in an
+        OPT's first layer moved every later token's logits (tests: test_inference_fast_path_is_onnx_quantize_linear)."""
         qmin, qmax = self.quant.min_int(self.bit_width), self.quant.max_int(self.bit_width)
         if not torch.compiler.is_compiling():  # eager: Python numbers clamp faster; compiled: no .item() break
             qmin, qmax = float(qmin), float(qmax)
         y = x / self.scale
-        y.add_(self.zero_point).round_().clamp_(qmin, qmax).sub_(self.zero_point)
+        y.round_().add_(self.zero_point).clamp_(qmin, qmax).sub_(self.zero_point)
         return y.mul_(self.scale)
 
     def finish_calibration(self, groups: int | None = None) -> None:
