@@ -26,6 +26,7 @@ scaled input's).  Other observers get a statistics pass first.
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -240,6 +241,7 @@ def quantize(
     elif config.smoothing_into_v == "auto" and split is not None and alpha is not None:
         qmodel.softq_smoothing_into_v, qmodel.softq_v_fold_errors, corrected = _fold_into_v_if_better(
             qmodel, batches, config, split[1], reference)
+        gc.collect()  # its trial copy (reference cycles, as input smoothing's trials)
     else:
         qmodel.softq_smoothing_into_v = 0
 
@@ -247,6 +249,7 @@ def quantize(
         correct_weight_bias(qmodel, batches)
     if config.bias_correction is not None:
         correct_softmax_bias(qmodel, batches, config.bias_correction)
+    gc.collect()  # the copies calibration made and dropped (the observed model of "auto"'s search among them)
     return qmodel
 
 
@@ -435,7 +438,11 @@ def _search_smoothing(observed: nn.Module, recorder: InputRecorder, alphas: tupl
                     break
             _finish(trial)
             (folded if scope else errors)[alpha] = output_error(trial, held, reference)
-            del trial
+            trial = None
+            gc.collect()  # Brevitas' quantizers hold reference cycles: without it each copy stays until the
+            # cyclic collector runs (up to seven copies of a 650M-parameter OPT: out of memory at 24 GB)
+    trial = None  # a candidate left by a break
+    gc.collect()
     alpha, folded_only = pick_smoothing(errors, folded)
     return alpha, folded_only, errors, folded
 
