@@ -312,6 +312,22 @@ def test_short_names_same_graph_smaller_file(quantized, tmp_path):
         to_onnx(qmodel, tmp_path / "x.onnx", inputs, names="tiny")
 
 
+def test_graph_over_protobufs_limit_is_one_line(quantized, tmp_path, monkeypatch):
+    """A model of over 2 GB of float32 weights (a 650M-parameter OPT) made torch's exporter raise its protobuf
+    RuntimeError, a traceback from inside torch.onnx; its message, raised here without building 2 GB, becomes one
+    line naming the size and the limit, and nothing is written."""
+    def too_large(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202 - what torch raises past 2 GiB
+        raise RuntimeError("The serialized model is larger than the 2GiB limit imposed by the protobuf library. "
+                           "Therefore the output file must be a file path, so that the ONNX external data can be "
+                           "written to the same directory. Please specify the output file name.")
+
+    monkeypatch.setattr(torch.onnx, "export", too_large)
+    with pytest.raises(ExportError, match=r"over protobuf's 2 GiB limit for one ONNX file: the model holds 0\.0 GB "
+                                          "of float32 weights.*does not write ONNX external data yet"):
+        to_onnx(quantized[("vit", None)], tmp_path / "big.onnx", tiny_inputs("vit"))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_inputs(quantized, tmp_path):
     qmodel = quantized[("vit", None)]
     good = tiny_inputs("vit")
