@@ -100,12 +100,16 @@ def public_positions(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> di
     pad = model.config.pad_token_id
     mask = inputs.get("attention_mask")
     keep = (torch.ones_like(ids) if mask is None else mask.ne(0)).long()
-    if keep.shape != ids.shape or not torch.equal(ids.ne(pad), keep.bool()):
-        where = "the attention_mask" if mask is not None else "no attention_mask (every token kept)"
+    if keep.shape != ids.shape:
+        raise ValueError(f"attention_mask is {tuple(keep.shape)} but input_ids are {tuple(ids.shape)}")
+    held = ids.eq(pad) & keep.bool()
+    if held.any() or not torch.equal(ids.ne(pad), keep.bool()):
+        problem = ("these input_ids hold that id at a token the attention_mask keeps" if mask is not None and held.any()
+                   else "these input_ids hold that id with no attention_mask" if held.any()
+                   else "the attention_mask drops a token whose id is not that id")
         raise ValueError(f"{type(model).__name__} numbers its positions from the input_ids that are not its padding id "
-                         f"{pad}, and these input_ids put that id elsewhere than {where} marks padding: the positions "
-                         "would come from secret ids; pass an attention_mask that is 0 exactly at the padding tokens, "
-                         "or position_ids")
+                         f"{pad}, and {problem}: its positions would come from the secret ids; pass an attention_mask "
+                         "that is 0 exactly at the padding tokens, or position_ids")
     return {**inputs, "position_ids": keep.cumsum(-1) * keep + pad}
 
 

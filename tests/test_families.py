@@ -106,5 +106,11 @@ def test_roberta_positions_are_public_in_mpc() -> None:
     bad = {**x, "input_ids": x["input_ids"].clone()}
     bad["input_ids"][0, 3] = 1  # the padding id at a token the mask keeps
     with pytest.raises(ValueError, match="XLMRobertaModel numbers its positions from the input_ids that are not its "
-                                         "padding id 1, and these input_ids put that id elsewhere"):
+                                         "padding id 1, and these input_ids hold that id at a token the attention_mask"):
         run(model, bad, softmax="softmax", gelu="tanh", timeout=60)
+    dropped = {**x, "attention_mask": x["attention_mask"].clone()}
+    dropped["attention_mask"][0, 3] = 0  # a real token the mask leaves out
+    with pytest.raises(ValueError, match="and the attention_mask drops a token whose id is not that id"):
+        public_positions(model, dropped)
+    with pytest.raises(ValueError, match="hold that id with no attention_mask"):
+        public_positions(model, {"input_ids": x["input_ids"]})
