@@ -193,7 +193,8 @@ def check_model(model: nn.Module) -> None:
     """An encoder softq can fine-tune here: a BERT-like family whose output has ``last_hidden_state``."""
     family = getattr(getattr(model, "config", None), "model_type", None)
     if family_of(family) not in FAMILIES:
-        raise ValueError(f"finetune_outliers supports {', '.join(FAMILIES)} encoders, not {family or type(model).__name__}")
+        raise ValueError(f"finetune_outliers supports {', '.join(FAMILIES)} encoders (xlm-roberta, camembert and electra "
+                         f"among them), not {family or type(model).__name__}")
     if getattr(model.config, "softq_gated", False):
         raise ValueError("the model already has gated attention; pass the original (ungated) model as the teacher")
     if getattr(model.config, "softq_constant_sink", False):

@@ -160,7 +160,7 @@ def test_bad_inputs(tokenizer) -> None:
     with pytest.raises(ValueError, match="at least one non-empty training text"):
         finetune_outliers(model, tokenizer, ["  "], small_config(), progress=False)
     gpt2 = transformers.GPT2Model(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4))
-    with pytest.raises(ValueError, match="supports bert, roberta encoders, not gpt2"):
+    with pytest.raises(ValueError, match=r"supports bert, roberta, distilbert encoders \(xlm-roberta, camembert and electra among them\), not gpt2"):
         finetune_outliers(gpt2, tokenizer, TEXTS, small_config(), progress=False)
     gated = make_student(model, small_config(method="gated"))
     with pytest.raises(ValueError, match="already has gated attention"):
