@@ -150,7 +150,11 @@ class ActQuantizer(nn.Module):
         if not torch.compiler.is_compiling():  # eager: Python numbers clamp faster; compiled: no .item() break
             qmin, qmax = float(qmin), float(qmax)
         y = x / self.scale
-        y.round_().add_(self.zero_point).clamp_(qmin, qmax).sub_(self.zero_point)
+        if self.scale.numel() > 1:  # grouped scales export as Div -> Add(zp) -> QuantizeLinear(1, 0): that order
+            y.add_(self.zero_point).round_()
+        else:
+            y.round_().add_(self.zero_point)
+        y.clamp_(qmin, qmax).sub_(self.zero_point)
         return y.mul_(self.scale)
 
     def finish_calibration(self, groups: int | None = None) -> None:
@@ -187,8 +191,12 @@ class ActQuantizer(nn.Module):
                 row.finish_calibration(groups)
 
     def int_repr(self, x: torch.Tensor) -> torch.Tensor:
-        """Integer codes of ``x`` (what an integer runtime stores), for export and tests."""
-        return self.quant.to_int(self.scale, self.zero_point, self.bit_width, _float32(x))
+        """Integer codes of ``x`` (what an integer runtime stores), for export and tests: the codes evaluation
+        computes (:meth:`fake_quant_inference`'s rounding order), zero point included."""
+        qmin, qmax = float(self.quant.min_int(self.bit_width)), float(self.quant.max_int(self.bit_width))
+        y = _float32(x) / self.scale
+        y = (y + self.zero_point).round() if self.scale.numel() > 1 else y.round() + self.zero_point
+        return y.clamp(qmin, qmax)
 
     def extra_repr(self) -> str:
         if self.scale.numel() > 1:
@@ -204,8 +212,9 @@ class RowScoresQuantizer(ActQuantizer):
     keys, ``q = 2**bits - 1`` (the zero point: the row max is always the top code)
     and the fixed step ``S = T / q``; the point outputs ``m + S (x - q)``, except
     for code 0, which means "T or more below the max: weight 0" and is output as the
-    lowest float (the integer forms' tables give it 0).  Brevitas' ``IntQuant`` does
-    the rounding and clamping, on ``s - m``.  No calibration: the grid follows each
+    lowest float (the integer forms' tables give it 0).  Rounded on ``s - m`` as the
+    exported ``QuantizeLinear`` rounds (Brevitas' ``IntQuant``, with gradients, adds
+    ``q`` before rounding: a code apart at float ties).  No calibration: the grid follows each
     row, and ``T`` (:func:`softq.quant.config.softmax_input_span`) is where the
     softmax output code reaches 0, so dropping those keys changes no output code of
     ``row``, and the others' exp sums only below their 2**-16 grid.  A fully masked
@@ -234,7 +243,7 @@ class RowScoresQuantizer(ActQuantizer):
         dtype = x.dtype
         x = _float32(x)
         m = self.row_max(x, valid)
-        r = self._forward(x - m)  # Brevitas' IntQuant (with gradients) or its in-place equal
+        r = self._forward(x - m)  # Brevitas' IntQuant (with gradients) or QuantizeLinear's arithmetic
         # code 0 (T or more below the max) means exp = 0, as in the integer forms' tables
         dropped = r <= -self.span * (1 - 1e-6)
         return (r + m).to(dtype).masked_fill_(dropped, torch.finfo(dtype).min)

@@ -422,14 +422,30 @@ def test_residual_groups_isolate_the_outlier_dimension(folder) -> None:
     assert 1 - cos[4] < 0.5 * (1 - cos[1])
 
 
-def test_inference_fast_path_is_onnx_quantize_linear() -> None:
-    """Evaluation computes what the exported QuantizeLinear -> DequantizeLinear pair computes in onnxruntime, value
-    for value, where Brevitas (training, with gradients) adds the zero point before rounding and lands a code off
-    about 12 times in a million (x / s = -61.500004 with zero point 127 among them: the OPT case that moved every
-    later token's logits); elsewhere the two agree."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+def _exported_act(q, x: torch.Tensor) -> np.ndarray:
+    """``q`` exported as to_onnx writes an activation quantizer (a QuantizeLinear -> DequantizeLinear pair; grouped
+    scales: Div -> Add -> QuantizeLinear(1, 0) -> ...), run in onnxruntime on ``x``."""
+    import io
+    import warnings
 
+    import onnxruntime as ort
+
+    from softq.export.model_export import TORCH_OPSET, _ExportAct
+
+    buf = io.BytesIO()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_ExportAct(q, 1).eval(), (x,), buf, dynamo=False, opset_version=TORCH_OPSET,
+                          input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "n"}})
+    return ort.InferenceSession(buf.getvalue()).run(None, {"x": x.numpy()})[0]
+
+
+def test_inference_fast_path_is_the_exported_quantizer() -> None:
+    """Evaluation computes what the exported quantizer computes in onnxruntime, value for value: per-tensor
+    QuantizeLinear rounds x / s before adding the zero point, where Brevitas (training, with gradients) adds it
+    first and lands a code off about 12 times in a million (x / s = -61.500004 with zero point 127 among them: the
+    OPT case that moved every later token's logits); grouped scales export as Div -> Add -> QuantizeLinear(1, 0),
+    Brevitas' order, which evaluation then follows.  int_repr gives the same codes."""
     from softq.quant.quantizers import ActQuantizer
 
     torch.manual_seed(0)
@@ -444,33 +460,23 @@ def test_inference_fast_path_is_onnx_quantize_linear() -> None:
             fast = q(x)
         brevitas = q.quant(q.scale, q.zero_point, q.bit_width, x).detach()
         assert torch.equal(q(x).detach(), brevitas)  # with grad enabled: Brevitas itself
-        scale, zp = q.scale.reshape(-1).numpy(), q.zero_point.reshape(-1).numpy()
-        code = TensorProto.INT8 if signed else TensorProto.UINT8
-        zp_array = zp.astype(np.int8 if signed else np.uint8)
-        axis = {"axis": 2} if scale.size > 1 else {}
-        if scale.size > 1:  # groups: one scale per channel (each channel's group's)
-            scale, zp_array = np.broadcast_to(q.scale, (12,)).copy(), np.broadcast_to(zp_array, (12,)).copy()
-        graph = helper.make_graph(
-            [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], **axis),
-             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], **axis)], "qdq",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 7, 12])],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 7, 12])],
-            [numpy_helper.from_array(scale.reshape(-1) if scale.size > 1 else scale.reshape(()), "s"),
-             numpy_helper.from_array(zp_array.reshape(-1) if zp_array.size > 1 else zp_array.reshape(()), "z")])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-        model.graph.initializer[1].data_type = code
-        onnx_out = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x.numpy()})[0]
-        np.testing.assert_array_equal(fast.numpy(), onnx_out)
-        step = float(q.scale.max())
-        assert (fast - brevitas).abs().max() <= step * 1.0001  # a code apart at most, at float ties
-    tie = ActQuantizer(8, False)
-    tie.scale.fill_(0.004764791578054428)
-    tie.zero_point.fill_(127.0)
-    tie.mode = "quant"
-    x = torch.tensor([-0.29303470253944397])
-    with torch.no_grad():
-        assert tie(x).item() / tie.scale.item() == pytest.approx(-62)  # onnxruntime's code; Brevitas: -61
-    assert tie(x).item() / tie.scale.item() == pytest.approx(-61)
+        np.testing.assert_array_equal(fast.numpy(), _exported_act(q, x))
+        assert (fast - brevitas).abs().max() <= float(q.scale.max()) * 1.0001  # a code apart at most, at ties
+        assert torch.equal((q.int_repr(x) - q.zero_point) * q.scale, fast)
+    for groups in (1, 2):  # the tie, on a per-tensor and on a grouped quantizer
+        tie = ActQuantizer(8, False, groups=groups)
+        tie.mode = "observe"
+        tie(torch.randn(4, 7, 4) * torch.tensor([0.3, 0.3, 30, 30]))
+        tie.finish_calibration()
+        tie.scale = torch.full_like(tie.scale, 0.004764791578054428)
+        tie.zero_point = torch.full_like(tie.zero_point, 127.0)
+        tie.mode = "quant"
+        x = torch.full((1, 1, 4), -0.29303470253944397)
+        with torch.no_grad():
+            code = tie(x) / tie.scale
+        file_code = np.rint(_exported_act(tie, x) / tie.scale.numpy())
+        assert code.round().flatten().tolist() == file_code.flatten().tolist() == [-62.0 if groups == 1 else -61.0] * 4
+        assert tie.int_repr(x).flatten().tolist() == [65.0 if groups == 1 else 66.0] * 4
 
 
 def test_residual_groups_config_is_validated() -> None:
