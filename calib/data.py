@@ -60,7 +60,8 @@ def check_batch(model: nn.Module, batch: Mapping[str, torch.Tensor], index: int 
             raise CalibrationDataError(f"{what} {index}: '{key}' is a {type(value).__name__}, not a tensor")
         if value.is_meta:
             raise CalibrationDataError(f"{what} {index}: '{key}' is on the meta device (no values); pass real tensors")
-        if value.is_floating_point() and key != "attention_mask" and not torch.isfinite(value).all():  # mask: below
+        if value.is_floating_point() and not torch.isfinite(value).all() and not (
+                key == "attention_mask" and value.dim() == 2 and not torch.isnan(value).any()):  # 2-D 0/-inf: below
             bad = "NaN" if torch.isnan(value).any() else "Inf"
             raise CalibrationDataError(f"{what} {index}: '{key}' contains {bad}")
     main_input = getattr(model, "main_input_name", "input_ids")
@@ -80,13 +81,13 @@ def check_batch(model: nn.Module, batch: Mapping[str, torch.Tensor], index: int 
         if limit is not None and ids.shape[1] > limit:
             raise CalibrationDataError(f"{what} {index}: sequence length {ids.shape[1]} exceeds the model's {limit} positions")
     mask = batch.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel():
-        if not ((mask == 0) | (mask == 1)).all():  # an additive mask (0 / -inf) read as 0/1 would keep only padding
-            odd = mask[(mask != 0) & (mask != 1)][0].item()
-            raise CalibrationDataError(f"{what} {index}: attention_mask must be 1 at real tokens and 0 at padding (a "
-                                       f"tokenizer's mask), it holds {odd:g}; pass the 0/1 mask, not an additive one")
-        if not mask.bool().any():
-            raise CalibrationDataError(f"{what} {index}: attention_mask is all zeros (no token to attend to)")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() and not ((mask == 0) | (mask == 1)).all():
+        # an additive mask (0 / -inf) read as 0/1 would keep only the padding's rows
+        odd = mask[(mask != 0) & (mask != 1)][0].item()
+        raise CalibrationDataError(f"{what} {index}: attention_mask must be 1 at real tokens and 0 at padding (a "
+                                   f"tokenizer's mask), it holds {odd:g}; pass the 0/1 mask, not an additive one")
+    if isinstance(mask, torch.Tensor) and mask.numel() and not mask.bool().any():
+        raise CalibrationDataError(f"{what} {index}: attention_mask is all zeros (no token to attend to)")
     if "pixel_values" in batch:
         px = batch["pixel_values"]
         if not px.is_floating_point():

@@ -527,6 +527,12 @@ def test_misuse_of_quantize_is_named() -> None:
         additive["attention_mask"][0, -2:] = pad
         with pytest.raises(CalibrationDataError, match=f"batch 0: attention_mask must be 1 at real tokens and 0 at padding.*{pad:g}"):
             softq.quantize(model, [additive])
+    additive["attention_mask"][0, -2:] = float("nan")
+    with pytest.raises(CalibrationDataError, match="batch 0: 'attention_mask' contains NaN"):
+        softq.quantize(model, [additive])
+    four_d = {**calib[0], "attention_mask": torch.zeros(calib[0]["input_ids"].shape)[:, None, None, :]}
+    with pytest.raises(CalibrationDataError, match="batch 0: attention_mask is all zeros"):
+        softq.quantize(model, [four_d])
     one_empty = {**calib[0], "attention_mask": torch.ones_like(calib[0]["input_ids"])}
     one_empty["attention_mask"][0] = 0
     softq.quantize(model, [calib[1], one_empty], softq.QuantConfig(input_smoothing=None))
