@@ -701,11 +701,12 @@ def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str],
         except RuntimeError as err:
             if "2GiB limit imposed by the protobuf" not in str(err):
                 raise
-            size = sum(t.numel() * t.element_size() for t in wrapper.state_dict().values()) / 1e9
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in wrapper.state_dict().values()}  # tied weights once
             raise ExportError(f"the traced graph is over protobuf's 2 GiB limit for one ONNX file: the model holds "
-                              f"{size:.1f} GB of float32 weights, which the export traces before it writes int8 codes, "
-                              "and softq does not write ONNX external data yet (models up to about 500M parameters "
-                              "export)") from None
+                              f"{sum(storages.values()) / 1e9:.1f} GB of weights, traced as float32 (a quantized "
+                              "model's int8 codes are written after tracing), and softq does not write ONNX external "
+                              "data yet (models up to about 500M parameters export)") from None
     model = onnx.load_from_string(buf.getvalue())
     for value, shape in zip(model.graph.output, shapes):
         dims = value.type.tensor_type.shape.dim

@@ -682,7 +682,7 @@ def correct_weight_bias(qmodel: nn.Module, batches: list[Batch]) -> int:
         if name in sums and sums[name][1] > 0:
             mean = sums[name][0] / sums[name][1]
             w_q, w = m.dequantized_weight(), m.weight
-            shift = torch.empty(w.shape[0], dtype=torch.float64)
+            shift = torch.empty(w.shape[0], dtype=torch.float64, device=w.device)
             for i in range(0, w.shape[0], 4096):  # float64 a block of rows at a time: a 50k-row lm_head whole took
                 rows = slice(i, i + 4096)  # two float64 copies and their difference, 6x its float32 size
                 shift[rows] = (w_q[rows].double() - w[rows].double()) @ mean

@@ -323,7 +323,7 @@ def test_graph_over_protobufs_limit_is_one_line(quantized, tmp_path, monkeypatch
 
     monkeypatch.setattr(torch.onnx, "export", too_large)
     with pytest.raises(ExportError, match=r"over protobuf's 2 GiB limit for one ONNX file: the model holds 0\.0 GB "
-                                          "of float32 weights.*does not write ONNX external data yet"):
+                                          "of weights, traced as float32.*does not write ONNX external data yet"):
         to_onnx(quantized[("vit", None)], tmp_path / "big.onnx", tiny_inputs("vit"))
     assert list(tmp_path.iterdir()) == []
 
@@ -855,8 +855,10 @@ def test_float_softmax_export_matches_torch(family, tmp_path, capsys):
         assert len(outs) - 1 == len(ref_probs) == layers
         for p, r in zip(outs[1:], ref_probs):
             # a Q or K value on a float tie (torch's float matmul and onnxruntime's integer GEMM round its last bit
-            # apart) can take the neighbouring code: 1.4e-5 here, one K code in BERT's layer 0
-            assert np.abs(p - r).max() <= 1e-4
+            # apart) can take the neighbouring code: 1.4e-5 in one head here (a K code in BERT's layer 0); every
+            # other head within float rounding
+            off = (np.abs(p - r) > 1e-5).any(axis=(-1, -2))
+            assert off.sum() <= 1 and np.abs(p - r).max() <= 1e-4, (off.sum(), np.abs(p - r).max())
             if family != "vit":
                 assert (p[1, ..., 13:] == 0).all()  # padded keys: exactly zero
             np.testing.assert_allclose(p.sum(-1)[p.sum(-1) > 0], 1.0, atol=1e-5)

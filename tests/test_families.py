@@ -74,12 +74,13 @@ def test_quantize_export_and_reload(model_type: str, tmp_path) -> None:
     np.testing.assert_array_equal(hidden(softq.quant.load(tmp_path / "saved"), x), got)
 
 
-def test_distilbert_gated_student_starts_as_the_teacher() -> None:
-    """The gated student rescales the attention output projection (DistilBERT's ``out_lin``) so that, at step 0,
-    it computes the teacher's function."""
+@pytest.mark.parametrize("model_type", list(FAMILY))
+def test_gated_student_starts_as_the_teacher(model_type: str) -> None:
+    """The gated student rescales the attention output projection (DistilBERT's ``out_lin``, the others' sibling
+    ``output.dense``) so that, at step 0, it computes the teacher's function."""
     from softq.calib.outlier_finetune import OutlierFinetuneConfig, make_student
 
-    model, x = build("distilbert"), inputs(4)
+    model, x = build(model_type), inputs(4)
     student = make_student(model, OutlierFinetuneConfig(method="gated", pi_init=0.3, constant_sink=False))
     assert all(m.softq.gate is not None for _, m in attention_modules(student))
     np.testing.assert_allclose(hidden(student, x), hidden(model, x), atol=1e-5)

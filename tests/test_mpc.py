@@ -78,7 +78,8 @@ def encrypted_local(crypten, model, inputs, softmax, gelu):
     """Export + interpret in one process; returns (encrypted, plaintext surrogate) outputs."""
     configure_surrogates(model, softmax=softmax, gelu=gelu)
     with torch.no_grad():
-        plain = model(**inputs).logits
+        out = model(**inputs)
+        plain = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
     ep = export_model(model, inputs)
     interp = GraphInterpreter(ep)
     params = {n: crypten.cryptensor(ep.state_dict[n].float()) for n in interp.parameter_names()}
@@ -462,6 +463,24 @@ def test_per_layer_surrogates_and_bad_arguments():
         run(tiny_bert(), bert_inputs(), world_size=1)
     with pytest.raises(ValueError, match="provider"):
         run(tiny_bert(), bert_inputs(), provider="HE")
+
+
+@pytest.mark.parametrize("model_type", ["xlm-roberta", "camembert", "electra", "distilbert"])
+def test_model_types_run_as_their_families(crypten1, model_type):
+    """The model types softq runs as one of its families, with padding; RoBERTa's positions from the public mask
+    (the two-process run and the refusals: test_families.py)."""
+    from test_families import build, inputs
+
+    from softq.mpc.graph import public_positions
+
+    model, x = build(model_type), inputs(5, seq=10)
+    x["attention_mask"][-1, 6:] = 0
+    x["input_ids"][-1, 6:] = 1
+    x = public_positions(model, x)
+    assert ("position_ids" in x) == (model_type in ("xlm-roberta", "camembert"))
+    out, plain = encrypted_local(crypten1, model, x, "softmax", "tanh")
+    valid = x["attention_mask"].bool()
+    assert (out - plain)[valid].abs().max() < 1e-2 * plain.abs().max()
 
 
 def test_opt_with_public_attention_mask(crypten1):
