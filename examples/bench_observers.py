@@ -95,10 +95,12 @@ def file_rows(b: Bench, args: argparse.Namespace, chunked: list[dict], ref: list
             label = f"ORT quantize_static, {method}"
             for key, calib in (("given", b.calib), ("rechunked", chunked)):
                 path = work / f"ort_{method}_{key}.onnx"
-                t0 = time.perf_counter()
-                ort_quantize_static(fp32, path, calib, b.names, reduce_range=False, method=method)
+                try:
+                    ort_quantize_static(fp32, path, calib, b.names, reduce_range=False, method=method)
+                except Exception as err:  # noqa: BLE001 - the peer failing is a result: its message goes in the table
+                    rows.setdefault(label, {})[key] = {"error": f"{type(err).__name__}: {err}".splitlines()[0]}
+                    continue
                 rows.setdefault(label, {})[key] = measure(b, path, ref, ref_rows)
-                rows[label][key]["seconds"] = time.perf_counter() - t0
             print(f"[{b.name}] {label}: {rows[label]}", file=sys.stderr, flush=True)
     return rows
 
@@ -142,7 +144,7 @@ def write(results: list[dict], args: argparse.Namespace, minutes: float) -> Path
         lines.append("")
         if "files" in r:
             files = {k: v for k, v in r["files"].items() if "rechunked" in v}
-            best = min(row["given"]["distance"] for row in files.values())
+            best = min(row["given"]["distance"] for row in files.values() if "distance" in row["given"])
             fp = r["files"]["float model (ONNX)"]["given"]
             lines += ["ONNX files in onnxruntime (the float file: metric "
                       f"{fp['acc']:.4f}, distance {fp['distance']:.3e} from the torch float model):", "",
@@ -151,6 +153,9 @@ def write(results: list[dict], args: argparse.Namespace, minutes: float) -> Path
                       "|---|---|---|---|---|"]
             for label, row in files.items():
                 g, c = row["given"], row["rechunked"]
+                if "error" in g or "error" in c:  # onnxruntime's calibrator raised: its message
+                    lines.append(f"| {label} | failed: `{(g.get('error') or c['error'])[:160]}` | | | |")
+                    continue
                 d = f"**{g['distance']:.3e}**" if g["distance"] == best else f"{g['distance']:.3e}"
                 lines.append(f"| {label} | {g['acc']:.4f} | {d} | {c['acc']:.4f} | {c['distance']:.3e} |")
             lines.append("")
