@@ -241,7 +241,7 @@ def quantize(
     elif config.smoothing_into_v == "auto" and split is not None and alpha is not None:
         qmodel.softq_smoothing_into_v, qmodel.softq_v_fold_errors, corrected = _fold_into_v_if_better(
             qmodel, batches, config, split[1], reference)
-        gc.collect()  # its trial copy (reference cycles, as input smoothing's trials)
+        _collect(qmodel)  # its trial copy
     else:
         qmodel.softq_smoothing_into_v = 0
 
@@ -249,7 +249,7 @@ def quantize(
         correct_weight_bias(qmodel, batches)
     if config.bias_correction is not None:
         correct_softmax_bias(qmodel, batches, config.bias_correction)
-    gc.collect()  # the copies calibration made and dropped (the observed model of "auto"'s search among them)
+    _collect(qmodel)  # the copies calibration made and dropped (the observed model of "auto"'s search among them)
     return qmodel
 
 
@@ -314,6 +314,18 @@ def _finish(qmodel: nn.Module) -> None:
                    f"prefix): calibration sequences of {prefix} token(s) reach only those" if prefix else "")
             raise CalibrationDataError(f"no calibration value reached {name}{why}") from None
     set_mode(qmodel, "quant")
+
+
+# Models of at least this many bytes of parameters are collected as soon as quantize drops a copy of them: Brevitas'
+# quantizers hold reference cycles, so a dropped copy waits for the cyclic collector (up to seven copies of a
+# 650M-parameter OPT in input_smoothing="auto"'s search: out of memory at 24 GB).  A full collection costs time in
+# a process holding many objects, which small models (the test suite's) need not pay.
+COLLECT_ABOVE_BYTES = 2**26
+
+
+def _collect(model: nn.Module) -> None:
+    if sum(p.numel() * p.element_size() for p in model.parameters()) >= COLLECT_ABOVE_BYTES:
+        gc.collect()
 
 
 def independent_copy(model: nn.Module) -> nn.Module:
@@ -439,10 +451,9 @@ def _search_smoothing(observed: nn.Module, recorder: InputRecorder, alphas: tupl
             _finish(trial)
             (folded if scope else errors)[alpha] = output_error(trial, held, reference)
             trial = None
-            gc.collect()  # Brevitas' quantizers hold reference cycles: without it each copy stays until the
-            # cyclic collector runs (up to seven copies of a 650M-parameter OPT: out of memory at 24 GB)
+            _collect(observed)
     trial = None  # a candidate left by a break
-    gc.collect()
+    _collect(observed)
     alpha, folded_only = pick_smoothing(errors, folded)
     return alpha, folded_only, errors, folded
 
