@@ -144,8 +144,9 @@ class ActQuantizer(nn.Module):
         gradients.  Brevitas' ``IntQuant`` (``self.quant``, which trains) adds the zero point before rounding:
         the same integer in exact arithmetic, but in float32 ``x / s + z`` can round onto a half that
         ``x / s`` was not on (x / s = -61.500004, z = 127: 65.5, rounded to 66 where onnxruntime gives 65),
-        about 12 values in a million, each a code the exported file does not compute; one such code in an
-        OPT's first layer moved every later token's logits (tests: test_inference_fast_path_is_onnx_quantize_linear)."""
+        a code the exported file does not compute; one such code in an OPT's first layer moved every later
+        token's logits.  Grouped scales export as Div -> Add -> QuantizeLinear(1, 0), Brevitas' order, which
+        they keep here (tests: test_inference_fast_path_is_the_exported_quantizer)."""
         qmin, qmax = self.quant.min_int(self.bit_width), self.quant.max_int(self.bit_width)
         if not torch.compiler.is_compiling():  # eager: Python numbers clamp faster; compiled: no .item() break
             qmin, qmax = float(qmin), float(qmax)

@@ -443,7 +443,7 @@ def _exported_act(q, x: torch.Tensor) -> np.ndarray:
 def test_inference_fast_path_is_the_exported_quantizer() -> None:
     """Evaluation computes what the exported quantizer computes in onnxruntime, value for value: per-tensor
     QuantizeLinear rounds x / s before adding the zero point, where Brevitas (training, with gradients) adds it
-    first and lands a code off about 12 times in a million (x / s = -61.500004 with zero point 127 among them: the
+    first and lands a code off at float ties (x / s = -61.500004 with zero point 127 among them: the
     OPT case that moved every later token's logits); grouped scales export as Div -> Add -> QuantizeLinear(1, 0),
     Brevitas' order, which evaluation then follows.  int_repr gives the same codes."""
     from softq.quant.quantizers import ActQuantizer
