@@ -47,7 +47,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from softq.models import family_of
+from softq.models import FAMILY_OF, family_of
 
 METHODS = ("gated", "clipped", "none")
 POOLINGS = ("mean", "cls")
@@ -193,8 +193,10 @@ def check_model(model: nn.Module) -> None:
     """An encoder softq can fine-tune here: a BERT-like family whose output has ``last_hidden_state``."""
     family = getattr(getattr(model, "config", None), "model_type", None)
     if family_of(family) not in FAMILIES:
-        raise ValueError(f"finetune_outliers supports {', '.join(FAMILIES)} encoders (xlm-roberta, camembert and electra "
-                         f"among them), not {family or type(model).__name__}")
+        *rest, last = [t for t, f in FAMILY_OF.items() if f in FAMILIES]
+        aliases = f"{', '.join(rest)} and {last}"
+        raise ValueError(f"finetune_outliers supports {', '.join(FAMILIES)} encoders ({aliases} among them), not "
+                         f"{family or type(model).__name__}")
     if getattr(model.config, "softq_gated", False):
         raise ValueError("the model already has gated attention; pass the original (ungated) model as the teacher")
     if getattr(model.config, "softq_constant_sink", False):

@@ -103,7 +103,7 @@ def public_positions(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> di
     if keep.shape != ids.shape:
         raise ValueError(f"attention_mask is {tuple(keep.shape)} but input_ids are {tuple(ids.shape)}")
     held = ids.eq(pad) & keep.bool()
-    if held.any() or not torch.equal(ids.ne(pad), keep.bool()):
+    if not torch.equal(ids.ne(pad), keep.bool()):
         problem = ("these input_ids hold that id at a token the attention_mask keeps" if mask is not None and held.any()
                    else "these input_ids hold that id with no attention_mask" if held.any()
                    else "the attention_mask drops a token whose id is not that id")

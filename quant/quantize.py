@@ -241,7 +241,6 @@ def quantize(
     elif config.smoothing_into_v == "auto" and split is not None and alpha is not None:
         qmodel.softq_smoothing_into_v, qmodel.softq_v_fold_errors, corrected = _fold_into_v_if_better(
             qmodel, batches, config, split[1], reference)
-        _collect(qmodel)  # its trial copy
     else:
         qmodel.softq_smoothing_into_v = 0
 
@@ -249,7 +248,7 @@ def quantize(
         correct_weight_bias(qmodel, batches)
     if config.bias_correction is not None:
         correct_softmax_bias(qmodel, batches, config.bias_correction)
-    _collect(qmodel)  # the copies calibration made and dropped (the observed model of "auto"'s search among them)
+    _collect(qmodel)  # the copies calibration dropped ("auto"'s observed model, smoothing_into_v's trial)
     return qmodel
 
 

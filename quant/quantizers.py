@@ -150,13 +150,17 @@ class ActQuantizer(nn.Module):
         qmin, qmax = self.quant.min_int(self.bit_width), self.quant.max_int(self.bit_width)
         if not torch.compiler.is_compiling():  # eager: Python numbers clamp faster; compiled: no .item() break
             qmin, qmax = float(qmin), float(qmax)
-        y = x / self.scale
-        if self.scale.numel() > 1:  # grouped scales export as Div -> Add(zp) -> QuantizeLinear(1, 0): that order
-            y.add_(self.zero_point).round_()
-        else:
-            y.round_().add_(self.zero_point)
+        y = self._codes_(x / self.scale)
         y.clamp_(qmin, qmax).sub_(self.zero_point)
         return y.mul_(self.scale)
+
+    def _codes_(self, y: torch.Tensor) -> torch.Tensor:
+        """``y = x / scale`` rounded to codes (zero point added, not clamped), in place, in the exported file's
+        order: QuantizeLinear's round-then-add, or for grouped scales (exported as Div -> Add(zp) ->
+        QuantizeLinear(1, 0)) add-then-round."""
+        if self.scale.numel() > 1:
+            return y.add_(self.zero_point).round_()
+        return y.round_().add_(self.zero_point)
 
     def finish_calibration(self, groups: int | None = None) -> None:
         """Fix scale and zero point from what the observers saw, then drop them.
@@ -195,9 +199,7 @@ class ActQuantizer(nn.Module):
         """Integer codes of ``x`` (what an integer runtime stores), for export and tests: the codes evaluation
         computes (:meth:`fake_quant_inference`'s rounding order), zero point included."""
         qmin, qmax = float(self.quant.min_int(self.bit_width)), float(self.quant.max_int(self.bit_width))
-        y = _float32(x) / self.scale
-        y = (y + self.zero_point).round() if self.scale.numel() > 1 else y.round() + self.zero_point
-        return y.clamp(qmin, qmax)
+        return self._codes_(_float32(x) / self.scale).clamp_(qmin, qmax)
 
     def extra_repr(self) -> str:
         if self.scale.numel() > 1:
