@@ -65,30 +65,33 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
     chunked = rechunk(b.calib, args.rechunk)
     result = {"name": name, "metric": b.metric, "fp32": b.torch_accuracy(b.model, ref) if ref is None else 1.0,
               "batches": (len(b.calib), len(chunked)), "rows": {}}
+    default = {}  # the default config's models, exported for the file rows
     for label, config in configs(args.percentiles).items():
         row = {}
         for key, calib in (("given", b.calib), ("rechunked", chunked)):
             q = softq.quantize(b.model, calib, config)
             row[key] = {"acc": b.torch_accuracy(q, ref),
                         "distance": mean_cosine_distance(b.torch_output_rows(q), ref_rows)}
+            if config == softq.QuantConfig():
+                default[key] = q
         result["rows"][label] = row
         print(f"[{name}] {label}: {row}", file=sys.stderr, flush=True)
     if args.ort:
-        result["files"] = file_rows(b, args, chunked, ref, ref_rows)
+        result["files"] = file_rows(b, args, default, chunked, ref, ref_rows)
     return result
 
 
-def file_rows(b: Bench, args: argparse.Namespace, chunked: list[dict], ref: list | None, ref_rows) -> dict:  # noqa: ANN001
-    """ONNX files in onnxruntime: softq's default export and onnxruntime's quantize_static with each calibrator,
-    each calibrated on the given batches and on the cut ones."""
+def file_rows(b: Bench, args: argparse.Namespace, default: dict, chunked: list[dict], ref: list | None,
+              ref_rows) -> dict:  # noqa: ANN001
+    """ONNX files in onnxruntime: softq's default export (``default``: its models calibrated on the given and
+    the cut batches) and onnxruntime's quantize_static with each calibrator on the same batches."""
     pool = {} if b.pooling is None else {"pooling": b.pooling[0], "normalize": b.pooling[1]}
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         fp32 = Path(to_onnx_float(b.model, work / "fp32.onnx", b.example(), overwrite=True, **pool))
         rows["float model (ONNX)"] = {"given": measure(b, fp32, ref, ref_rows)}
-        for key, calib in (("given", b.calib), ("rechunked", chunked)):
-            q = softq.quantize(b.model, calib, softq.QuantConfig())
+        for key, q in default.items():
             path = Path(to_onnx(q, work / f"softq_{key}.onnx", b.example(), overwrite=True, **pool))
             rows.setdefault("softq default (to_onnx)", {})[key] = measure(b, path, ref, ref_rows)
         for method in args.ort:
@@ -107,6 +110,21 @@ def file_rows(b: Bench, args: argparse.Namespace, chunked: list[dict], ref: list
 
 def measure(b: Bench, path: Path, ref: list | None, ref_rows) -> dict:  # noqa: ANN001
     return {"acc": b.accuracy(path, ref), "distance": mean_cosine_distance(b.output_rows(path), ref_rows)}
+
+
+def table_rows(rows: dict[str, dict]) -> list[str]:
+    """Markdown rows: label, metric and distance calibrated on the given and on the cut batches, the lowest given
+    distance in bold; a row whose calibration raised (onnxruntime's calibrators) shows its message."""
+    best = min(row["given"]["distance"] for row in rows.values() if "distance" in row["given"])
+    lines = []
+    for label, row in rows.items():
+        g, c = row["given"], row["rechunked"]
+        if "error" in g or "error" in c:
+            lines.append(f"| {label} | failed: `{(g.get('error') or c['error'])[:160]}` | | | |")
+            continue
+        d = f"**{g['distance']:.3e}**" if g["distance"] == best else f"{g['distance']:.3e}"
+        lines.append(f"| {label} | {g['acc']:.4f} | {d} | {c['acc']:.4f} | {c['distance']:.3e} |")
+    return lines
 
 
 def write(results: list[dict], args: argparse.Namespace, minutes: float) -> Path:
@@ -136,29 +154,16 @@ def write(results: list[dict], args: argparse.Namespace, minutes: float) -> Path
                   f"| observer | metric, given | distance to float, given | metric, batches of {args.rechunk} | "
                   f"distance, batches of {args.rechunk} |",
                   "|---|---|---|---|---|"]
-        best = min(row["given"]["distance"] for row in r["rows"].values())
-        for label, row in r["rows"].items():
-            g, c = row["given"], row["rechunked"]
-            d = f"**{g['distance']:.3e}**" if g["distance"] == best else f"{g['distance']:.3e}"
-            lines.append(f"| {label} | {g['acc']:.4f} | {d} | {c['acc']:.4f} | {c['distance']:.3e} |")
-        lines.append("")
+        lines += table_rows(r["rows"]) + [""]
         if "files" in r:
             files = {k: v for k, v in r["files"].items() if "rechunked" in v}
-            best = min(row["given"]["distance"] for row in files.values() if "distance" in row["given"])
             fp = r["files"]["float model (ONNX)"]["given"]
             lines += ["ONNX files in onnxruntime (the float file: metric "
                       f"{fp['acc']:.4f}, distance {fp['distance']:.3e} from the torch float model):", "",
                       f"| file | metric, given | distance to float, given | metric, batches of {args.rechunk} | "
                       f"distance, batches of {args.rechunk} |",
                       "|---|---|---|---|---|"]
-            for label, row in files.items():
-                g, c = row["given"], row["rechunked"]
-                if "error" in g or "error" in c:  # onnxruntime's calibrator raised: its message
-                    lines.append(f"| {label} | failed: `{(g.get('error') or c['error'])[:160]}` | | | |")
-                    continue
-                d = f"**{g['distance']:.3e}**" if g["distance"] == best else f"{g['distance']:.3e}"
-                lines.append(f"| {label} | {g['acc']:.4f} | {d} | {c['acc']:.4f} | {c['distance']:.3e} |")
-            lines.append("")
+            lines += table_rows(files) + [""]
     path = ROOT / args.output
     write_atomic(path, "\n".join(lines))
     return path
