@@ -24,6 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_quant_options(q)
     q.add_argument("--output", type=Path, help="save the quantized model to this directory")
     q.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    q.add_argument("--float-weights", action="store_true",
+                   help="save the float weights instead of int8 codes (about 4x larger): what ranking the loaded "
+                        "model's weight sensitivity or fine-tuning it further needs")
     q.add_argument("--no-eval", action="store_true", help="skip the float/quantized evaluation")
     q.set_defaults(handler=_quantize)
 
@@ -193,7 +196,8 @@ def _quantize(args: argparse.Namespace) -> int:
         from softq.quant.io import save
 
         written = save(qmodel, args.output, overwrite=args.overwrite,
-                       sidecars_from=task.source.path if task.source is not None else None)
+                       sidecars_from=task.source.path if task.source is not None else None,
+                       weights="float" if args.float_weights else "codes")
         print(f"  saved to {written}")
     return 0
 

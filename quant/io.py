@@ -5,12 +5,19 @@ Layout of a saved model::
     config.json          the Hugging Face model config (architecture, softq attention choice)
     quant_config.json    the QuantConfig, plus per-layer bias-correction metadata and a SHA-256 digest of
                          itself and config.json (a directory edited after saving is refused at load)
-    model.pt             the full state dict of the quantized model (weights after SmoothQuant,
-                         Brevitas weight quantizers, activation scales, zero points, betas)
+    model.pt             the state dict of the quantized model: every quantized weight (Linear, embedding table,
+                         conv and position weights) as its integer codes (int8, key ``<name>:codes``) and float32
+                         scales (``<name>:scale``) (``weights="codes"``, the default: about a quarter of the float
+                         size), or as the float weights after SmoothQuant (``weights="float"``); activation scales,
+                         zero points, betas
 
 Loading rebuilds the float architecture from the config, inserts the same
 quantization points with :func:`softq.quant.quantize.prepare` and loads the state
-dict; no calibration data is needed.
+dict; no calibration data is needed.  A weight stored as codes loads as ``codes * scale``, a float weight that
+quantizes to the same codes and scale (checked for each weight when saving; one that would not is saved float): the
+loaded model computes what the saved one did, bit for bit, but its float weights are the quantized ones, so
+switching weight quantization off
+(:func:`softq.quant.sensitivity.sensitivity`) has nothing to show; save with ``weights="float"`` for that.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -30,14 +39,29 @@ from softq._files import atomic_directory, error_line
 from softq.attention import configure_from_config
 from softq.quant.config import BIAS_CORRECTION_GRANULARITIES, DEFAULT_PERCENTILE, EMBEDDING_MIN_ROWS, QuantConfig
 from softq.quant.quantize import is_quantized, prepare, set_mode
-from softq.quant.quantizers import ActQuantizer, BiasShift, QLinear, SoftmaxOutputQuantizer
+from softq.quant.quantizers import (
+    ActQuantizer,
+    BiasShift,
+    QEmbedding,
+    QLinear,
+    SoftmaxOutputQuantizer,
+    WeightOnly,
+    weight_codes,
+    weight_scale32,
+)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: weights as codes (quant_config.json "weights"); 1: float weights, still written with "float"
+WEIGHT_FORMATS = ("codes", "float")
+CODES, SCALE = ":codes", ":scale"  # suffixes of a coded weight's two tensors in model.pt
 
 
 def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
-         sidecars_from: str | os.PathLike | None = None) -> Path:
+         sidecars_from: str | os.PathLike | None = None, weights: str = "codes") -> Path:
     """Write ``qmodel`` (from :func:`softq.quantize`) to the directory ``path``, atomically.
+
+    ``weights``: ``"codes"`` (default) stores each quantized weight as int8 codes and one float per scale slice,
+    about a quarter of the float file, and loads bit-exact; ``"float"`` stores the float weights, what a
+    sensitivity ranking or further fine-tuning of the loaded model needs.
 
     ``sidecars_from``: a Hugging Face model directory whose tokenizer and
     sentence-transformers files (pooling, normalisation) are copied along, so the
@@ -49,6 +73,8 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
 
     if not is_quantized(qmodel):
         raise ValueError("softq.quant.save expects a model returned by softq.quantize")
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMATS))}, got {weights!r}")
     sentence = qmodel if is_sentence_transformer(qmodel) else None  # its model, tokenizer and pooling files
     if sentence is not None:
         qmodel = sentence[0].auto_model
@@ -61,14 +87,22 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
         probs = {name: {"granularity": m.granularity, "causal_rows": m.causal_rows}
                  for name, m in qmodel.named_modules() if isinstance(m, SoftmaxOutputQuantizer)}
         config = qmodel.softq_quant_config
-        meta = {"format": FORMAT_VERSION, "quant_config": dataclasses.asdict(config), "softmax_outputs": probs,
+        state = qmodel.state_dict()
+        coded = _encode_weights(qmodel, state) if weights == "codes" else {}
+        meta = {"format": FORMAT_VERSION if coded else 1, "quant_config": dataclasses.asdict(config),
+                "softmax_outputs": probs,
                 "softmax_input_resolved": config.resolved_softmax_input}  # what "auto" meant when written
+        if coded:
+            meta["coded_weights"] = coded
+        meta["dtype"] = str(_weights_dtype(qmodel.parameters())).removeprefix("torch.")
+        if getattr(qmodel, "softq_weights_quantized", False):  # loaded from codes: its float weights are the codes'
+            meta["weights_quantized"] = True
         init = _init_kwargs(qmodel)
         if init:
             meta["init_kwargs"] = init
         meta["digest"] = _digest(meta, json.loads((tmp / "config.json").read_text(encoding="utf-8")))
         (tmp / "quant_config.json").write_text(json.dumps(meta, indent=2))
-        torch.save(qmodel.state_dict(), tmp / "model.pt")
+        torch.save(state, tmp / "model.pt")
         if sidecars_from is not None:
             from softq.hf import copy_sidecars
 
@@ -76,6 +110,79 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
         if sentence is not None:
             write_sentence_files(sentence, tmp)
     return target
+
+
+def _weights_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    """The floating dtype most of ``tensors`` have (float32 if none is floating)."""
+    counts = Counter(t.dtype for t in tensors if t.is_floating_point())
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def _coded_weights(model: nn.Module) -> dict[str, tuple[int, int | None]]:
+    """State-dict key -> (bits, axis) of every weight the model computes with as :func:`weight_codes`: quantized
+    Linears (per output channel or tensor), embedding tables (per row), weight-only parametrizations (conv
+    weights, position tables)."""
+    found: dict[str, tuple[int, int | None]] = {}
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, QLinear) and not m.weight_quant.disable_quant:
+            found[prefix + "weight"] = (m.weight_bits, 0 if m.per_channel else None)
+        elif isinstance(m, QEmbedding) and not m.weight_quant.disable_quant:
+            found[prefix + "weight"] = (m.bits, 0)
+        for pname, plist in getattr(m, "parametrizations", {}).items():
+            if len(plist) == 1 and isinstance(plist[0], WeightOnly) and plist[0].enabled:
+                found[f"{prefix}parametrizations.{pname}.original"] = (plist[0].bits, plist[0].axis)
+    return found
+
+
+def _decode_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight of int8 ``codes`` and their float32 ``scale`` (:func:`weight_scale32`): one whose
+    :func:`weight_codes` are the same codes and scale (each slice's max |w| comes back as its max code times the
+    scale, which can round to a neighbouring float, but divided by the max code it gives the same scale: what
+    :func:`_encode_weights` checks per weight)."""
+    return (codes.float() * scale).to(dtype)
+
+
+def _encode_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Replace in ``state`` each quantized weight by its int8 codes and float32 scales where the decoded weight
+    gives the same codes and scales (checked per weight; one that would not stays float), in place; returns the
+    coded keys with their dtypes."""
+    coded = {}
+    for key, (bits, axis) in _coded_weights(model).items():
+        w = state.get(key)
+        if w is None or not w.is_floating_point() or bits > 8:
+            continue
+        codes, scale = weight_codes(w, bits, axis)
+        small, scale32 = codes.to(torch.int8), weight_scale32(w, bits, axis)
+        again, scale_again = weight_codes(_decode_weight(small, scale32, w.dtype), bits, axis)
+        if not (torch.equal(again, codes) and torch.equal(scale_again, scale)):
+            continue
+        del state[key]
+        state[key + CODES], state[key + SCALE] = small.cpu(), scale32.cpu()
+        coded[key] = str(w.dtype).removeprefix("torch.")
+    return coded
+
+
+def _decode_weights(model: nn.Module, state: dict[str, torch.Tensor], coded: object, source: Path) -> None:
+    """Put back in ``state`` the float weights of the coded keys (from quant_config.json), in place."""
+    expected = _coded_weights(model)
+    if not isinstance(coded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in coded.items()):
+        raise ValueError(f"{source / 'quant_config.json'} is not a softq quantization record (malformed coded_weights)")
+    for key, dtype_name in coded.items():
+        if key not in expected:
+            raise ValueError(f"{source / 'quant_config.json'} lists coded weights for {key!r}, which the model does "
+                             "not quantize")
+        dtype = getattr(torch, dtype_name, None)
+        if key + CODES not in state and key + SCALE not in state:
+            continue  # another model's state: _check_state names what is missing
+        codes, scale = state.pop(key + CODES, None), state.pop(key + SCALE, None)
+        if not isinstance(dtype, torch.dtype) or codes is None or scale is None or codes.dtype != torch.int8:
+            raise ValueError(f"{source / 'model.pt'} does not hold the codes of {key} that quant_config.json lists")
+        bits, axis = expected[key]
+        if scale.shape != weight_scale32(codes, bits, axis).shape:
+            raise ValueError(f"{source / 'model.pt'}: the codes of {key} ({tuple(codes.shape)}) and their scales "
+                             f"({tuple(scale.shape)}) do not fit together")
+        state[key] = _decode_weight(codes, scale, dtype)
 
 
 def _digest(meta: dict, hf_config: object) -> str:
@@ -118,8 +225,9 @@ def load(path: str | os.PathLike) -> nn.Module:
         raise ValueError(f"{source / 'quant_config.json'} is not valid JSON ({err})") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{source / 'quant_config.json'} is not a softq quantization record")
-    if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{source}: unsupported softq format {meta.get('format')!r} (expected {FORMAT_VERSION})")
+    if meta.get("format") not in (1, FORMAT_VERSION):
+        raise ValueError(f"{source}: unsupported softq format {meta.get('format')!r} (this softq reads 1 to "
+                         f"{FORMAT_VERSION})")
     raw = meta.get("quant_config")
     if not isinstance(raw, dict) or not isinstance(meta.get("softmax_outputs", {}), dict):
         raise ValueError(f"{source / 'quant_config.json'} is not a softq quantization record (no 'quant_config')")
@@ -176,17 +284,23 @@ def load(path: str | os.PathLike) -> nn.Module:
     if model_class is None:
         raise ValueError(f"{source}/config.json names no known Hugging Face architecture ({arch!r})")
     try:
-        model = model_class(hf_config, **init_kwargs).eval()
-    except TypeError as err:
-        raise ValueError(f"{source / 'quant_config.json'}: init_kwargs do not fit {arch} ({err})") from None
-    configure_from_config(model)
-    prepare(model, config)
-    try:
         state = torch.load(source / "model.pt", map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - truncated, not a torch file, or unpicklable: all one answer
         raise ValueError(f"{source / 'model.pt'} cannot be read (truncated or not saved by softq: {error_line(err)})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{source / 'model.pt'} is not a state dict saved by softq")
+    # the precision the model was quantized in: a float16 / bfloat16 model rebuilt in float32 computed something
+    # else (its quantizers' buffers were built in float32 and the weights cast to them); files from before the
+    # record: the weights' own dtype
+    dtype = getattr(torch, str(meta.get("dtype", "")), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        dtype = _weights_dtype(v for k, v in state.items() if k.endswith((".weight", ".original")))
+    try:
+        model = model_class(hf_config, **init_kwargs).to(dtype).eval()
+    except TypeError as err:
+        raise ValueError(f"{source / 'quant_config.json'}: init_kwargs do not fit {arch} ({err})") from None
+    configure_from_config(model)
+    prepare(model, config)
     modules = dict(model.named_modules())
     for name, module in modules.items():  # per-group activation points keep vector scales
         for buffer in ("scale", "zero_point"):
@@ -209,8 +323,11 @@ def load(path: str | os.PathLike) -> nn.Module:
                 setattr(quantizer, buffer, torch.zeros_like(state[f"{name}.{buffer}"]))
         quantizer.granularity = info["granularity"]
         quantizer.causal_rows = info["causal_rows"]
+    if meta.get("coded_weights"):
+        _decode_weights(model, state, meta["coded_weights"], source)
     _check_state(model, state, source)
     model.load_state_dict(state, strict=True)
+    model.softq_weights_quantized = bool(meta.get("coded_weights") or meta.get("weights_quantized"))
     for m in model.modules():
         if hasattr(m, "observer"):
             m.observer = None

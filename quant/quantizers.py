@@ -571,13 +571,18 @@ def weight_codes(weight: torch.Tensor, bits: int, axis: int | None) -> tuple[tor
     w = weight.detach()
     dtype = w.dtype
     w = _float32(w)
-    if axis is None:
-        absmax = w.abs().max()
-    else:
-        absmax = w.abs().amax(dim=tuple(d for d in range(w.dim()) if d != axis % w.dim()), keepdim=True)
+    scale = weight_scale32(w, bits, axis)
     qmax = 2 ** (bits - 1) - 1
-    scale = absmax.clamp_min(WEIGHT_SCALE_MIN) / qmax
     return torch.clamp(torch.round(w / scale), -qmax, qmax).to(dtype), scale.to(dtype)
+
+
+def weight_scale32(weight: torch.Tensor, bits: int, axis: int | None) -> torch.Tensor:
+    """:func:`weight_codes`' scale in float32 (before it is cast to a float16 / bfloat16 weight's dtype), the codes'
+    divisor: ``max(max|w|, 1e-10) / (2^(b-1) - 1)`` per slice along ``axis``, dimensions kept."""
+    w = _float32(weight.detach()).abs()
+    absmax = w.max() if axis is None else w.amax(dim=tuple(d for d in range(w.dim()) if d != axis % w.dim()),
+                                                  keepdim=True)
+    return absmax.clamp_min(WEIGHT_SCALE_MIN) / (2 ** (bits - 1) - 1)
 
 
 def dequantized_weight(weight: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:

@@ -77,6 +77,10 @@ def sensitivity(qmodel: nn.Module, metric: Callable[[nn.Module], float]) -> list
     ``metric`` is evaluated once with everything float (the reference, first row,
     named "none (float)") and once per part.
     """
+    if getattr(qmodel, "softq_weights_quantized", False):
+        raise ValueError("this model was loaded from weight codes (softq.quant.save's default): its float weights "
+                         "are the quantized ones, so a ranking would show no weight error; rank the model "
+                         "softq.quantize returned, or one saved with softq.quant.save(..., weights='float')")
     parts = quant_parts(qmodel)
     everything = set().union(*parts.values())
     results = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -24,6 +25,10 @@ def test_quantize_cli_evaluates_and_saves(tmp_path, capsys) -> None:
     assert re.search(r"input smoothing: (none|alpha [0-9.]+)( at the inputs that fold into a LayerNorm)? \(auto: "
                      r".*none [0-9.e-]+, alpha 0\.6 .*at LayerNorm-folded inputs only", text), text
     assert (out / "model.pt").is_file()
+    assert json.loads((out / "quant_config.json").read_text())["coded_weights"]  # int8 codes by default
+    assert main(["quantize", "vit", "--size", "tiny", "--output", str(tmp_path / "f"), "--no-eval",
+                 "--float-weights"]) == 0
+    assert "coded_weights" not in json.loads((tmp_path / "f" / "quant_config.json").read_text())
     # an existing output is not overwritten without --overwrite, and the failure is a clear message
     assert main(["quantize", "vit", "--size", "tiny", "--output", str(out), "--no-eval"]) == 1
     assert "already exists; pass --overwrite" in capsys.readouterr().err

@@ -124,6 +124,119 @@ def test_save_and_load_round_trip(family: str, tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # no temp or backup left behind
 
 
+def _floats(family: str, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tiny_inputs(family, seed=seed).items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family, config", [
+    ("gpt2", softq.QuantConfig()),  # per-channel Linears, both embedding tables (64 and 128 rows)
+    ("vit", softq.QuantConfig(weight_bits=4, weight_per_channel=False)),  # one scale per Linear; conv, positions
+])
+def test_saved_weights_are_int8_codes_and_load_bit_exact(family, config, dtype, tmp_path) -> None:
+    import copy
+    import json
+
+    from softq.quant.quantizers import QEmbedding, QLinear, weight_codes
+
+    calib = [_floats(family, s, dtype) for s in range(2)]
+    q = softq.quantize(tiny_model(family).to(dtype), calib, config)
+    io.save(q, tmp_path / "codes")
+    io.save(q, tmp_path / "float", weights="float")
+    meta = json.loads((tmp_path / "codes" / "quant_config.json").read_text())
+    quantized = io._coded_weights(q)
+    assert meta["format"] == 2 and set(meta["coded_weights"]) == set(quantized)  # every quantized weight, as codes
+    assert any(k.endswith(".original") for k in quantized) == (family == "vit")  # conv / position parametrizations
+    state = torch.load(tmp_path / "codes" / "model.pt", weights_only=True)
+    assert not set(quantized) & set(state)
+    assert all(state[k + io.CODES].dtype == torch.int8 for k in quantized)
+    assert (tmp_path / "codes" / "model.pt").stat().st_size < (tmp_path / "float" / "model.pt").stat().st_size
+    x = _floats(family, 8, dtype)
+    with torch.no_grad():
+        reference = q(**x).logits
+    for fmt in ("codes", "float"):
+        loaded = io.load(tmp_path / fmt)
+        assert next(loaded.parameters()).dtype == dtype  # a half model came back as float32, computing otherwise
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(**x).logits, reference, rtol=0, atol=0)
+        assert loaded.softq_weights_quantized == (fmt == "codes")
+    loaded_state = loaded.state_dict()  # the float-format model; the codes one's quantizers, Brevitas' and softq's:
+    coded = io.load(tmp_path / "codes")
+    modules = dict(coded.named_modules())
+    for key, (bits, axis) in quantized.items():
+        w = dict(coded.named_parameters())[key]
+        for mine, theirs in zip(weight_codes(w, bits, axis), weight_codes(loaded_state[key], bits, axis)):
+            assert torch.equal(mine, theirs), key
+        module = modules[key.rsplit(".", 1)[0]]
+        if isinstance(module, (QLinear, QEmbedding)):  # Brevitas' codes, in float32 as the ONNX export takes them
+            mine, twin = (copy.deepcopy(m).float() for m in (module, dict(q.named_modules())[key.rsplit(".", 1)[0]]))
+            assert torch.equal(mine.int_weight(), twin.int_weight()), key
+            assert torch.equal(mine.weight_scale(), twin.weight_scale()), key
+    # a file from before the dtype was recorded: the weights' dtype
+    meta_path = tmp_path / "float" / "quant_config.json"
+    old = json.loads(meta_path.read_text())
+    del old["dtype"], old["digest"]
+    meta_path.write_text(json.dumps(old))
+    with torch.no_grad():
+        torch.testing.assert_close(io.load(tmp_path / "float")(**x).logits, reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits, axis", [(8, 0), (4, None), (8, 1)])
+def test_decoded_weights_quantize_to_the_saved_codes(dtype, bits, axis) -> None:
+    """What load rebuilds from int8 codes and float32 scales gives back the same codes and scales (the float32 scale:
+    the bfloat16 one a bfloat16 weight's dtype holds moves some codes by a step)."""
+    from softq.quant.quantizers import weight_codes, weight_scale32
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(4000, 64, generator=g) * torch.rand(4000, 1, generator=g) * 3).to(dtype)
+    w[5] = 0  # an all-zero row (a padding token's embedding)
+    codes, scale = weight_codes(w, bits, axis)
+    again = weight_codes(io._decode_weight(codes.to(torch.int8), weight_scale32(w, bits, axis), dtype), bits, axis)
+    assert torch.equal(again[0], codes) and torch.equal(again[1], scale)
+
+
+def test_a_weight_whose_codes_would_not_come_back_is_saved_float(tmp_path, monkeypatch) -> None:
+    q = softq.quantize(tiny_model("gpt2"), [tiny_inputs("gpt2", seed=s) for s in range(2)],
+                       softq.QuantConfig(input_smoothing=None))
+    decode = io._decode_weight
+    off = q.transformer.h[1].mlp.c_proj.weight  # its decoded weight a step off in one row
+    monkeypatch.setattr(io, "_decode_weight", lambda codes, scale, dtype: decode(codes, scale, dtype) + (
+        torch.nn.functional.pad(scale.expand(-1, 1), (0, codes.shape[1] - 1)) if codes.shape == off.shape else 0))
+    io.save(q, tmp_path / "q")
+    monkeypatch.undo()
+    state = torch.load(tmp_path / "q" / "model.pt", weights_only=True)
+    shaped = [k for k, (_, _) in io._coded_weights(q).items() if q.get_parameter(k).shape == off.shape]
+    assert shaped and all(k in state and k + io.CODES not in state for k in shaped)  # float, as before
+    assert any(k + io.CODES in state for k in io._coded_weights(q))
+    x = tiny_inputs("gpt2", seed=8)
+    with torch.no_grad():
+        torch.testing.assert_close(io.load(tmp_path / "q")(**x).logits, q(**x).logits, rtol=0, atol=0)
+
+
+def test_sensitivity_refuses_a_model_loaded_from_codes(tmp_path) -> None:
+    calib = [tiny_inputs("bert", seed=s) for s in range(2)]
+    q = softq.quantize(tiny_model("bert"), calib, softq.QuantConfig(input_smoothing=None))
+    x = tiny_inputs("bert", seed=8)
+
+    def metric(m) -> float:  # noqa: ANN001
+        with torch.no_grad():
+            return float((m(**x).logits - q(**x).logits).abs().max())
+
+    io.save(q, tmp_path / "codes")
+    coded = io.load(tmp_path / "codes")
+    with pytest.raises(ValueError, match="loaded from weight codes .* weights='float'"):
+        sensitivity.sensitivity(coded, metric)
+    io.save(coded, tmp_path / "again", weights="float")  # float weights that are the codes': still flagged
+    assert io.load(tmp_path / "again").softq_weights_quantized
+    io.save(q, tmp_path / "float", weights="float")
+    rows = dict(sensitivity.sensitivity(io.load(tmp_path / "float"), metric))
+    assert rows["kind: linear weights"] > 0 and rows["all (W8A8)"] == 0
+    with pytest.raises(ValueError, match="weights must be one of 'codes', 'float', got 'int8'"):
+        io.save(q, tmp_path / "bad", weights="int8")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_hugging_face_save_and_pickling_refused_with_what_works(tmp_path) -> None:
     # save_pretrained wrote the float weights plus the quantizers' tensors, which from_pretrained called ignorable
     # and dropped: a float model back without an error; torch.save failed inside Brevitas' injector classes
@@ -265,6 +378,11 @@ def test_load_names_the_damaged_file(tmp_path) -> None:
         change(meta)
         (d / "quant_config.json").write_text(json.dumps(meta))
 
+    def resave(d: Path, change) -> None:  # noqa: ANN001 - model.pt changed in place
+        state = torch.load(d / "model.pt", weights_only=True)
+        change(state)
+        torch.save(state, d / "model.pt")
+
     def option(d: Path) -> None:  # loaded, it would re-quantize model.pt's float weights as symmetric
         edit(d, lambda meta: meta["quant_config"].update(act_symmetric=True))
 
@@ -286,6 +404,19 @@ def test_load_names_the_damaged_file(tmp_path) -> None:
         ("init_kwargs_list", old_and_malformed("init_kwargs", [1]), r"malformed init_kwargs"),
         ("bad_record", old_and_malformed("softmax_outputs", {"transformer.h.0.attn.softq.probs": {"causal_rows": True}}),
          "malformed softmax_outputs"),
+        ("newer", lambda d: edit(d, lambda meta: meta.update(format=3)), r"unsupported softq format 3 \(this softq "
+         "reads 1 to 2"),
+        ("codes_list", old_and_malformed("coded_weights", ["transformer.h.0.mlp.c_fc.weight"]),
+         "malformed coded_weights"),
+        ("codes_of_float", old_and_malformed("coded_weights", {"transformer.ln_f.weight": "float32"}),
+         "lists coded weights for 'transformer.ln_f.weight', which the model does not quantize"),
+        ("codes_without_scales", lambda d: resave(d, lambda state: state.pop("lm_head.weight" + io.SCALE)),
+         "does not hold the codes of lm_head.weight that quant_config.json lists"),
+        ("codes_as_floats", lambda d: resave(d, lambda state: state.update(
+            {"lm_head.weight" + io.CODES: state["lm_head.weight" + io.CODES].float()})), "does not hold the codes"),
+        ("scales_of_another_shape", lambda d: resave(d, lambda state: state.update(
+            {"lm_head.weight" + io.SCALE: state["lm_head.weight" + io.SCALE][:3]})),
+         r"the codes of lm_head.weight \(\(64, 32\)\) and their scales \(\(3, 1\)\) do not fit together"),
     ]
     for name, change, message in cases:
         with pytest.raises(ValueError, match=message) as err:
