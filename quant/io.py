@@ -7,8 +7,8 @@ Layout of a saved model::
                          itself and config.json (a directory edited after saving is refused at load)
     model.pt             the state dict of the quantized model: every quantized weight (Linear, embedding table,
                          conv and position weights) as its integer codes (int8, key ``<name>:codes``) and float32
-                         scales (``<name>:scale``) (``weights="codes"``, the default: about a quarter of the float
-                         size), or as the float weights after SmoothQuant (``weights="float"``); activation scales,
+                         scales (``<name>:scale``) (``weights="codes"``, the default: a quarter to a third of the
+                         float size, docs/results/save.md), or as the float weights after SmoothQuant (``weights="float"``); activation scales,
                          zero points, betas
 
 Loading rebuilds the float architecture from the config, inserts the same
@@ -46,8 +46,7 @@ from softq.quant.quantizers import (
     QLinear,
     SoftmaxOutputQuantizer,
     WeightOnly,
-    weight_codes,
-    weight_scale32,
+    weight_codes32,
 )
 
 FORMAT_VERSION = 2  # 2: weights as codes (quant_config.json "weights"); 1: float weights, still written with "float"
@@ -60,7 +59,7 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
     """Write ``qmodel`` (from :func:`softq.quantize`) to the directory ``path``, atomically.
 
     ``weights``: ``"codes"`` (default) stores each quantized weight as int8 codes and one float per scale slice,
-    about a quarter of the float file, and loads bit-exact; ``"float"`` stores the float weights, what a
+    a quarter to a third of the float file, and loads bit-exact; ``"float"`` stores the float weights, what a
     sensitivity ranking or further fine-tuning of the loaded model needs.
 
     ``sidecars_from``: a Hugging Face model directory whose tokenizer and
@@ -136,7 +135,7 @@ def _coded_weights(model: nn.Module) -> dict[str, tuple[int, int | None]]:
 
 
 def _decode_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The float weight of int8 ``codes`` and their float32 ``scale`` (:func:`weight_scale32`): one whose
+    """The float weight of int8 ``codes`` and their float32 ``scale`` (:func:`weight_codes32`): one whose
     :func:`weight_codes` are the same codes and scale (each slice's max |w| comes back as its max code times the
     scale, which can round to a neighbouring float, but divided by the max code it gives the same scale: what
     :func:`_encode_weights` checks per weight)."""
@@ -152,13 +151,13 @@ def _encode_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[st
         w = state.get(key)
         if w is None or not w.is_floating_point() or bits > 8:
             continue
-        codes, scale = weight_codes(w, bits, axis)
-        small, scale32 = codes.to(torch.int8), weight_scale32(w, bits, axis)
-        again, scale_again = weight_codes(_decode_weight(small, scale32, w.dtype), bits, axis)
+        codes, scale = weight_codes32(w, bits, axis)
+        small = codes.to(torch.int8)
+        again, scale_again = weight_codes32(_decode_weight(small, scale, w.dtype), bits, axis)
         if not (torch.equal(again, codes) and torch.equal(scale_again, scale)):
             continue
         del state[key]
-        state[key + CODES], state[key + SCALE] = small.cpu(), scale32.cpu()
+        state[key + CODES], state[key + SCALE] = small.cpu(), scale.cpu()
         coded[key] = str(w.dtype).removeprefix("torch.")
     return coded
 
@@ -173,13 +172,19 @@ def _decode_weights(model: nn.Module, state: dict[str, torch.Tensor], coded: obj
             raise ValueError(f"{source / 'quant_config.json'} lists coded weights for {key!r}, which the model does "
                              "not quantize")
         dtype = getattr(torch, dtype_name, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"{source / 'quant_config.json'}: coded weight {key} has dtype {dtype_name!r}, not a "
+                             "floating-point one")
         if key + CODES not in state and key + SCALE not in state:
             continue  # another model's state: _check_state names what is missing
+        if key in state:
+            raise ValueError(f"{source / 'model.pt'} holds both float weights and codes for {key}")
         codes, scale = state.pop(key + CODES, None), state.pop(key + SCALE, None)
-        if not isinstance(dtype, torch.dtype) or codes is None or scale is None or codes.dtype != torch.int8:
+        if codes is None or scale is None or codes.dtype != torch.int8:
             raise ValueError(f"{source / 'model.pt'} does not hold the codes of {key} that quant_config.json lists")
         bits, axis = expected[key]
-        if scale.shape != weight_scale32(codes, bits, axis).shape:
+        shape = () if axis is None else tuple(n if d == axis % codes.dim() else 1 for d, n in enumerate(codes.shape))
+        if scale.shape != shape:
             raise ValueError(f"{source / 'model.pt'}: the codes of {key} ({tuple(codes.shape)}) and their scales "
                              f"({tuple(scale.shape)}) do not fit together")
         state[key] = _decode_weight(codes, scale, dtype)
@@ -327,6 +332,7 @@ def load(path: str | os.PathLike) -> nn.Module:
         _decode_weights(model, state, meta["coded_weights"], source)
     _check_state(model, state, source)
     model.load_state_dict(state, strict=True)
+    # sensitivity refuses such a model: its float weights are its codes' (still set after a fine-tune moved them)
     model.softq_weights_quantized = bool(meta.get("coded_weights") or meta.get("weights_quantized"))
     for m in model.modules():
         if hasattr(m, "observer"):

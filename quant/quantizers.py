@@ -568,21 +568,19 @@ def weight_codes(weight: torch.Tensor, bits: int, axis: int | None) -> tuple[tor
     clamped to +-(2^(b-1) - 1); the scale keeps dimensions so that ``codes * scale`` broadcasts.  Computed in
     float32 for float16 / bfloat16 weights and returned in their dtype: the 1e-10 floor is 0 in float16, and an
     all-zero row (a padding token's embedding) gave 0 / 0 codes, NaN embeddings."""
-    w = weight.detach()
-    dtype = w.dtype
-    w = _float32(w)
-    scale = weight_scale32(w, bits, axis)
+    codes, scale = weight_codes32(weight, bits, axis)
+    return codes.to(weight.dtype), scale.to(weight.dtype)
+
+
+def weight_codes32(weight: torch.Tensor, bits: int, axis: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`weight_codes` in float32, before the cast to a float16 / bfloat16 weight's dtype (the scale the codes
+    were divided by)."""
+    w = _float32(weight.detach())
+    absmax = w.abs().max() if axis is None else w.abs().amax(
+        dim=tuple(d for d in range(w.dim()) if d != axis % w.dim()), keepdim=True)
     qmax = 2 ** (bits - 1) - 1
-    return torch.clamp(torch.round(w / scale), -qmax, qmax).to(dtype), scale.to(dtype)
-
-
-def weight_scale32(weight: torch.Tensor, bits: int, axis: int | None) -> torch.Tensor:
-    """:func:`weight_codes`' scale in float32 (before it is cast to a float16 / bfloat16 weight's dtype), the codes'
-    divisor: ``max(max|w|, 1e-10) / (2^(b-1) - 1)`` per slice along ``axis``, dimensions kept."""
-    w = _float32(weight.detach()).abs()
-    absmax = w.max() if axis is None else w.amax(dim=tuple(d for d in range(w.dim()) if d != axis % w.dim()),
-                                                  keepdim=True)
-    return absmax.clamp_min(WEIGHT_SCALE_MIN) / (2 ** (bits - 1) - 1)
+    scale = absmax.clamp_min(WEIGHT_SCALE_MIN) / qmax
+    return torch.clamp(torch.round(w / scale), -qmax, qmax), scale
 
 
 def dequantized_weight(weight: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:

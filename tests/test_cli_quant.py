@@ -29,6 +29,8 @@ def test_quantize_cli_evaluates_and_saves(tmp_path, capsys) -> None:
     assert main(["quantize", "vit", "--size", "tiny", "--output", str(tmp_path / "f"), "--no-eval",
                  "--float-weights"]) == 0
     assert "coded_weights" not in json.loads((tmp_path / "f" / "quant_config.json").read_text())
+    assert main(["quantize", "vit", "--size", "tiny", "--no-eval", "--float-weights"]) == 1  # says how --output saves
+    assert "--float-weights says how --output saves the model: pass --output DIR too" in capsys.readouterr().err
     # an existing output is not overwritten without --overwrite, and the failure is a clear message
     assert main(["quantize", "vit", "--size", "tiny", "--output", str(out), "--no-eval"]) == 1
     assert "already exists; pass --overwrite" in capsys.readouterr().err

@@ -146,7 +146,12 @@ def test_saved_weights_are_int8_codes_and_load_bit_exact(family, config, dtype, 
     meta = json.loads((tmp_path / "codes" / "quant_config.json").read_text())
     quantized = io._coded_weights(q)
     assert meta["format"] == 2 and set(meta["coded_weights"]) == set(quantized)  # every quantized weight, as codes
-    assert any(k.endswith(".original") for k in quantized) == (family == "vit")  # conv / position parametrizations
+    # which are: the quantized Linears' and tables' weights, the conv's and the position table's parametrizations
+    assert set(quantized) == {f"{n}.weight" for n, m in q.named_modules() if isinstance(m, (QLinear, QEmbedding))} | {
+        n for n, _ in q.named_parameters()
+        if n.endswith((".parametrizations.weight.original", ".parametrizations.position_embeddings.original"))}
+    assert sum(k.endswith(".original") for k in quantized) == (2 if family == "vit" else 0)
+    assert len(quantized) == {"gpt2": 11, "vit": 15}[family]
     state = torch.load(tmp_path / "codes" / "model.pt", weights_only=True)
     assert not set(quantized) & set(state)
     assert all(state[k + io.CODES].dtype == torch.int8 for k in quantized)
@@ -186,13 +191,13 @@ def test_saved_weights_are_int8_codes_and_load_bit_exact(family, config, dtype, 
 def test_decoded_weights_quantize_to_the_saved_codes(dtype, bits, axis) -> None:
     """What load rebuilds from int8 codes and float32 scales gives back the same codes and scales (the float32 scale:
     the bfloat16 one a bfloat16 weight's dtype holds moves some codes by a step)."""
-    from softq.quant.quantizers import weight_codes, weight_scale32
+    from softq.quant.quantizers import weight_codes, weight_codes32
 
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(4000, 64, generator=g) * torch.rand(4000, 1, generator=g) * 3).to(dtype)
     w[5] = 0  # an all-zero row (a padding token's embedding)
     codes, scale = weight_codes(w, bits, axis)
-    again = weight_codes(io._decode_weight(codes.to(torch.int8), weight_scale32(w, bits, axis), dtype), bits, axis)
+    again = weight_codes(io._decode_weight(codes.to(torch.int8), weight_codes32(w, bits, axis)[1], dtype), bits, axis)
     assert torch.equal(again[0], codes) and torch.equal(again[1], scale)
 
 
@@ -412,6 +417,10 @@ def test_load_names_the_damaged_file(tmp_path) -> None:
          "lists coded weights for 'transformer.ln_f.weight', which the model does not quantize"),
         ("codes_without_scales", lambda d: resave(d, lambda state: state.pop("lm_head.weight" + io.SCALE)),
          "does not hold the codes of lm_head.weight that quant_config.json lists"),
+        ("codes_as_ints", old_and_malformed("coded_weights", {"lm_head.weight": "int8"}),
+         "coded weight lm_head.weight has dtype 'int8', not a floating-point one"),
+        ("codes_and_floats", lambda d: resave(d, lambda state: state.update({"lm_head.weight": torch.zeros(64, 32)})),
+         "model.pt holds both float weights and codes for lm_head.weight"),
         ("codes_as_floats", lambda d: resave(d, lambda state: state.update(
             {"lm_head.weight" + io.CODES: state["lm_head.weight" + io.CODES].float()})), "does not hold the codes"),
         ("scales_of_another_shape", lambda d: resave(d, lambda state: state.update(
