@@ -6,10 +6,10 @@ Layout of a saved model::
     quant_config.json    the QuantConfig, plus per-layer bias-correction metadata and a SHA-256 digest of
                          itself and config.json (a directory edited after saving is refused at load)
     model.pt             the state dict of the quantized model: every quantized weight (Linear, embedding table,
-                         conv and position weights) as its integer codes (int8, key ``<name>:codes``) and float32
-                         scales (``<name>:scale``) (``weights="codes"``, the default: a quarter to a third of the
-                         float size, docs/results/save.md), or as the float weights after SmoothQuant (``weights="float"``); activation scales,
-                         zero points, betas
+                         conv and position weights) as its integer codes (``<name>:codes``, int8; int16 above 8
+                         bits, but not in a float16 / bfloat16 model) and float32 scales (``<name>:scale``) with ``weights="codes"``, the default (a quarter
+                         to a third of the float size, docs/results/save.md), or as the float weights after
+                         SmoothQuant with ``weights="float"``; activation scales, zero points, betas
 
 Loading rebuilds the float architecture from the config, inserts the same
 quantization points with :func:`softq.quant.quantize.prepare` and loads the state
@@ -49,7 +49,7 @@ from softq.quant.quantizers import (
     weight_codes32,
 )
 
-FORMAT_VERSION = 2  # 2: weights as codes (quant_config.json "weights"); 1: float weights, still written with "float"
+FORMAT_VERSION = 2  # 2: weights as codes (quant_config.json "coded_weights"); 1: float weights (weights="float")
 WEIGHT_FORMATS = ("codes", "float")
 CODES, SCALE = ":codes", ":scale"  # suffixes of a coded weight's two tensors in model.pt
 
@@ -134,6 +134,11 @@ def _coded_weights(model: nn.Module) -> dict[str, tuple[int, int | None]]:
     return found
 
 
+def _code_dtype(bits: int) -> torch.dtype:
+    """The integer type a weight's codes are stored in: int8 up to 8 bits, int16 above (``weight_bits`` up to 16)."""
+    return torch.int8 if bits <= 8 else torch.int16
+
+
 def _decode_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The float weight of int8 ``codes`` and their float32 ``scale`` (:func:`weight_codes32`): one whose
     :func:`weight_codes` are the same codes and scale (each slice's max |w| comes back as its max code times the
@@ -149,10 +154,10 @@ def _encode_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[st
     coded = {}
     for key, (bits, axis) in _coded_weights(model).items():
         w = state.get(key)
-        if w is None or not w.is_floating_point() or bits > 8:
-            continue
+        if w is None or not w.is_floating_point() or _code_dtype(bits).itemsize >= w.element_size():
+            continue  # not a weight, or codes no smaller than it (above 8 bits in float16 / bfloat16)
         codes, scale = weight_codes32(w, bits, axis)
-        small = codes.to(torch.int8)
+        small = codes.to(_code_dtype(bits))
         again, scale_again = weight_codes32(_decode_weight(small, scale, w.dtype), bits, axis)
         if not (torch.equal(again, codes) and torch.equal(scale_again, scale)):
             continue
@@ -180,9 +185,16 @@ def _decode_weights(model: nn.Module, state: dict[str, torch.Tensor], coded: obj
         if key in state:
             raise ValueError(f"{source / 'model.pt'} holds both float weights and codes for {key}")
         codes, scale = state.pop(key + CODES, None), state.pop(key + SCALE, None)
-        if codes is None or scale is None or codes.dtype != torch.int8:
-            raise ValueError(f"{source / 'model.pt'} does not hold the codes of {key} that quant_config.json lists")
         bits, axis = expected[key]
+        if codes is None or scale is None or codes.dtype != _code_dtype(bits):
+            raise ValueError(f"{source / 'model.pt'} does not hold the codes of {key} that quant_config.json lists")
+        qmax = 2 ** (bits - 1) - 1
+        reach = int(codes.to(torch.int32).abs().max()) if codes.numel() else 0  # |-128| is -128 in int8
+        if reach > qmax:
+            raise ValueError(f"{source / 'model.pt'}: the codes of {key} reach {reach}, outside the {bits}-bit range "
+                             f"+-{qmax}")
+        if not scale.is_floating_point() or not bool(torch.isfinite(scale).all() and (scale > 0).all()):
+            raise ValueError(f"{source / 'model.pt'}: the scales of {key} are not all positive finite floats")
         shape = () if axis is None else tuple(n if d == axis % codes.dim() else 1 for d, n in enumerate(codes.shape))
         if scale.shape != shape:
             raise ValueError(f"{source / 'model.pt'}: the codes of {key} ({tuple(codes.shape)}) and their scales "
@@ -236,6 +248,8 @@ def load(path: str | os.PathLike) -> nn.Module:
     raw = meta.get("quant_config")
     if not isinstance(raw, dict) or not isinstance(meta.get("softmax_outputs", {}), dict):
         raise ValueError(f"{source / 'quant_config.json'} is not a softq quantization record (no 'quant_config')")
+    if "digest" not in meta and meta.get("format") != 1:  # the digest is older than format 2: an edited file
+        raise ValueError(f"{source / 'quant_config.json'} has no digest: it was changed after softq saved it")
     if "digest" in meta:  # directories saved before the digest existed load as they are
         try:
             hf_raw = json.loads((source / "config.json").read_text(encoding="utf-8"))

@@ -132,6 +132,7 @@ def _floats(family: str, seed: int, dtype: torch.dtype) -> dict[str, torch.Tenso
 @pytest.mark.parametrize("family, config", [
     ("gpt2", softq.QuantConfig()),  # per-channel Linears, both embedding tables (64 and 128 rows)
     ("vit", softq.QuantConfig(weight_bits=4, weight_per_channel=False)),  # one scale per Linear; conv, positions
+    ("bert", softq.QuantConfig(weight_bits=12, embedding_bits=4)),  # int16 codes for the Linears, int8 for tables
 ])
 def test_saved_weights_are_int8_codes_and_load_bit_exact(family, config, dtype, tmp_path) -> None:
     import copy
@@ -145,16 +146,18 @@ def test_saved_weights_are_int8_codes_and_load_bit_exact(family, config, dtype, 
     io.save(q, tmp_path / "float", weights="float")
     meta = json.loads((tmp_path / "codes" / "quant_config.json").read_text())
     quantized = io._coded_weights(q)
-    assert meta["format"] == 2 and set(meta["coded_weights"]) == set(quantized)  # every quantized weight, as codes
+    smaller = {k for k, (bits, _) in quantized.items() if (2 if bits > 8 else 1) < dtype.itemsize}
+    assert meta["format"] == 2 and set(meta["coded_weights"]) == smaller  # every quantized weight codes shrink
     # which are: the quantized Linears' and tables' weights, the conv's and the position table's parametrizations
     assert set(quantized) == {f"{n}.weight" for n, m in q.named_modules() if isinstance(m, (QLinear, QEmbedding))} | {
         n for n, _ in q.named_parameters()
         if n.endswith((".parametrizations.weight.original", ".parametrizations.position_embeddings.original"))}
     assert sum(k.endswith(".original") for k in quantized) == (2 if family == "vit" else 0)
-    assert len(quantized) == {"gpt2": 11, "vit": 15}[family]
+    assert len(quantized) == {"gpt2": 11, "vit": 15, "bert": 16}[family]
     state = torch.load(tmp_path / "codes" / "model.pt", weights_only=True)
-    assert not set(quantized) & set(state)
-    assert all(state[k + io.CODES].dtype == torch.int8 for k in quantized)
+    assert not smaller & set(state) and set(quantized) - smaller <= set(state)
+    assert all(state[k + io.CODES].dtype == (torch.int16 if bits > 8 else torch.int8)
+               for k, (bits, _) in quantized.items() if k in smaller)
     assert (tmp_path / "codes" / "model.pt").stat().st_size < (tmp_path / "float" / "model.pt").stat().st_size
     x = _floats(family, 8, dtype)
     with torch.no_grad():
@@ -299,7 +302,7 @@ def test_row_codes_round_trip_and_older_files_load_as_edge(tmp_path) -> None:
     # file saved before softmax_output existed has
     q = softq.quantize(tiny_model("gpt2"), calib, softq.QuantConfig(softmax_bits=4, softmax_output="row_exact",
                                                                     quantize_residual=True, softmax_input="row"))
-    io.save(q, tmp_path / "q")
+    io.save(q, tmp_path / "q", weights="float")  # format 1, as older files
     loaded = io.load(tmp_path / "q")
     x = tiny_inputs("gpt2", seed=8)
     with torch.no_grad():
@@ -330,7 +333,7 @@ def test_float_softmax_files_with_settings_now_refused_still_load(tmp_path, save
 
     calib = [tiny_inputs("bert", seed=s) for s in range(2)]
     q = softq.quantize(tiny_model("bert"), calib, softq.QuantConfig(softmax_bits=None))
-    io.save(q, tmp_path / "q")
+    io.save(q, tmp_path / "q", weights="float")  # format 1, as older files
     meta_path = tmp_path / "q" / "quant_config.json"
     meta = json.loads(meta_path.read_text())
     for key, value in {**saved, "smoothing_into_v": True, "input_smoothing": None, "percentile": 90.0}.items():
@@ -362,6 +365,7 @@ def test_load_names_the_damaged_file(tmp_path) -> None:
     q = softq.quantize(tiny_model("gpt2"), [tiny_inputs("gpt2", seed=s) for s in range(2)],
                        softq.QuantConfig(input_smoothing=None))
     io.save(q, tmp_path / "good")
+    io.save(q, tmp_path / "good1", weights="float")  # format 1, as every directory saved before 2026-12-05
 
     def damaged(name: str, change) -> Path:  # noqa: ANN001 - a copy of the saved model with one file changed
         target = tmp_path / name
@@ -375,7 +379,12 @@ def test_load_names_the_damaged_file(tmp_path) -> None:
 
     def config(d: Path) -> None:  # another width: the weights no longer fit (a directory saved before the digest)
         cfg = json.loads((d / "config.json").read_text())
+        older(d)
         (d / "config.json").write_text(json.dumps({**cfg, "n_embd": 64}))
+
+    def older(d: Path) -> None:  # the float-weights file (format 1) without its digest: as saved before the digest
+        shutil.rmtree(d)
+        shutil.copytree(tmp_path / "good1", d)
         edit(d, lambda meta: meta.pop("digest"))
 
     def edit(d: Path, change) -> None:  # noqa: ANN001 - quant_config.json changed in place
@@ -392,7 +401,13 @@ def test_load_names_the_damaged_file(tmp_path) -> None:
         edit(d, lambda meta: meta["quant_config"].update(act_symmetric=True))
 
     def old_and_malformed(key: str, value: object):  # noqa: ANN202 - no digest (an older file), a bad record
-        return lambda d: edit(d, lambda meta: (meta.pop("digest"), meta.update({key: value})))
+        return lambda d: (older(d), edit(d, lambda meta: meta.update({key: value})))
+
+    def resigned(key: str, value: object):  # noqa: ANN202 - a bad record under a digest that fits it
+        def change(d: Path) -> None:
+            hf_config = json.loads((d / "config.json").read_text())
+            edit(d, lambda meta: (meta.update({key: value}), meta.update(digest=io._digest(meta, hf_config))))
+        return change
 
     cases = [
         ("truncated", truncate, r"model.pt cannot be read \(truncated or not saved by softq"),
@@ -411,18 +426,27 @@ def test_load_names_the_damaged_file(tmp_path) -> None:
          "malformed softmax_outputs"),
         ("newer", lambda d: edit(d, lambda meta: meta.update(format=3)), r"unsupported softq format 3 \(this softq "
          "reads 1 to 2"),
-        ("codes_list", old_and_malformed("coded_weights", ["transformer.h.0.mlp.c_fc.weight"]),
+        ("codes_list", resigned("coded_weights", ["transformer.h.0.mlp.c_fc.weight"]),
          "malformed coded_weights"),
-        ("codes_of_float", old_and_malformed("coded_weights", {"transformer.ln_f.weight": "float32"}),
+        ("codes_of_float", resigned("coded_weights", {"transformer.ln_f.weight": "float32"}),
          "lists coded weights for 'transformer.ln_f.weight', which the model does not quantize"),
         ("codes_without_scales", lambda d: resave(d, lambda state: state.pop("lm_head.weight" + io.SCALE)),
          "does not hold the codes of lm_head.weight that quant_config.json lists"),
-        ("codes_as_ints", old_and_malformed("coded_weights", {"lm_head.weight": "int8"}),
+        ("codes_as_ints", resigned("coded_weights", {"lm_head.weight": "int8"}),
          "coded weight lm_head.weight has dtype 'int8', not a floating-point one"),
         ("codes_and_floats", lambda d: resave(d, lambda state: state.update({"lm_head.weight": torch.zeros(64, 32)})),
          "model.pt holds both float weights and codes for lm_head.weight"),
         ("codes_as_floats", lambda d: resave(d, lambda state: state.update(
             {"lm_head.weight" + io.CODES: state["lm_head.weight" + io.CODES].float()})), "does not hold the codes"),
+        ("no_digest", lambda d: edit(d, lambda meta: meta.pop("digest")), "quant_config.json has no digest: it was "
+         "changed after softq saved it"),
+        ("codes_out_of_range", lambda d: resave(d, lambda state: state[f"lm_head.weight{io.CODES}"].__setitem__(
+            (0, 0), -128)), "the codes of lm_head.weight reach 128, outside the 8-bit range"),
+        ("scales_nan", lambda d: resave(d, lambda state: state[f"lm_head.weight{io.SCALE}"].__setitem__(
+            (1, 0), float("nan"))), "the scales of lm_head.weight are not all positive finite floats"),
+        ("scales_as_ints", lambda d: resave(d, lambda state: state.update(
+            {f"lm_head.weight{io.SCALE}": state[f"lm_head.weight{io.SCALE}"].to(torch.int8)})), "not all positive "
+         "finite floats"),
         ("scales_of_another_shape", lambda d: resave(d, lambda state: state.update(
             {"lm_head.weight" + io.SCALE: state["lm_head.weight" + io.SCALE][:3]})),
          r"the codes of lm_head.weight \(\(64, 32\)\) and their scales \(\(3, 1\)\) do not fit together"),

@@ -166,7 +166,7 @@ def test_save_load_and_older_files_load_with_their_grid(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(**x).logits, q(**x).logits, rtol=0, atol=0)
     q = softq.quantize(tiny_model("vit"), calib, softq.QuantConfig(softmax_input="row"))
-    io.save(q, tmp_path / "q")
+    io.save(q, tmp_path / "q", weights="float")  # format 1, as older files
     meta_path = tmp_path / "q" / "quant_config.json"
     meta = json.loads(meta_path.read_text())
     meta["quant_config"]["softmax_input"] = "auto"  # a file from before "auto" meant float scores
