@@ -69,12 +69,16 @@ class _Graph:
     def __init__(self, model: onnx.ModelProto, prefix: str) -> None:
         self.graph = model.graph
         self.prefix = prefix
-        self.consts: dict[str, np.ndarray] = {i.name: numpy_helper.to_array(i) for i in self.graph.initializer}
+        # constants as tensors, converted to arrays when a pass reads them: converting every weight for each of
+        # the passes took about as much memory as the file per pass (never returned to the system: each held the
+        # process's peak higher on large models)
+        self._tensors: dict[str, onnx.TensorProto] = {i.name: i for i in self.graph.initializer}
+        self.consts: dict[str, np.ndarray] = {}
         self.producer: dict[str, onnx.NodeProto] = {}
         self.readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
         for node in self.graph.node:
             if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
-                self.consts[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+                self._tensors[node.output[0]] = node.attribute[0].t
             for o in node.output:
                 self.producer[o] = node
             for i in node.input:
@@ -84,6 +88,8 @@ class _Graph:
         self.count = 0
 
     def const(self, name: str) -> np.ndarray | None:
+        if name not in self.consts and name in self._tensors:
+            self.consts[name] = numpy_helper.to_array(self._tensors[name])
         return self.consts.get(name)
 
     def made_by(self, name: str, op: str) -> onnx.NodeProto | None:

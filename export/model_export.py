@@ -68,6 +68,7 @@ from softq.export.int_softmax import (OUT_SCALE, SoftmaxQuant, _Builder, build_r
 from softq.export.row_attention import ROW_FORMS, RowQuant, build_row_attention
 from softq.models import has_cross_attention, image_size, is_causal, is_headless, max_tokens, output_fields
 from softq.quant.config import FLOAT_INPUT_OUTPUTS
+from softq.quant.quantizers import weight_codes
 
 TORCH_OPSET = 18
 MARKER_DOMAIN = "softq"
@@ -166,12 +167,15 @@ class _GroupQDQFn(torch.autograd.Function):
 
 
 class _WeightDQFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, w, key: int):  # noqa: ANN001
-        return w
+    """A Linear's weight ``[in, out]``: in torch ``codes * scale`` made per call from its int8 codes (a float copy
+    of every weight held through the export was most of its memory), in ONNX the int8 codes' DequantizeLinear."""
 
     @staticmethod
-    def symbolic(g, w, key: int):  # noqa: ANN001
+    def forward(ctx, codes, scale, key: int):  # noqa: ANN001
+        return codes.float() * scale
+
+    @staticmethod
+    def symbolic(g, codes_in, scale_in, key: int):  # noqa: ANN001
         codes, scale, zp, axis = _STATE.weights[key]
         args = [g.op("Constant", value_t=torch.from_numpy(codes)),
                 g.op("Constant", value_t=torch.from_numpy(scale)),
@@ -270,13 +274,14 @@ class _ExportAct(nn.Module):
 class _ExportLinear(nn.Module):
     def __init__(self, layer: nn.Module, key: int, storage: str) -> None:
         super().__init__()
-        codes = layer.int_weight().to(torch.int64)
+        # the codes inference computes with (QLinear.dequantized_weight; Brevitas' int_weight() bit for bit, with
+        # a few weight-sized temporaries fewer)
+        codes, scale = weight_codes(layer.weight, layer.weight_bits, 0 if layer.per_channel else None)
         if codes.abs().max() > 127:
             raise ExportError(f"weights of {type(layer).__name__} do not fit int8 (weight_bits > 8 is not exportable)")
-        scale = layer.weight_scale().to(torch.float32)
-        codes_t = codes.t().contiguous().to(torch.int8).numpy()  # [in, out]: MatMul(x, W^T) with axis=1
-        scale_np = scale.numpy().reshape(-1) if scale.numel() > 1 else scale.reshape(()).numpy()
-        self.register_buffer("w_deq", torch.from_numpy(codes_t).float() * torch.from_numpy(scale_np).float())
+        self.register_buffer("codes", codes.t().to(torch.int8).contiguous())  # [in, out]: MatMul(x, W^T), axis=1
+        self.register_buffer("scale", scale.reshape(-1 if scale.numel() > 1 else ()).to(torch.float32))
+        codes_t, scale_np = self.codes.numpy(), self.scale.numpy()
         zp = np.zeros(scale_np.shape, np.int8)
         if storage == "uint8":  # same symmetric grid, stored shifted by 128 (see to_onnx)
             codes_t = (codes_t.astype(np.int16) + 128).astype(np.uint8)
@@ -291,7 +296,7 @@ class _ExportLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale.numel():  # input smoothing: one Mul, merged for Linear layers sharing the input
             x = x * self.input_scale
-        y = torch.matmul(self.input_act(x), _WeightDQFn.apply(self.w_deq, self.key))
+        y = torch.matmul(self.input_act(x), _WeightDQFn.apply(self.codes, self.scale, self.key))
         return y if self.bias is None else y + self.bias
 
 
@@ -306,9 +311,11 @@ class _ExportEmbedding(nn.Module):
 
     def __init__(self, emb: nn.Embedding, key: int) -> None:
         super().__init__()
-        if hasattr(emb, "int_weight"):
-            codes = emb.int_weight().to(torch.int8)
-            scale = emb.weight_scale().to(torch.float32)
+        if hasattr(emb, "int_weight"):  # a QEmbedding: the codes its inference computes with
+            codes, scale = weight_codes(emb.weight, emb.bits, 0)
+            if codes.abs().max() > 127:
+                raise ExportError(f"embedding codes of {emb.bits} bits do not fit int8")
+            codes, scale = codes.to(torch.int8), scale.reshape(-1).to(torch.float32)
         else:
             w = emb.weight.detach().to(torch.float32)
             scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
@@ -316,10 +323,11 @@ class _ExportEmbedding(nn.Module):
         _STATE.weights[key] = (codes.numpy(), scale.numpy().astype(np.float32), np.zeros(scale.shape, np.int8), 0)
         self.key = key
         self.padding_idx = emb.padding_idx
-        self.register_buffer("w_deq", codes.float() * scale[:, None])
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _EmbeddingLookupFn.apply(ids, self.w_deq, self.key)
+        return _EmbeddingLookupFn.apply(ids, self.codes, self.scale, self.key)
 
 
 class _EmbeddingLookupFn(torch.autograd.Function):
@@ -332,11 +340,11 @@ class _EmbeddingLookupFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, ids, w_deq, key: int):  # noqa: ANN001
-        return nn.functional.embedding(ids, w_deq)
+    def forward(ctx, ids, codes, scale, key: int):  # noqa: ANN001
+        return nn.functional.embedding(ids, codes).float() * nn.functional.embedding(ids, scale[:, None])
 
     @staticmethod
-    def symbolic(g, ids, w_deq, key: int):  # noqa: ANN001
+    def symbolic(g, ids, codes_in, scale_in, key: int):  # noqa: ANN001
         codes, scale, _, _ = _STATE.weights[key]
         rows = g.op("Gather", g.op("Constant", value_t=torch.from_numpy(codes)), ids, axis_i=0)
         scales = g.op("Gather", g.op("Constant", value_t=torch.from_numpy(scale.reshape(-1, 1))), ids, axis_i=0)
@@ -506,9 +514,14 @@ def _float32(model: nn.Module) -> nn.Module:
 def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
                  embeddings: str | None = None) -> tuple[nn.Module, dict[int, dict[str, Any]]]:
     from softq.attention import attention_points
-    from softq.quant.quantizers import QLinear
+    from softq.quant.quantizers import QEmbedding, QLinear
+    from softq.softmax import HALF_DTYPES
 
-    model = _float32(copy.deepcopy(qmodel).eval())
+    # the copy shares the quantized weights, which it only reads (into int8 codes) before replacing their layers: a
+    # copy of each was a float copy of the model more; not in a float16 / bfloat16 model, whose copy is made float32
+    shared = {} if any(t.dtype in HALF_DTYPES for t in (*qmodel.parameters(), *qmodel.buffers())) else {
+        id(m.weight): m.weight for m in qmodel.modules() if isinstance(m, (QLinear, QEmbedding))}
+    model = _float32(copy.deepcopy(qmodel, shared).eval())
     layers: dict[int, dict[str, Any]] = {}
     for key, (name, points) in enumerate(attention_points(model)):
         layers[key] = info = _softmax_params(name, points, key)
@@ -530,7 +543,7 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
     counter = iter(range(10**9))
     _replace_children(model, lambda m: isinstance(m, QLinear), lambda m: _ExportLinear(m, next(counter), weight_storage))
     _replace_children(model, _is_act_quantizer, lambda m: _ExportAct(m, next(counter)))
-    from softq.quant.quantizers import QEmbedding, WeightOnly
+    from softq.quant.quantizers import WeightOnly
 
     if embeddings == "float":
         _replace_children(model, lambda m: isinstance(m, QEmbedding), _FloatEmbedding)
@@ -1056,7 +1069,7 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
             "file); 'int' and 'qdq' mask exactly", UserWarning, stacklevel=2,
         )
     shapes = _run_once(wrapper, feeds, "the quantized model")
-    onnx_model = _trace(wrapper, feeds, names, outputs, shapes)
+    onnx_model = onnx_utils.constants_to_initializers(_trace(wrapper, feeds, names, outputs, shapes))
     onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
     onnx_model, _ = onnx_utils.dedupe(onnx_utils.prune(onnx_model))
     fuse.fuse(onnx_model, linears=linears != "qdq", dynamic=linears == "dynamic")  # fewer nodes around the integer linears (export/fuse.py)

@@ -8,6 +8,7 @@ moved into place with ``os.replace``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections import Counter
@@ -188,6 +189,32 @@ def optimized_op_types(model: onnx.ModelProto, optimization: str, workdir: str |
     return [n.op_type for n in onnx.load(str(out)).graph.node]
 
 
+LARGE_CONSTANT = 1024  # elements: Constant nodes above this become initializers (constants_to_initializers)
+
+
+def constants_to_initializers(model: onnx.ModelProto, min_elements: int = LARGE_CONSTANT) -> onnx.ModelProto:
+    """Move the tensors of large ``Constant`` nodes (the exporter's int8 weights) into initializers of the same
+    name, in place.  The graph's passes rebuild the node list (``del graph.node[:]; extend``), and protobuf copies
+    each node it extends with: with the weights in nodes every pass copied the whole model, and the memory of the
+    copies stayed with the process (an export took about 15 times its file's size)."""
+    graph = model.graph
+    kept: list[onnx.NodeProto] = []
+    moved: list[onnx.TensorProto] = []
+    for node in graph.node:
+        value = node.attribute[0].t if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(
+            node.attribute) == 1 and node.attribute[0].name == "value" else None
+        if value is not None and np.prod(value.dims, dtype=np.int64) > min_elements:
+            value.name = node.output[0]
+            moved.append(value)
+        else:
+            kept.append(node)
+    if moved:
+        graph.initializer.extend(moved)
+        del graph.node[:]
+        graph.node.extend(kept)
+    return model
+
+
 def prune(model: onnx.ModelProto) -> onnx.ModelProto:
     """Remove nodes and initializers nothing downstream of the graph outputs uses."""
     graph = model.graph
@@ -200,10 +227,17 @@ def prune(model: onnx.ModelProto) -> onnx.ModelProto:
     kept.reverse()
     del graph.node[:]
     graph.node.extend(kept)
-    inits = [i for i in graph.initializer if i.name in needed]
-    del graph.initializer[:]
-    graph.initializer.extend(inits)
+    _drop_initializers(graph, {i.name for i in graph.initializer if i.name not in needed})
     return model
+
+
+def _drop_initializers(graph: onnx.GraphProto, names: set[str]) -> None:
+    """Delete the initializers named ``names`` in place (not by rebuilding the list: protobuf copies each tensor
+    it extends a list with, and a model's weights are most of its memory)."""
+    if names:
+        for index in reversed(range(len(graph.initializer))):
+            if graph.initializer[index].name in names:
+                del graph.initializer[index]
 
 
 def drop_identity_casts(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -256,25 +290,21 @@ def dedupe(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     rename: dict[str, str] = {}
     inputs = {i.name for i in graph.input}
     first: dict[bytes, str] = {}
-    inits: list[onnx.TensorProto] = []
     for init in graph.initializer:  # equal initializers (each layer's copy of the same constant) -> one
         # int8 tensors stay apart: onnxruntime's u8u8 conversion (session.x64quantprecision) rewrites
         # each weight zero point per node and fails on a shared one
         if init.name in inputs or init.data_location == onnx.TensorProto.EXTERNAL or init.data_type == onnx.TensorProto.INT8:
-            inits.append(init)
             continue
         key_init = onnx.TensorProto()
         key_init.CopyFrom(init)
         key_init.ClearField("name")
         key_init.ClearField("doc_string")
-        key = key_init.SerializeToString(deterministic=True)
+        key = hashlib.sha256(key_init.SerializeToString(deterministic=True)).digest()  # not a copy of each tensor
         if key in first:
             rename[init.name] = first[key]
         else:
             first[key] = init.name
-            inits.append(init)
-    del graph.initializer[:]
-    graph.initializer.extend(inits)
+    _drop_initializers(graph, set(rename))
     seen: dict[bytes, onnx.NodeProto] = {}
     kept: list[onnx.NodeProto] = []
     removed = 0

@@ -514,7 +514,10 @@ class _NotPickled:
     def __deepcopy__(self, memo: dict) -> nn.Module:
         replica = type(self).__new__(type(self))
         memo[id(self)] = replica
-        replica.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
+        # not the dequantized-weight cache (_DequantizedCache): keyed by the original weight's storage, a copy's
+        # never matches it, and it was a float copy of every weight more in each copy (quantize's trials, export)
+        state = {k: v for k, v in self.__getstate__().items() if k != "_cache"}
+        replica.__dict__.update(copy.deepcopy(state, memo))
         return replica
 
     def __copy__(self) -> nn.Module:  # copy.copy goes through __reduce_ex__ too: a shallow copy, as nn.Module's

@@ -575,6 +575,7 @@ def test_int8_embeddings_by_default(quantized):
     small = build_onnx(qmodel, tiny_inputs("gpt2"), "int")
     plain = build_onnx(qmodel, tiny_inputs("gpt2"), "int", embeddings="float")
     consts = {n.output[0]: n.attribute[0].t for n in small.graph.node if n.op_type == "Constant"}
+    consts.update({i.name: i for i in small.graph.initializer})
     # int8 rows gathered, then scaled: the table itself is never dequantized as a whole
     tables = [n for n in small.graph.node if n.op_type == "Gather" and n.input[0] in consts
               and consts[n.input[0]].data_type == onnx.TensorProto.INT8]
