@@ -49,10 +49,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import io
+import tempfile
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -95,6 +96,14 @@ class _ExportState:
     weights: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, int]] = field(default_factory=dict)
     acts: dict[int, tuple[np.ndarray, np.ndarray, bool]] = field(default_factory=dict)
     softmax: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # int8 codes and float32 scales of the Linears and tables, for their torch forward; out of the modules' buffers:
+    # tracing put every buffer a traced op reads into the graph, the codes twice with the symbolic's constants
+    codes: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        """Drop one export's tensors (they held a copy of the model's codes until the next export)."""
+        for table in (self.weights, self.acts, self.softmax, self.codes):
+            table.clear()
 
 
 _STATE = _ExportState()
@@ -171,11 +180,12 @@ class _WeightDQFn(torch.autograd.Function):
     of every weight held through the export was most of its memory), in ONNX the int8 codes' DequantizeLinear."""
 
     @staticmethod
-    def forward(ctx, codes, scale, key: int):  # noqa: ANN001
+    def forward(ctx, anchor, key: int):  # noqa: ANN001 - anchor: a small tensor the traced node reads
+        codes, scale = _STATE.codes[key]
         return codes.float() * scale
 
     @staticmethod
-    def symbolic(g, codes_in, scale_in, key: int):  # noqa: ANN001
+    def symbolic(g, anchor, key: int):  # noqa: ANN001
         codes, scale, zp, axis = _STATE.weights[key]
         args = [g.op("Constant", value_t=torch.from_numpy(codes)),
                 g.op("Constant", value_t=torch.from_numpy(scale)),
@@ -279,9 +289,10 @@ class _ExportLinear(nn.Module):
         codes, scale = weight_codes(layer.weight, layer.weight_bits, 0 if layer.per_channel else None)
         if codes.abs().max() > 127:
             raise ExportError(f"weights of {type(layer).__name__} do not fit int8 (weight_bits > 8 is not exportable)")
-        self.register_buffer("codes", codes.t().to(torch.int8).contiguous())  # [in, out]: MatMul(x, W^T), axis=1
+        codes = codes.t().to(torch.int8).contiguous()  # [in, out]: MatMul(x, W^T), axis=1
         self.register_buffer("scale", scale.reshape(-1 if scale.numel() > 1 else ()).to(torch.float32))
-        codes_t, scale_np = self.codes.numpy(), self.scale.numpy()
+        _STATE.codes[key] = (codes, self.scale)
+        codes_t, scale_np = codes.numpy(), self.scale.numpy()
         zp = np.zeros(scale_np.shape, np.int8)
         if storage == "uint8":  # same symmetric grid, stored shifted by 128 (see to_onnx)
             codes_t = (codes_t.astype(np.int16) + 128).astype(np.uint8)
@@ -296,7 +307,7 @@ class _ExportLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale.numel():  # input smoothing: one Mul, merged for Linear layers sharing the input
             x = x * self.input_scale
-        y = torch.matmul(self.input_act(x), _WeightDQFn.apply(self.codes, self.scale, self.key))
+        y = torch.matmul(self.input_act(x), _WeightDQFn.apply(self.scale, self.key))
         return y if self.bias is None else y + self.bias
 
 
@@ -323,11 +334,10 @@ class _ExportEmbedding(nn.Module):
         _STATE.weights[key] = (codes.numpy(), scale.numpy().astype(np.float32), np.zeros(scale.shape, np.int8), 0)
         self.key = key
         self.padding_idx = emb.padding_idx
-        self.register_buffer("codes", codes)
-        self.register_buffer("scale", scale)
+        _STATE.codes[key] = (codes, scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _EmbeddingLookupFn.apply(ids, self.codes, self.scale, self.key)
+        return _EmbeddingLookupFn.apply(ids, self.key)
 
 
 class _EmbeddingLookupFn(torch.autograd.Function):
@@ -340,11 +350,12 @@ class _EmbeddingLookupFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, ids, codes, scale, key: int):  # noqa: ANN001
+    def forward(ctx, ids, key: int):  # noqa: ANN001
+        codes, scale = _STATE.codes[key]
         return nn.functional.embedding(ids, codes).float() * nn.functional.embedding(ids, scale[:, None])
 
     @staticmethod
-    def symbolic(g, ids, codes_in, scale_in, key: int):  # noqa: ANN001
+    def symbolic(g, ids, key: int):  # noqa: ANN001
         codes, scale, _, _ = _STATE.weights[key]
         rows = g.op("Gather", g.op("Constant", value_t=torch.from_numpy(codes)), ids, axis_i=0)
         scales = g.op("Gather", g.op("Constant", value_t=torch.from_numpy(scale.reshape(-1, 1))), ids, axis_i=0)
@@ -700,12 +711,14 @@ def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str],
     dynamic = {n: {0: "batch", 1: "seq"} for n in names} if text else {"pixel_values": {0: "batch"}}
     for o, shape in zip(outputs, shapes):
         dynamic[o] = {0: "batch", 1: "seq"} if text and len(shape) >= 3 else {0: "batch"}
-    buf = io.BytesIO()
-    with warnings.catch_warnings(), torch.no_grad():
+    # to a file, read back: torch's size estimate counts the int8 weights of Constant nodes twice, and past 2 GiB
+    # (a 1.3B-parameter model's 1.4 GB of codes) it writes them as external data, which needs a file path
+    with warnings.catch_warnings(), torch.no_grad(), tempfile.TemporaryDirectory(prefix="softq-trace-") as tmp:
         warnings.simplefilter("ignore")
+        traced = Path(tmp) / "traced.onnx"
         try:
             torch.onnx.export(
-                wrapper, tuple(feeds[n] for n in names), buf, dynamo=False, opset_version=TORCH_OPSET,
+                wrapper, tuple(feeds[n] for n in names), str(traced), dynamo=False, opset_version=TORCH_OPSET,
                 input_names=names, output_names=outputs, dynamic_axes=dynamic,
                 custom_opsets={MARKER_DOMAIN: 1}, do_constant_folding=True,
             )
@@ -714,13 +727,10 @@ def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str],
         except RuntimeError as err:
             if "2GiB limit imposed by the protobuf" not in str(err):
                 raise
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                        for t in wrapper.state_dict().values()}  # tied weights once
-            raise ExportError(f"the traced graph is over protobuf's 2 GiB limit for one ONNX file: the model holds "
-                              f"{sum(storages.values()) / 1e9:.1f} GB of weights, traced as float32 (a quantized "
-                              "model's int8 codes are written after tracing), and softq does not write ONNX external "
-                              "data yet (models up to about 500M parameters export)") from None
-    model = onnx.load_from_string(buf.getvalue())
+            raise ExportError("the traced graph is over protobuf's 2 GiB limit for one ONNX file: the model's "
+                              "weights (int8 codes where quantized, float elsewhere) do not fit it, and softq does "
+                              "not write ONNX external data yet") from None
+        model = onnx.load(str(traced))  # with any external data
     for value, shape in zip(model.graph.output, shapes):
         dims = value.type.tensor_type.shape.dim
         for axis, dim in enumerate(dims):
@@ -1045,6 +1055,16 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
         raise ExportError(f"linears='dynamic' quantizes Linear inputs to 8 bits per call (DynamicQuantizeLinear); "
                           f"this model's activations have {qmodel.softq_quant_config.act_bits} bits: export it with "
                           "linears='integer' or 'qdq'")
+    try:
+        return _build(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling, normalize,
+                      linears)
+    finally:
+        _STATE.clear()
+
+
+def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_outputs: bool, weight_storage: str,
+           embeddings: str | None, pooling: str | None, normalize: bool, linears: str) -> onnx.ModelProto:
+    """:func:`build_onnx` after its argument checks."""
     model, layers = _export_copy(qmodel, weight_storage, embeddings)
     representations = list(dict.fromkeys(info["representation"] for info in layers.values()))
     softmax = softmax or FORMS_FOR[representations[0]][0]
