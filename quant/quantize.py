@@ -44,7 +44,8 @@ from softq.hf import (is_sentence_transformer, refuse_save_pretrained, sentence_
 from softq.models import conv1d_to_linear, is_causal, model_family
 from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN, AUTO_SMOOTHING_RATIO, AUTO_SMOOTHING_TIE, PREFIX_TOKENS, QuantConfig, softmax_input_span
 from softq.quant.quantizers import (ActQuantizer, BiasShift, QEmbedding, QLinear, RowScoresQuantizer,
-                                    SoftmaxOutputQuantizer, WeightOnly, quantize_weight_only)
+                                    SoftmaxOutputQuantizer, WeightOnly, quantize_weight_only,
+                                    uncached_weights)
 
 
 class QLayerNorm(nn.LayerNorm):
@@ -139,6 +140,15 @@ def quantize(
     """
     if is_sentence_transformer(model):
         return _quantize_sentence_transformer(model, calib_data, config, inplace)
+    # no dequantized-weight caches while calibrating: each model run here (the search's candidates above all) kept
+    # a float copy of its weights; the quantized model makes its cache when it is first run
+    with uncached_weights():
+        return _quantize(model, calib_data, config, inplace)
+
+
+def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str, torch.Tensor]],
+              config: QuantConfig | None, inplace: bool) -> nn.Module:
+    """:func:`quantize` of a Hugging Face model."""
     config = QuantConfig() if config is None else config
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be a softq.QuantConfig, got a {type(config).__name__}")

@@ -527,6 +527,19 @@ class _NotPickled:
 
 
 _optimizer_steps = 0  # steps of any torch optimizer so far: part of the dequantized-weight cache's key
+_caching = True  # False inside uncached_weights()
+
+
+@contextmanager
+def uncached_weights() -> Iterator[None]:
+    """Inference computes each layer's dequantized weight without keeping it (``quantize``'s trial runs: the
+    cache of a candidate is a float copy of the model more, a 1.3B-parameter model's search ran out of 24 GB)."""
+    global _caching
+    before, _caching = _caching, False
+    try:
+        yield
+    finally:
+        _caching = before
 
 
 def _count_optimizer_step(*_args: object) -> None:
@@ -549,7 +562,7 @@ class _DequantizedCache:
     _cache: tuple[tuple[int, int, int], torch.Tensor] | None = None
 
     def _cached_dequantized(self, bits: int, per_channel: bool) -> torch.Tensor:
-        if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        if torch.jit.is_tracing() or torch.compiler.is_compiling() or not _caching:
             return dequantized_weight(self.weight, bits, per_channel)
         key = (self.weight._version, self.weight.data_ptr(), _optimizer_steps)
         if self._cache is None or self._cache[0] != key:
