@@ -96,13 +96,10 @@ class _ExportState:
     weights: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, int]] = field(default_factory=dict)
     acts: dict[int, tuple[np.ndarray, np.ndarray, bool]] = field(default_factory=dict)
     softmax: dict[int, dict[str, Any]] = field(default_factory=dict)
-    # int8 codes and float32 scales of the Linears and tables, for their torch forward; out of the modules' buffers:
-    # tracing put every buffer a traced op reads into the graph, the codes twice with the symbolic's constants
-    codes: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def clear(self) -> None:
         """Drop one export's tensors (they held a copy of the model's codes until the next export)."""
-        for table in (self.weights, self.acts, self.softmax, self.codes):
+        for table in (self.weights, self.acts, self.softmax):
             table.clear()
 
 
@@ -176,23 +173,26 @@ class _GroupQDQFn(torch.autograd.Function):
 
 
 class _WeightDQFn(torch.autograd.Function):
-    """A Linear's weight ``[in, out]``: in torch ``codes * scale`` made per call from its int8 codes (a float copy
-    of every weight held through the export was most of its memory), in ONNX the int8 codes' DequantizeLinear."""
+    """A Linear's weight ``[in, out]`` from its stored codes, scales and zero points (module buffers: the graph's
+    initializers): in torch ``(codes - zero point) * scale`` made per call (a float copy of every weight held
+    through the export was most of its memory), in ONNX their DequantizeLinear.  Not constants made in the
+    symbolic: Constant nodes carried the weights through every graph pass, each of which copied its node list."""
 
     @staticmethod
-    def forward(ctx, anchor, key: int):  # noqa: ANN001 - anchor: a small tensor the traced node reads
-        codes, scale = _STATE.codes[key]
-        return codes.float() * scale
+    def forward(ctx, codes, scale, zp):  # noqa: ANN001
+        return (codes.to(torch.int32) - zp.to(torch.int32)).float() * scale
 
     @staticmethod
-    def symbolic(g, anchor, key: int):  # noqa: ANN001
-        codes, scale, zp, axis = _STATE.weights[key]
-        args = [g.op("Constant", value_t=torch.from_numpy(codes)),
-                g.op("Constant", value_t=torch.from_numpy(scale)),
-                g.op("Constant", value_t=torch.from_numpy(zp))]
-        if scale.ndim == 0:
-            return g.op("DequantizeLinear", *args)
-        return g.op("DequantizeLinear", *args, axis_i=axis)
+    def symbolic(g, codes, scale, zp):  # noqa: ANN001
+        # the zero points as constants of each node: the exporter merges equal initializers, and onnxruntime's u8u8
+        # conversion (session.x64quantprecision) rewrites each weight zero point per node and fails on a shared one
+        sizes = scale.type().sizes()
+        unsigned = codes.type().scalarType() == "Byte"
+        zp = g.op("Constant", value_t=torch.full(sizes, 128 if unsigned else 0,
+                                                  dtype=torch.uint8 if unsigned else torch.int8))
+        if not sizes:  # one scale for the tensor
+            return g.op("DequantizeLinear", codes, scale, zp)
+        return g.op("DequantizeLinear", codes, scale, zp, axis_i=1)
 
 
 class _WeightOnlyFn(torch.autograd.Function):
@@ -290,14 +290,14 @@ class _ExportLinear(nn.Module):
         if codes.abs().max() > 127:
             raise ExportError(f"weights of {type(layer).__name__} do not fit int8 (weight_bits > 8 is not exportable)")
         codes = codes.t().to(torch.int8).contiguous()  # [in, out]: MatMul(x, W^T), axis=1
-        self.register_buffer("scale", scale.reshape(-1 if scale.numel() > 1 else ()).to(torch.float32))
-        _STATE.codes[key] = (codes, self.scale)
-        codes_t, scale_np = codes.numpy(), self.scale.numpy()
-        zp = np.zeros(scale_np.shape, np.int8)
+        scale = scale.reshape(-1 if scale.numel() > 1 else ()).to(torch.float32)
+        zp = torch.zeros(scale.shape, dtype=torch.int8)
         if storage == "uint8":  # same symmetric grid, stored shifted by 128 (see to_onnx)
-            codes_t = (codes_t.astype(np.int16) + 128).astype(np.uint8)
-            zp = np.full(scale_np.shape, 128, np.uint8)
-        _STATE.weights[key] = (codes_t, scale_np.astype(np.float32), zp, 1)
+            codes = (codes.to(torch.int16) + 128).to(torch.uint8)
+            zp = torch.full(scale.shape, 128, dtype=torch.uint8)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zp", zp)
         self.key = key
         bias = layer.effective_bias()  # with the weight bias correction
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -307,7 +307,7 @@ class _ExportLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale.numel():  # input smoothing: one Mul, merged for Linear layers sharing the input
             x = x * self.input_scale
-        y = torch.matmul(self.input_act(x), _WeightDQFn.apply(self.scale, self.key))
+        y = torch.matmul(self.input_act(x), _WeightDQFn.apply(self.codes, self.scale, self.zp))
         return y if self.bias is None else y + self.bias
 
 
@@ -331,13 +331,13 @@ class _ExportEmbedding(nn.Module):
             w = emb.weight.detach().to(torch.float32)
             scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
             codes = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
-        _STATE.weights[key] = (codes.numpy(), scale.numpy().astype(np.float32), np.zeros(scale.shape, np.int8), 0)
         self.key = key
         self.padding_idx = emb.padding_idx
-        _STATE.codes[key] = (codes, scale)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale.reshape(-1, 1).to(torch.float32))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _EmbeddingLookupFn.apply(ids, self.key)
+        return _EmbeddingLookupFn.apply(ids, self.codes, self.scale)
 
 
 class _EmbeddingLookupFn(torch.autograd.Function):
@@ -350,16 +350,13 @@ class _EmbeddingLookupFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, ids, key: int):  # noqa: ANN001
-        codes, scale = _STATE.codes[key]
-        return nn.functional.embedding(ids, codes).float() * nn.functional.embedding(ids, scale[:, None])
+    def forward(ctx, ids, codes, scale):  # noqa: ANN001 - scale: [rows, 1]
+        return nn.functional.embedding(ids, codes).float() * nn.functional.embedding(ids, scale)
 
     @staticmethod
-    def symbolic(g, ids, key: int):  # noqa: ANN001
-        codes, scale, _, _ = _STATE.weights[key]
-        rows = g.op("Gather", g.op("Constant", value_t=torch.from_numpy(codes)), ids, axis_i=0)
-        scales = g.op("Gather", g.op("Constant", value_t=torch.from_numpy(scale.reshape(-1, 1))), ids, axis_i=0)
-        return g.op("Mul", g.op("Cast", rows, to_i=TensorProto.FLOAT), scales)
+    def symbolic(g, ids, codes, scale):  # noqa: ANN001
+        rows = g.op("Gather", codes, ids, axis_i=0)
+        return g.op("Mul", g.op("Cast", rows, to_i=TensorProto.FLOAT), g.op("Gather", scale, ids, axis_i=0))
 
 
 class _FloatEmbedding(nn.Module):
