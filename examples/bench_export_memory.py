@@ -1,7 +1,7 @@
 """Peak memory of an INT8 ONNX export (``softq.export.to_onnx``) next to the size of the file it writes.
 
 Each model runs in a fresh process: quantized with the default ``QuantConfig()`` (the task's calibration data; the
-OPT without input smoothing, whose search ran out of 24 GB in ``quantize`` on it), then the process's peak resident memory is reset (``/proc/self/clear_refs``) and
+OPT without input smoothing, whose search is several calibrations of it), then the process's peak resident memory is reset (``/proc/self/clear_refs``) and
 ``to_onnx`` writes the file; reported are the peak's growth over the memory held before the export (the float
 and quantized models, the libraries), the file's size, and the float model's weights.  ``opt-<N>m``: an OPT of
 random weights from a config (50272-token table; OPT-1.3B's hidden size and layers by default), a size at which the
@@ -65,8 +65,8 @@ def child(name: str, out: str, hidden: int, layers: int) -> None:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     params = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
-    # the OPT without the input-smoothing search: with it, quantize held candidate copies of the 1.3B model (each
-    # float weights and their dequantized cache) and ran out of 24 GB before the export began
+    # the OPT without the input-smoothing search: several calibrations of a 1.3B model (before calibration kept no
+    # dequantized weights, the search ran out of 24 GB on it)
     qmodel = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=None) if name == "opt" else None)
     quantize_s = time.perf_counter() - start
     gc.collect()
@@ -86,7 +86,9 @@ def child(name: str, out: str, hidden: int, layers: int) -> None:
     if "input_ids" in feeds and "attention_mask" not in feeds:
         feeds["attention_mask"] = np.ones_like(feeds["input_ids"])
     got = runner(out)(feeds)[0]
-    with torch.no_grad():
+    from softq.quant.quantizers import uncached_weights
+
+    with torch.no_grad(), uncached_weights():  # the float copy of the weights a first run caches: not needed here
         ref = qmodel(**example)
     ref = (ref.logits if getattr(ref, "logits", None) is not None else ref.last_hidden_state).numpy()
     if "attention_mask" in example:  # padding positions compute nothing anyone reads
@@ -104,8 +106,8 @@ def write(rows: list[dict], path: Path, minutes: float) -> Path:
              f"    {command_line()}", "",
              f"Machine: {cpu_description()}; {commit()}. Took {minutes:.1f} min.", "",
              "Each model in a fresh process: `softq.quantize(model, calib)` with the default `QuantConfig()` (the OPT "
-             "with `input_smoothing=None`: with the default search over smoothing candidates, `quantize` itself ran "
-             "out of this machine's memory on it, before the export), then the "
+             "with `input_smoothing=None`: the default's search over smoothing candidates is several calibrations of it, "
+             "and before 2026-12-05 ran out of this machine's memory; not re-run since), then the "
              "process's peak resident memory reset and `softq.export.to_onnx(qmodel, path, example)` with two held-out "
              "inputs as the example (the OPT: two random 64-token sequences). Held: resident "
              "memory before the export (libraries, the float and the quantized model). Export peak: the peak's growth "

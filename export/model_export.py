@@ -708,8 +708,8 @@ def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str],
     dynamic = {n: {0: "batch", 1: "seq"} for n in names} if text else {"pixel_values": {0: "batch"}}
     for o, shape in zip(outputs, shapes):
         dynamic[o] = {0: "batch", 1: "seq"} if text and len(shape) >= 3 else {0: "batch"}
-    # to a file, read back: torch's size estimate counts the int8 weights of Constant nodes twice, and past 2 GiB
-    # (a 1.3B-parameter model's 1.4 GB of codes) it writes them as external data, which needs a file path
+    # to a file, read back: past its 2 GiB size estimate torch writes the weights as external data, which needs a
+    # file path (a 1.3B-parameter model's 1.4 GB of codes, while they were Constant nodes, which it counted twice)
     with warnings.catch_warnings(), torch.no_grad(), tempfile.TemporaryDirectory(prefix="softq-trace-") as tmp:
         warnings.simplefilter("ignore")
         traced = Path(tmp) / "traced.onnx"

@@ -315,9 +315,10 @@ def test_short_names_same_graph_smaller_file(quantized, tmp_path):
 
 
 def test_trace_written_with_external_data_is_read_back(quantized, monkeypatch):
-    """Past its 2 GiB size estimate, which counts the int8 weights of Constant nodes twice (a 1.3B-parameter OPT, a
-    1.4 GB file), torch's exporter writes the weights as external data next to the file, which needs a file path
-    (into a byte buffer it raised); the export reads them back.  Simulated here by writing a tiny model's trace so."""
+    """Past its 2 GiB size estimate (a 1.3B-parameter OPT's 1.4 GB of codes, while they were Constant nodes, which
+    the estimate counted twice) torch's exporter writes the weights as external data next to the file, which needs
+    a file path (into a byte buffer it raised); the export reads them back.  Simulated here by writing a tiny
+    model's trace so."""
     real = torch.onnx.export
 
     def external(model, args, f, **kwargs):  # noqa: ANN001, ANN003, ANN202 - what torch writes past its estimate
