@@ -50,7 +50,7 @@ def child(name: str, out: str, hidden: int, layers: int) -> None:
         model = transformers.OPTForCausalLM(config).eval()
         g = torch.Generator().manual_seed(1)
         calib = [{"input_ids": torch.randint(2, 50000, (4, 64), generator=g)} for _ in range(4)]
-        example = {"input_ids": calib[0]["input_ids"][:2]}
+        example = {"input_ids": torch.randint(2, 50000, (2, 64), generator=torch.Generator().manual_seed(2))}
     else:
         from softq import workloads
 
@@ -109,7 +109,7 @@ def write(rows: list[dict], path: Path, minutes: float) -> Path:
              "with `input_smoothing=None`: the default's search over smoothing candidates is several calibrations of it, "
              "and before 2026-12-05 ran out of this machine's memory; not re-run since), then the "
              "process's peak resident memory reset and `softq.export.to_onnx(qmodel, path, example)` with two held-out "
-             "inputs as the example (the OPT: two random 64-token sequences). Held: resident "
+             "inputs as the example (the OPT: two other random 64-token sequences). Held: resident "
              "memory before the export (libraries, the float and the quantized model). Export peak: the peak's growth "
              "over that during the export. onnxruntime vs torch: max |difference| / max |output| of the file's first "
              "output (onnxruntime, all optimisations) and the torch quantized model's on the two example inputs the "

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import tempfile
 import warnings
 from collections.abc import Mapping
@@ -708,26 +709,32 @@ def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str],
     dynamic = {n: {0: "batch", 1: "seq"} for n in names} if text else {"pixel_values": {0: "batch"}}
     for o, shape in zip(outputs, shapes):
         dynamic[o] = {0: "batch", 1: "seq"} if text and len(shape) >= 3 else {0: "batch"}
-    # to a file, read back: past its 2 GiB size estimate torch writes the weights as external data, which needs a
-    # file path (a 1.3B-parameter model's 1.4 GB of codes, while they were Constant nodes, which it counted twice)
-    with warnings.catch_warnings(), torch.no_grad(), tempfile.TemporaryDirectory(prefix="softq-trace-") as tmp:
+    args = (wrapper, tuple(feeds[n] for n in names))
+    kwargs = dict(dynamo=False, opset_version=TORCH_OPSET, input_names=names, output_names=outputs,
+                  dynamic_axes=dynamic, custom_opsets={MARKER_DOMAIN: 1}, do_constant_folding=True)
+    with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        traced = Path(tmp) / "traced.onnx"
         try:
-            torch.onnx.export(
-                wrapper, tuple(feeds[n] for n in names), str(traced), dynamo=False, opset_version=TORCH_OPSET,
-                input_names=names, output_names=outputs, dynamic_axes=dynamic,
-                custom_opsets={MARKER_DOMAIN: 1}, do_constant_folding=True,
-            )
+            buf = io.BytesIO()
+            try:
+                torch.onnx.export(*args, buf, **kwargs)
+                model = onnx.load_from_string(buf.getvalue())
+            except RuntimeError as err:
+                if "2GiB limit imposed by the protobuf" not in str(err):
+                    raise
+                # past its 2 GiB estimate torch writes the weights as external data, which needs a file path; read
+                # back, what softq's passes make of them is measured below
+                del buf
+                with tempfile.TemporaryDirectory(prefix="softq-trace-") as tmp:
+                    torch.onnx.export(*args, str(Path(tmp) / "traced.onnx"), **kwargs)
+                    model = onnx.load(str(Path(tmp) / "traced.onnx"))
         except torch.onnx.errors.UnsupportedOperatorError as err:
             raise ExportError(f"softq cannot export this model: {err}") from err
-        except RuntimeError as err:
-            if "2GiB limit imposed by the protobuf" not in str(err):
-                raise
-            raise ExportError("the traced graph is over protobuf's 2 GiB limit for one ONNX file: the model's "
-                              "weights (int8 codes where quantized, float elsewhere) do not fit it, and softq does "
-                              "not write ONNX external data yet") from None
-        model = onnx.load(str(traced))  # with any external data
+    size = onnx_utils.tensor_bytes(model)
+    if size > onnx_utils.PROTOBUF_LIMIT:
+        raise ExportError(f"the exported graph's weights take {size / 1e9:.2f} GB (int8 codes where quantized, float "
+                          "elsewhere), over protobuf's 2 GiB limit for one ONNX file, and softq does not write ONNX "
+                          "external data yet")
     for value, shape in zip(model.graph.output, shapes):
         dims = value.type.tensor_type.shape.dim
         for axis, dim in enumerate(dims):
@@ -1046,6 +1053,12 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
         raise ExportError("weight_storage='uint8' pairs with unsigned activation codes; this model's are signed "
                           "(QuantConfig(act_symmetric=True)), and onnxruntime has no int8 x uint8 integer MatMul: "
                           "export it with weight_storage='int8' (or linears='qdq'; CLI: --weight-storage int8)")
+    off = _quantization_off(qmodel)
+    if off:
+        raise ExportError(f"quantization is switched off at {len(off)} point(s) of this model (first: {off[0]}; "
+                          "softq.quant.sensitivity.enable_only or set_mode): the file would quantize them anyway and "
+                          "compute something else than the model; switch them back on "
+                          "(softq.quant.quantize.set_mode(model, 'quant') and weight_quant.disable_quant = False)")
     if linears == "dynamic" and qmodel.softq_quant_config.act_bits != 8:
         # the static grid's Clip between QuantizeLinear and DequantizeLinear kept the fusion from finding the
         # input quantization: the file came out in the integer form, silently
@@ -1057,6 +1070,17 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
                       linears)
     finally:
         _STATE.clear()
+
+
+def _quantization_off(qmodel: nn.Module) -> list[str]:
+    """Names of the points whose quantization is off: activation or softmax quantizers not in ``quant`` mode,
+    quantized Linears or tables with weight quantization disabled, disabled weight-only parametrizations."""
+    from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, SoftmaxOutputQuantizer, WeightOnly
+
+    return [name for name, m in qmodel.named_modules()
+            if isinstance(m, (ActQuantizer, SoftmaxOutputQuantizer)) and m.mode != "quant"
+            or isinstance(m, (QLinear, QEmbedding)) and m.weight_quant.disable_quant
+            or isinstance(m, WeightOnly) and not m.enabled]
 
 
 def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_outputs: bool, weight_storage: str,
@@ -1086,7 +1110,9 @@ def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_ou
             "file); 'int' and 'qdq' mask exactly", UserWarning, stacklevel=2,
         )
     shapes = _run_once(wrapper, feeds, "the quantized model")
-    onnx_model = onnx_utils.constants_to_initializers(_trace(wrapper, feeds, names, outputs, shapes))
+    onnx_model = _trace(wrapper, feeds, names, outputs, shapes)
+    onnx_utils.unshare_int_initializers(onnx_model)
+    onnx_model = onnx_utils.constants_to_initializers(onnx_model)
     onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
     onnx_model, _ = onnx_utils.dedupe(onnx_utils.prune(onnx_model))
     fuse.fuse(onnx_model, linears=linears != "qdq", dynamic=linears == "dynamic")  # fewer nodes around the integer linears (export/fuse.py)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import helper
 
 from softq._files import default_mode
 
@@ -213,6 +214,41 @@ def constants_to_initializers(model: onnx.ModelProto, min_elements: int = LARGE_
         del graph.node[:]
         graph.node.extend(kept)
     return model
+
+
+def unshare_int_initializers(model: onnx.ModelProto) -> int:
+    """Give each node reading an int8 / uint8 initializer that another node reads too its own copy, in place;
+    returns the copies made.  torch's exporter merges initializers of equal values (two layers with the same
+    weight codes, one Linear run twice), and onnxruntime's u8u8 conversion (``session.x64quantprecision``),
+    which rewrites each integer weight and zero point for its node, fails to load a file that shares one."""
+    graph = model.graph
+    ints = {i.name: i for i in graph.initializer if i.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)}
+    seen: set[str] = set()
+    copies: list[onnx.TensorProto] = []
+    for node in graph.node:
+        for j, name in enumerate(node.input):
+            if name not in ints:
+                continue
+            if name in seen:
+                twin = onnx.TensorProto()
+                twin.CopyFrom(ints[name])
+                twin.name = f"{name}/{len(copies)}"
+                copies.append(twin)
+                node.input[j] = twin.name
+            seen.add(name)
+    graph.initializer.extend(copies)
+    return len(copies)
+
+
+PROTOBUF_LIMIT = 2**31  # bytes: one ONNX file (a protobuf message) is at most 2 GiB
+
+
+def tensor_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the graph's initializers and Constant tensors, from their shapes (the bulk of a file's size)."""
+    tensors = [*model.graph.initializer, *(a.t for n in model.graph.node if n.op_type == "Constant"
+                                           for a in n.attribute if a.HasField("t"))]
+    return sum(int(np.prod(t.dims, dtype=np.int64)) * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+               for t in tensors if t.data_type != onnx.TensorProto.STRING)
 
 
 def prune(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -14,6 +14,7 @@ Every activation point has three modes:
 
 from __future__ import annotations
 
+import contextvars
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -527,19 +528,20 @@ class _NotPickled:
 
 
 _optimizer_steps = 0  # steps of any torch optimizer so far: part of the dequantized-weight cache's key
-_caching = True  # False inside uncached_weights()
+# False inside uncached_weights(): per thread (and asyncio task), so a quantize in one thread leaves another's
+# inference cached, and overlapping calls in two threads cannot leave it off
+_caching: contextvars.ContextVar[bool] = contextvars.ContextVar("softq_weight_cache", default=True)
 
 
 @contextmanager
 def uncached_weights() -> Iterator[None]:
-    """Inference computes each layer's dequantized weight without keeping it (``quantize``'s trial runs: the
-    cache of a candidate is a float copy of the model more, a 1.3B-parameter model's search ran out of 24 GB)."""
-    global _caching
-    before, _caching = _caching, False
+    """Inference computes each layer's dequantized weight without keeping it (``quantize``'s calibration runs:
+    the cache of each model it ran, every smoothing candidate's, was a float copy of the model more)."""
+    token = _caching.set(False)
     try:
         yield
     finally:
-        _caching = before
+        _caching.reset(token)
 
 
 def _count_optimizer_step(*_args: object) -> None:
@@ -562,7 +564,7 @@ class _DequantizedCache:
     _cache: tuple[tuple[int, int, int], torch.Tensor] | None = None
 
     def _cached_dequantized(self, bits: int, per_channel: bool) -> torch.Tensor:
-        if torch.jit.is_tracing() or torch.compiler.is_compiling() or not _caching:
+        if torch.jit.is_tracing() or torch.compiler.is_compiling() or not _caching.get():
             return dequantized_weight(self.weight, bits, per_channel)
         key = (self.weight._version, self.weight.data_ptr(), _optimizer_steps)
         if self._cache is None or self._cache[0] != key:

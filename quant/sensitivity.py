@@ -25,8 +25,11 @@ from softq.quant.quantizers import ActQuantizer, BiasShift, QEmbedding, QLinear,
 def enable_only(qmodel: nn.Module, chosen: set[int]) -> None:
     """Quantization on at the points whose ``id`` is in ``chosen`` (activation and softmax quantizers,
     quantized Linears' and embedding tables' weights, weight-only parametrizations), float elsewhere."""
+    # prefix-token rows (QuantConfig.residual_prefix) follow their quantizer's mode; set on their own as points not
+    # chosen, they were left float after a ranking "restored" the model
+    rows = {id(r) for m in qmodel.modules() if isinstance(m, ActQuantizer) for r in getattr(m, "prefix", ())}
     for m in qmodel.modules():
-        if isinstance(m, (ActQuantizer, SoftmaxOutputQuantizer)):
+        if isinstance(m, (ActQuantizer, SoftmaxOutputQuantizer)) and id(m) not in rows:
             m.mode = "quant" if id(m) in chosen else "float"
         if isinstance(m, (QLinear, QEmbedding)):
             m.weight_quant.disable_quant = id(m) not in chosen

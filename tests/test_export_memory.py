@@ -1,4 +1,4 @@
-"""Memory of an export: to_onnx holds little more than the file it writes."""
+"""Memory of an export: to_onnx needs a small multiple of the file it writes beyond the models."""
 
 from __future__ import annotations
 

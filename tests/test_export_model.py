@@ -315,13 +315,16 @@ def test_short_names_same_graph_smaller_file(quantized, tmp_path):
 
 
 def test_trace_written_with_external_data_is_read_back(quantized, monkeypatch):
-    """Past its 2 GiB size estimate (a 1.3B-parameter OPT's 1.4 GB of codes, while they were Constant nodes, which
-    the estimate counted twice) torch's exporter writes the weights as external data next to the file, which needs
-    a file path (into a byte buffer it raised); the export reads them back.  Simulated here by writing a tiny
-    model's trace so."""
+    """Past its 2 GiB size estimate torch's exporter refuses a byte buffer (it writes the weights as external data,
+    which needs a file path; a 1.3B-parameter OPT's codes, while they were Constant nodes, which the estimate
+    counted twice); the export then traces to a temporary file and reads it back.  Simulated on a tiny model."""
     real = torch.onnx.export
 
-    def external(model, args, f, **kwargs):  # noqa: ANN001, ANN003, ANN202 - what torch writes past its estimate
+    def external(model, args, f, **kwargs):  # noqa: ANN001, ANN003, ANN202 - what torch does past its estimate
+        if not isinstance(f, str):
+            raise RuntimeError("The serialized model is larger than the 2GiB limit imposed by the protobuf library. "
+                               "Therefore the output file must be a file path, so that the ONNX external data can be "
+                               "written to the same directory. Please specify the output file name.")
         real(model, args, f, **kwargs)
         onnx.save(onnx.load(f), f, save_as_external_data=True, all_tensors_to_one_file=True, location="weights.bin",
                   size_threshold=0, convert_attribute=True)
@@ -340,21 +343,56 @@ def test_trace_written_with_external_data_is_read_back(quantized, monkeypatch):
 
 
 def test_graph_over_protobufs_limit_is_one_line(quantized, tmp_path, monkeypatch):
-    """A graph over 2 GB made torch's exporter raise its protobuf RuntimeError, a traceback from inside
-    torch.onnx; its message, raised here without building 2 GB, becomes one line naming the size and the limit,
-    and nothing is written."""
-    def too_large(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202 - what torch raises past 2 GiB
-        raise RuntimeError("The serialized model is larger than the 2GiB limit imposed by the protobuf library. "
-                           "Therefore the output file must be a file path, so that the ONNX external data can be "
-                           "written to the same directory. Please specify the output file name.")
-
-    monkeypatch.setattr(torch.onnx, "export", too_large)
+    """A file over protobuf's 2 GiB limit cannot be written (torch raised its RuntimeError from inside torch.onnx;
+    with the trace in a file, the checker failed after every pass); the traced weights are measured against the
+    limit, lowered here to refuse a tiny model, in one line, and nothing is written."""
     model = quantized[("vit", None)]
-    with pytest.raises(ExportError, match=r"over protobuf's 2 GiB limit for one ONNX file: the model's weights "
-                                          r"\(int8 codes where quantized, float elsewhere\) do not fit it, and softq "
-                                          "does not write ONNX external data yet"):
+    monkeypatch.setattr(U, "PROTOBUF_LIMIT", 10_000)
+    with pytest.raises(ExportError, match=r"the exported graph's weights take 0\.00 GB \(int8 codes where quantized, "
+                                          r"float elsewhere\), over protobuf's 2 GiB limit for one ONNX file, and "
+                                          "softq does not write ONNX external data yet") as err:
         to_onnx(model, tmp_path / "big.onnx", tiny_inputs("vit"))
+    assert len(str(err.value).splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_shared_integer_weights_are_unshared_for_the_u8u8_conversion() -> None:
+    """torch's exporter merges equal initializers: two layers with the same weights (a copied layer, a pruned
+    all-zero one, a Linear run twice) shared one int8 tensor, and onnxruntime's u8u8 conversion
+    (session.x64quantprecision, what CPUs without VNNI need) failed to load the file."""
+    import onnxruntime as ort
+
+    model = tiny_model("bert")
+    layers = model.bert.encoder.layer
+    with torch.no_grad():
+        layers[1].intermediate.dense.weight.copy_(layers[0].intermediate.dense.weight)
+    qmodel = softq.quantize(model, _calib("bert"), softq.QuantConfig(input_smoothing=None))
+    onnx_model = build_onnx(qmodel, tiny_inputs("bert"))
+    weights = [n.input[k] for n in onnx_model.graph.node if n.op_type == "MatMulInteger" for k in (1, 3)
+               if len(n.input) > k and n.input[k]]  # each integer weight and its zero point, one node's own
+    assert len(weights) >= 2 * 8 and len(weights) == len(set(weights))  # 2 layers: QKV, output, 2 FFN
+    opts = ort.SessionOptions()
+    opts.add_session_config_entry("session.x64quantprecision", "1")
+    sess = ort.InferenceSession(onnx_model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    feeds = _feeds("bert", tiny_inputs("bert", seed=4))
+    ref, _ = _torch_run(qmodel, tiny_inputs("bert", seed=4))
+    np.testing.assert_allclose(sess.run(None, feeds)[0], ref, atol=1e-4)
+
+
+def test_export_refuses_a_model_with_quantization_switched_off(quantized) -> None:
+    """softq.quant.sensitivity switches quantization off point by point; a model left so exported with quantized
+    weights anyway (and without the weight bias correction) in one line nothing said: refused now."""
+    from softq.quant.sensitivity import enable_only, quant_parts
+
+    qmodel = copy.deepcopy(quantized[("vit", None)])
+    everything = set().union(*quant_parts(qmodel).values())
+    enable_only(qmodel, everything - set(quant_parts(qmodel)["kind: linear weights"]))
+    with pytest.raises(ExportError, match=r"quantization is switched off at \d+ point\(s\) of this model "
+                                          r"\(first: .*\): the file would quantize them anyway") as err:
+        build_onnx(qmodel, tiny_inputs("vit"))
+    assert len(str(err.value).splitlines()) == 1
+    enable_only(qmodel, everything)
+    build_onnx(qmodel, tiny_inputs("vit"))
 
 
 def test_bad_inputs(quantized, tmp_path):

@@ -920,6 +920,31 @@ def test_auto_searches_free_their_trial_copies() -> None:
     assert max(live) <= 2 * per_model, (live, per_model)  # the model and the observed copy, no trial piling up
 
 
+def test_uncached_weights_is_per_thread() -> None:
+    """quantize turns the weight cache off for its own runs; with one flag for the process, a quantize in another
+    thread made this thread's inference recompute its weights, and two overlapping calls left it off for good."""
+    import threading
+
+    from softq.quant.quantizers import _caching, uncached_weights
+
+    inside, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with uncached_weights():
+            inside.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    inside.wait(10)
+    assert _caching.get()  # this thread still caches while the other quantizes
+    with uncached_weights():  # overlapping: entered after the other thread, left before it
+        assert not _caching.get()
+    release.set()
+    thread.join()
+    assert _caching.get()
+
+
 def test_quantize_keeps_no_dequantized_weights_while_calibrating() -> None:
     """Each model quantize ran (the observed copy, every smoothing candidate, the weight bias correction's passes)
     kept its dequantized weights (the inference cache, a float copy of the model each): with the float model, the

@@ -275,3 +275,23 @@ def test_softmax_input_range_comes_from_the_keys_a_row_can_see() -> None:
     assert _scores_point(points, scores, causal) is scores  # observing leaves the scores alone
     points.scores.finish_calibration()
     assert points.scores.scale < 1.0 / 255 + 1e-6  # the valid scores span [0, 1)
+
+
+def test_sensitivity_ranking_leaves_the_prefix_rows_quantized() -> None:
+    """enable_only set every quantizer's mode, the prefix rows too, which follow their quantizer's mode: a row never
+    chosen on its own was left float, so after a ranking "restored" the model its prefix tokens went unquantized."""
+    from softq.quant.quantize import act_quantizers
+    from softq.quant.sensitivity import sensitivity
+
+    model = fresh_deit()
+    g = torch.Generator().manual_seed(2)
+    calib = [torch.randn(4, 3, 32, 32, generator=g) for _ in range(2)]
+    q = softq.quantize(model, calib, RQ())
+    assert any(len(getattr(m, "prefix", ())) for m in q.modules())
+    x = torch.randn(3, 3, 32, 32, generator=g)
+    with torch.no_grad():
+        before = q(pixel_values=x).logits
+        rows = sensitivity(q, lambda m: float(m(pixel_values=x).logits.sum()))
+        assert torch.equal(q(pixel_values=x).logits, before)
+    assert rows[-1][1] == pytest.approx(float(before.sum()))
+    assert {m.mode for m in act_quantizers(q)} == {"quant"}
