@@ -283,7 +283,7 @@ class _ExportAct(nn.Module):
 
 
 class _ExportLinear(nn.Module):
-    def __init__(self, layer: nn.Module, key: int, storage: str) -> None:
+    def __init__(self, layer: nn.Module, storage: str) -> None:
         super().__init__()
         # the codes inference computes with (QLinear.dequantized_weight; Brevitas' int_weight() bit for bit, with
         # a few weight-sized temporaries fewer)
@@ -299,7 +299,6 @@ class _ExportLinear(nn.Module):
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.register_buffer("zp", zp)
-        self.key = key
         bias = layer.effective_bias()  # with the weight bias correction
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.input_act = layer.input_act
@@ -321,7 +320,7 @@ class _ExportEmbedding(nn.Module):
     ``embedding_bits=None``): 8-bit codes made here, which the torch model does not use.
     """
 
-    def __init__(self, emb: nn.Embedding, key: int) -> None:
+    def __init__(self, emb: nn.Embedding) -> None:
         super().__init__()
         if hasattr(emb, "int_weight"):  # a QEmbedding: the codes its inference computes with
             codes, scale = weight_codes(emb.weight, emb.bits, 0)
@@ -332,7 +331,6 @@ class _ExportEmbedding(nn.Module):
             w = emb.weight.detach().to(torch.float32)
             scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
             codes = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
-        self.key = key
         self.padding_idx = emb.padding_idx
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale.reshape(-1, 1).to(torch.float32))
@@ -550,14 +548,14 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
         points.probs = _ValidTap(tap)
         points.pv = _AttentionMarker(tap, key)
     counter = iter(range(10**9))
-    _replace_children(model, lambda m: isinstance(m, QLinear), lambda m: _ExportLinear(m, next(counter), weight_storage))
+    _replace_children(model, lambda m: isinstance(m, QLinear), lambda m: _ExportLinear(m, weight_storage))
     _replace_children(model, _is_act_quantizer, lambda m: _ExportAct(m, next(counter)))
     from softq.quant.quantizers import WeightOnly
 
     if embeddings == "float":
         _replace_children(model, lambda m: isinstance(m, QEmbedding), _FloatEmbedding)
     else:
-        _replace_children(model, lambda m: isinstance(m, QEmbedding), lambda m: _ExportEmbedding(m, next(counter)))
+        _replace_children(model, lambda m: isinstance(m, QEmbedding), _ExportEmbedding)
     for module in list(model.modules()):  # Conv2d weights, a vision encoder's position table
         for plist in getattr(module, "parametrizations", {}).values():
             if len(plist) == 1 and isinstance(plist[0], WeightOnly):
@@ -566,7 +564,7 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
         # exact nn.Embedding only: subclasses (OPT's learned positions) have their own forward
         min_rows = qmodel.softq_quant_config.embedding_min_rows
         _replace_children(model, lambda m: type(m) is nn.Embedding and m.num_embeddings >= min_rows,
-                          lambda m: _ExportEmbedding(m, next(counter)))
+                          _ExportEmbedding)
     return model, layers
 
 
@@ -1112,7 +1110,6 @@ def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_ou
     shapes = _run_once(wrapper, feeds, "the quantized model")
     onnx_model = _trace(wrapper, feeds, names, outputs, shapes)
     onnx_utils.unshare_int_initializers(onnx_model)
-    onnx_model = onnx_utils.constants_to_initializers(onnx_model)
     onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
     onnx_model, _ = onnx_utils.dedupe(onnx_utils.prune(onnx_model))
     fuse.fuse(onnx_model, linears=linears != "qdq", dynamic=linears == "dynamic")  # fewer nodes around the integer linears (export/fuse.py)

@@ -190,32 +190,6 @@ def optimized_op_types(model: onnx.ModelProto, optimization: str, workdir: str |
     return [n.op_type for n in onnx.load(str(out)).graph.node]
 
 
-LARGE_CONSTANT = 1024  # elements: Constant nodes above this become initializers (constants_to_initializers)
-
-
-def constants_to_initializers(model: onnx.ModelProto, min_elements: int = LARGE_CONSTANT) -> onnx.ModelProto:
-    """Move the tensors of large ``Constant`` nodes (the exporter's int8 weights) into initializers of the same
-    name, in place.  The graph's passes rebuild the node list (``del graph.node[:]; extend``), and protobuf copies
-    each node it extends with: with the weights in nodes every pass copied the whole model, and the memory of the
-    copies stayed with the process (an export took about 15 times its file's size)."""
-    graph = model.graph
-    kept: list[onnx.NodeProto] = []
-    moved: list[onnx.TensorProto] = []
-    for node in graph.node:
-        value = node.attribute[0].t if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(
-            node.attribute) == 1 and node.attribute[0].name == "value" else None
-        if value is not None and np.prod(value.dims, dtype=np.int64) > min_elements:
-            value.name = node.output[0]
-            moved.append(value)
-        else:
-            kept.append(node)
-    if moved:
-        graph.initializer.extend(moved)
-        del graph.node[:]
-        graph.node.extend(kept)
-    return model
-
-
 def unshare_int_initializers(model: onnx.ModelProto) -> int:
     """Give each node reading an int8 / uint8 initializer that another node reads too its own copy, in place;
     returns the copies made.  torch's exporter merges initializers of equal values (two layers with the same
