@@ -1,11 +1,11 @@
 """Peak memory of an INT8 ONNX export (``softq.export.to_onnx``) next to the size of the file it writes.
 
 Each model runs in a fresh process: quantized with the default ``QuantConfig()`` (the task's calibration data; the
-OPT without input smoothing, whose search is several calibrations of it), then the process's peak resident memory is reset (``/proc/self/clear_refs``) and
-``to_onnx`` writes the file; reported are the peak's growth over the memory held before the export (the float
-and quantized models, the libraries), the file's size, and the float model's weights.  ``opt-<N>m``: an OPT of
-random weights from a config (50272-token table; OPT-1.3B's hidden size and layers by default), a size at which the
-export ran out of 24 GB before 2026-12-05.
+OPT without input smoothing, whose search is several calibrations of it), then the process's peak resident memory
+is reset (``/proc/self/clear_refs``) and ``to_onnx`` writes the file; reported are the peak's growth over the
+memory held before the export (the float and quantized models, the libraries), the file's size, and the float
+model's weights.  ``opt-<N>m``: an OPT of random weights from a config (50272-token table; OPT-1.3B's hidden size
+and layers by default), a size softq could not export before 2026-12-05.
 
     python examples/bench_export_memory.py                              # writes docs/results/export_memory.md
     python examples/bench_export_memory.py --models minilm,lm,vit       # without the large OPT

@@ -7,9 +7,10 @@ Layout of a saved model::
                          itself and config.json (a directory edited after saving is refused at load)
     model.pt             the state dict of the quantized model: every quantized weight (Linear, embedding table,
                          conv and position weights) as its integer codes (``<name>:codes``, int8; int16 above 8
-                         bits, but not in a float16 / bfloat16 model) and float32 scales (``<name>:scale``) with ``weights="codes"``, the default (a quarter
-                         to a third of the float size, docs/results/save.md), or as the float weights after
-                         SmoothQuant with ``weights="float"``; activation scales, zero points, betas
+                         bits, but not in a float16 / bfloat16 model) and float32 scales (``<name>:scale``) with
+                         ``weights="codes"``, the default (a quarter to a third of the float size,
+                         docs/results/save.md), or as the float weights after SmoothQuant with
+                         ``weights="float"``; activation scales, zero points, betas
 
 Loading rebuilds the float architecture from the config, inserts the same
 quantization points with :func:`softq.quant.quantize.prepare` and loads the state
@@ -140,7 +141,7 @@ def _code_dtype(bits: int) -> torch.dtype:
 
 
 def _decode_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The float weight of int8 ``codes`` and their float32 ``scale`` (:func:`weight_codes32`): one whose
+    """The float weight of integer ``codes`` and their float32 ``scale`` (:func:`weight_codes32`): one whose
     :func:`weight_codes` are the same codes and scale (each slice's max |w| comes back as its max code times the
     scale, which can round to a neighbouring float, but divided by the max code it gives the same scale: what
     :func:`_encode_weights` checks per weight)."""
@@ -148,7 +149,7 @@ def _decode_weight(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
 
 
 def _encode_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Replace in ``state`` each quantized weight by its int8 codes and float32 scales where the decoded weight
+    """Replace in ``state`` each quantized weight by its integer codes and float32 scales where the decoded weight
     gives the same codes and scales (checked per weight; one that would not stays float), in place; returns the
     coded keys with their dtypes."""
     coded = {}
