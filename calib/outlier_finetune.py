@@ -80,7 +80,7 @@ class OutlierFinetuneConfig:
             training windows to cosine 0.99 but held-out text only to 0.977; at 5e-5 held-out stays at 0.99+.
         gate_lr: peak learning rate of the gate parameters (``method="gated"``).  At 1e-3 MiniLM's gates stay
             between 0.45 and 0.50 (start 0.5) over 250 steps; the 1e-2 default lets them close (means 0.32-0.50 in
-            layers 1-3) and is what the measured runs of docs/results/outlier_finetune_lr5e-5.md use.
+            layers 1-3) and is what the measured runs of docs/results/archive/outlier_finetune_lr5e-5.md use.
         warmup: warmup steps.
         weight_decay: AdamW weight decay of the matrices.
         grad_clip: gradient-norm clip (0 = none).
