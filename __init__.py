@@ -7,7 +7,7 @@ The one-verb API::
 
 Its parts are attributes too, imported on first use: ``softq.calib``, ``softq.quant``,
 ``softq.export`` (``softq.export.to_onnx``), ``softq.mpc`` (``softq.mpc.run``), and the shared
-modules ``softq.softmax``, ``softq.attention``, ``softq.hf``, ``softq.models``, ``softq.workloads``.
+modules ``softq.softmax``, ``softq.attention``, ``softq.hf``, ``softq.models``, ``softq.evaluation``.
 Heavy dependencies (torch, transformers, Brevitas) load on first use, so
 ``softq --help`` stays instant.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-PARTS = ("calib", "quant", "export", "mpc", "softmax", "attention", "hf", "models", "workloads")
+PARTS = ("calib", "quant", "export", "mpc", "softmax", "attention", "hf", "models", "evaluation")
 __all__ = ["QuantConfig", "quantize", "configure_attention", "__version__", *PARTS]
 
 _LAZY = {

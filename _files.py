@@ -10,6 +10,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def cache_dir() -> Path:
+    """Where softq keeps what it unpacks or trains once (the bundled all-MiniLM-L6-v2, the benchmarks' reference
+    models): ``$SOFTQ_CACHE`` or ``~/.cache/softq``."""
+    env = os.environ.get("SOFTQ_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "softq"
+
+
 @contextmanager
 def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty temporary directory next to ``target``; when the block ends without an error it

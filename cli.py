@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Modules that add subcommands; a part that is not installed yet is skipped.
-SUBCOMMAND_MODULES = ("softq.quant.cli", "softq.calib.cli", "softq.export.cli", "softq.mpc.cli")
+SUBCOMMAND_MODULES = ("softq.quant.cli", "softq.export.cli", "softq.mpc.cli")
 
 
 def positive_int(text: str) -> int:
@@ -26,9 +26,8 @@ def positive_int(text: str) -> int:
 
 
 def calib_size_kwargs(args: argparse.Namespace) -> dict[str, int]:
-    """``--calib-size`` when given, else nothing: the task's own default (``reference_task``: 16 windows or images,
-    ``model_dir_task``: 64 of a --calib file, else its 132 built-in texts), the same for ``softq quantize`` and
-    ``softq export``."""
+    """``--calib-size`` when given, else nothing: the task's own default (``model_dir_task``: 64 of a --calib
+    file, else its 132 built-in texts), the same for ``softq quantize`` and ``softq export``."""
     return {} if args.calib_size is None else {"calib_size": args.calib_size}
 
 
@@ -61,7 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    return run_handler(build_parser(), argv)
+
+
+def run_handler(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand's handler; an error is one line on stderr and exit code 1."""
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
         parser.print_help()
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except (ValueError, OSError, RuntimeError, ImportError) as err:  # OSError: FileNotFoundError, PermissionError, ...
-        print(f"softq {args.command}: error: {err}", file=sys.stderr)
+        print(f"{parser.prog} {args.command}: error: {err}", file=sys.stderr)
         return 1
 
 

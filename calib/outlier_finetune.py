@@ -409,8 +409,7 @@ def finetune_outliers(
     uses a GPU when one is present.
     """
     from softq.calib.train import load_checkpoint, save_checkpoint
-    from softq.workloads.data import _progress
-    from softq.workloads.training import _lr_at
+    from softq.calib.schedule import lr_at, progress_bar
 
     config = config or OutlierFinetuneConfig()
     if not isinstance(config, OutlierFinetuneConfig):
@@ -481,12 +480,12 @@ def finetune_outliers(
     student.train()
     from softq.attention import fast_training
 
-    bar = _progress(range(start, end), progress, desc=f"finetune {config.method}", initial=start, total=config.steps)
+    bar = progress_bar(range(start, end), progress, desc=f"finetune {config.method}", initial=start, total=config.steps)
     try:
         with fast_training(student):
             for step in bar:
                 for group in optimizer.param_groups:
-                    group["lr"] = _lr_at(step, config.steps, group["base_lr"], max(1, config.warmup))
+                    group["lr"] = lr_at(step, config.steps, group["base_lr"], max(1, config.warmup))
                 batch = _tokenize(tokenizer, window_texts(texts, config.batch_size, config.min_words, config.seed, step),
                                   config.max_length, dev)
                 with torch.no_grad():

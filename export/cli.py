@@ -1,19 +1,20 @@
-"""``softq export``: a quantized model (saved directory, Hugging Face directory or reference workload) -> ONNX."""
+"""``softq export``: a quantized model (a saved directory, or a Hugging Face directory quantized here) -> ONNX."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from softq.cli import calib_size_kwargs, positive_int
+from softq.cli import positive_int
 
-REFERENCE_NAMES = ("lm", "vit")
 # defaults of the options that only apply when export quantizes MODEL itself (a saved model refuses others)
 QUANTIZE_DEFAULTS = {"softmax_output": "row", "softmax_bits": 8, "bias_correction": None, "calib": None,
                      "max_length": None, "calib_size": None}
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction) -> dict[str, argparse.ArgumentParser]:
+    """Add ``export``; returns its parser.  A model that is not a saved quantized directory is read through
+    ``args.load_task`` (default :func:`softq.quant.cli.load_task`) and quantized here."""
     p = subparsers.add_parser(
         "export",
         help="export a quantized model to ONNX with an integer softmax",
@@ -25,14 +26,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "default), 'ort' (com.microsoft.QLinearSoftmax) or 'int' (standard ops, integer arithmetic only). A model "
             "quantized with a float softmax (--softmax-bits 0, QuantConfig(softmax_bits=None)) exports as 'float': "
             "the same integer linears, onnxruntime's Softmax and a float P.V. MODEL is a "
-            "directory written by `softq quantize --output` or a reference workload name ('lm', 'vit'), which is "
-            "then quantized here first, or a Hugging Face model directory, quantized here first with the default "
-            "QuantConfig on --calib texts. Headless encoders (BertModel...) output last_hidden_state; --pooled adds "
+            "directory written by `softq quantize --output`, or a Hugging Face model directory, quantized here first "
+            "with the default QuantConfig on --calib texts. Headless encoders (BertModel...) output last_hidden_state; --pooled adds "
             "the sentence embedding (the directory's sentence-transformers pooling and normalisation)."
         ),
     )
-    p.add_argument("model", help="quantized model directory (softq quantize --output), Hugging Face model "
-                                 "directory, or 'lm' / 'vit' (reference workload)")
+    p.add_argument("model", help="quantized model directory (softq quantize --output) or Hugging Face model "
+                                 "directory")
     p.add_argument("--softmax", choices=["fast", "int", "qdq", "ort", "float"], default=None,
                    help="softmax / attention-core form (default: fast for row codes, qdq for edge codes, float for "
                         "a float softmax)")
@@ -60,8 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     h.add_argument("--calib", type=Path, default=None, metavar="FILE",
                    help="calibration texts, one per line or JSONL with 'text' (default: Python documentation paragraphs and short everyday English, softq.hf.calibration_texts)")
     h.add_argument("--max-length", type=positive_int, default=QUANTIZE_DEFAULTS["max_length"], help="tokens per calibration text (default 128, or the model's positions if fewer)")
-    g = p.add_argument_group("when MODEL is a reference workload")
-    g.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
+    h.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None,
+                   help="softmax bias correction when MODEL is quantized here (edge and row_exact codes)")
     p.add_argument("--softmax-output", choices=["row", "row_exact", "row_log", "edge"],
                    default=QUANTIZE_DEFAULTS["softmax_output"],
                    help="softmax output codes when MODEL is quantized here (default %(default)s; bias correction "
@@ -69,9 +69,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--softmax-bits", type=int, default=QUANTIZE_DEFAULTS["softmax_bits"],
                    help="softmax output bits when MODEL is quantized here (default %(default)s; row_log takes 4; "
                         "0: a float softmax, exported as the 'float' form)")
-    p.add_argument("--calib-size", type=positive_int, default=QUANTIZE_DEFAULTS["calib_size"], help="calibration windows/images (default 16) or texts (default: the first 64 of --calib, or all 132 built-in ones), as softq quantize")
-    g.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
-    p.set_defaults(handler=_export)
+    p.add_argument("--calib-size", type=positive_int, default=QUANTIZE_DEFAULTS["calib_size"], help="calibration texts (default: the first 64 of --calib, or all 132 built-in ones), as softq quantize")
+    from softq.quant.cli import load_task
+
+    p.set_defaults(handler=_export, load_task=load_task)
+    return {"export": p}
 
 
 def _example_inputs(model):  # noqa: ANN001, ANN202
@@ -98,18 +100,12 @@ def _config(args: argparse.Namespace):  # noqa: ANN202
 
 
 def load_quantized(args: argparse.Namespace):  # noqa: ANN201
-    """The quantized model named on the command line (loaded, or quantized from a reference workload)."""
+    """The quantized model named on the command line: loaded from a saved quantized directory, or quantized here
+    from what ``args.load_task`` reads."""
     import softq
 
     config = _config(args)  # a bad combination fails before any slow work
-    if args.model in REFERENCE_NAMES:
-        from softq.workloads.tasks import reference_task
-
-        task = reference_task(args.model, seed=args.seed, **calib_size_kwargs(args))
-        return softq.quantize(task.model, task.calib, config)
     path = Path(args.model)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path} is neither a model directory nor one of {', '.join(REFERENCE_NAMES)}")
     if (path / "quant_config.json").is_file():
         from softq.quant.io import load
 
@@ -119,12 +115,7 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
             raise ValueError(f"{' and '.join(given)} apply when MODEL is quantized here; {path} is already quantized "
                              "(its settings are in its quant_config.json: re-quantize with softq quantize to change them)")
         return load(path)
-    from softq import hf
-    from softq.workloads.tasks import model_dir_task
-
-    calib = hf.read_text_file(args.calib, "--calib file") if args.calib is not None else None
-    task = model_dir_task(hf.load_model_dir(path, max_length=args.max_length, default_length=128), calib, [],
-                          **calib_size_kwargs(args))
+    task = args.load_task(args)
     return softq.quantize(task.model, task.calib, config)
 
 

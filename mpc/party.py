@@ -161,11 +161,7 @@ def _load_model(s: PartySettings) -> torch.nn.Module:
     if not archs or not hasattr(transformers, archs[0]):
         raise ValueError(f"config has no usable 'architectures' entry ({archs}); save the model with save_pretrained")
     cls = getattr(transformers, archs[0])
-    if s.rank == s.owner and (Path(s.model_dir) / "weights.pt").is_file():  # softq.workloads.save_model format
-        from softq.workloads import load_model
-
-        model = load_model(s.model_dir)
-    elif s.rank == s.owner:
+    if s.rank == s.owner:
         model = cls.from_pretrained(s.model_dir)
     else:
         torch.manual_seed(0)  # the weights are never used; only their shapes

@@ -8,19 +8,20 @@ from pathlib import Path
 from softq.cli import calib_size_kwargs, positive_int
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction) -> dict[str, argparse.ArgumentParser]:
+    """Add ``quantize`` and ``report``; returns their parsers by name.  Each reads its model through
+    ``args.load_task`` (default :func:`load_task`, a model directory), which another front end may replace."""
     q = subparsers.add_parser(
         "quantize",
-        help="W8A8-quantize a Hugging Face model directory or a reference model (softmax included), evaluate it, save it",
+        help="W8A8-quantize a Hugging Face model directory (softmax included), evaluate it, save it",
         description=(
             "Quantize MODEL with softq's calibration passes, print float vs quantized metric, and optionally save the "
             "quantized model directory for `softq export`. MODEL is a Hugging Face model directory (config.json, "
             "weights, tokenizer; sentence-transformers folders included), calibrated on --calib texts and compared "
-            "with its float self by cosine similarity of the sentence embedding (or logits); or the reference LM "
-            "('lm') or ViT ('vit'), trained and cached in $SOFTQ_CACHE on first use."
+            "with its float self by cosine similarity of the sentence embedding (or logits) on held-out texts."
         ),
     )
-    q.add_argument("model", help="Hugging Face model directory, or 'lm' / 'vit' (reference workloads)")
+    q.add_argument("model", help="Hugging Face model directory")
     _add_quant_options(q)
     q.add_argument("--output", type=Path, help="save the quantized model to this directory")
     q.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
@@ -28,24 +29,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="save the float weights instead of int8 codes (3-4x larger): what ranking the loaded "
                         "model's weight sensitivity or fine-tuning it further needs")
     q.add_argument("--no-eval", action="store_true", help="skip the float/quantized evaluation")
-    q.set_defaults(handler=_quantize)
+    q.set_defaults(handler=_quantize, load_task=load_task)
 
     r = subparsers.add_parser(
         "report",
         help="per-layer/head outlier and softmax diagnostics, sensitivity ranking, PNG plot",
         description=(
             "Print per-layer inf-norm and kurtosis (block outputs, LayerNorm inputs, FFN outputs), per-head "
-            "attention-sink rate and quantized softmax row-sum deficit for a model directory or a reference model "
+            "attention-sink rate and quantized softmax row-sum deficit for a model directory "
             "(float and W8A8), rank which quantized part costs the most, and write "
-            "a plot."
+            "a plot (needs matplotlib: pip install 'softq[plot]')."
         ),
     )
-    r.add_argument("model", help="Hugging Face model directory, or 'lm' / 'vit' (reference workloads)")
+    r.add_argument("model", help="Hugging Face model directory")
     _add_quant_options(r)
     r.add_argument("--plot", type=Path, default=Path("softq-report.png"), help="PNG to write (default: %(default)s)")
     r.add_argument("--no-sensitivity", action="store_true", help="skip the one-part-at-a-time sensitivity pass")
     r.add_argument("--overwrite", action="store_true", help="replace existing plot files")
-    r.set_defaults(handler=_report)
+    r.set_defaults(handler=_report, load_task=load_task)
+    return {"quantize": q, "report": r}
 
 
 def _add_quant_options(p: argparse.ArgumentParser) -> None:
@@ -97,21 +99,15 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                    help=f"tables of fewer rows stay float (default {EMBEDDING_MIN_ROWS}: BERT's 2-row token-type "
                         "table stays float; 1 quantizes every table)")
     p.add_argument("--calib", type=Path, default=None, metavar="FILE",
-                   help="model directory: calibration texts, one per line or JSONL with a 'text' field "
+                   help="calibration texts, one per line or JSONL with a 'text' field "
                         "(default: paragraphs of Python's documentation and short everyday English)")
     p.add_argument("--eval", type=Path, default=None, metavar="FILE",
-                   help="model directory: evaluation texts, same format (default: other documentation paragraphs)")
+                   help="evaluation texts, same format (default: other documentation paragraphs)")
     p.add_argument("--max-length", type=positive_int, default=None,
-                   help="model directory: tokens per text (default 128, or the model's positions if fewer)")
-    p.add_argument("--context", type=positive_int, default=None, help="LM window length (default: the model's full context)")
+                   help="tokens per text (default 128, or the model's positions if fewer)")
     p.add_argument("--calib-size", type=positive_int, default=None,
-                   help="calibration windows/images (default 16) or texts (default: the first 64 of --calib, or all 132 built-in ones)")
-    p.add_argument("--eval-limit", type=positive_int, default=None, help="evaluate on at most this many windows/images")
-    p.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
-    p.add_argument("--steps", type=positive_int, default=None,
-                   help="which cached reference model (training steps; default the reference budget)")
-    p.add_argument("--size", choices=["reference", "tiny"], default="reference",
-                   help="reference model size; 'tiny' trains in seconds (for trying things out)")
+                   help="calibration texts (default: the first 64 of --calib, or all 132 built-in ones)")
+    p.add_argument("--eval-limit", type=positive_int, default=None, help="evaluate on at most this many texts")
 
 
 def _groups(text: str) -> int | str:
@@ -152,25 +148,19 @@ def _config(args: argparse.Namespace):
     )
 
 
-REFERENCE_NAMES = ("lm", "vit")
-
-
-def _task(args: argparse.Namespace):
-    from softq.workloads.tasks import model_dir_task, reference_task
-
-    if args.model in REFERENCE_NAMES:
-        if args.calib is not None or args.eval is not None:
-            raise ValueError("--calib/--eval take text files for a model directory, not the reference workloads")
-        return reference_task(args.model, context=args.context, eval_limit=args.eval_limit, seed=args.seed,
-                              size=args.size, steps=args.steps, **calib_size_kwargs(args))
+def load_task(args: argparse.Namespace):  # noqa: ANN201 - a softq.evaluation.Task
+    """The model directory named on the command line, with its calibration texts and (for commands with
+    ``--eval``) its evaluation texts."""
     from softq import hf
+    from softq.evaluation import model_dir_task
 
     # Read the texts before loading the model: a bad file fails in a second, not after the load.
     calib = hf.read_text_file(args.calib, "--calib file") if args.calib is not None else None
-    evaluation = hf.read_text_file(args.eval, "--eval file") if args.eval is not None else None
+    evaluates = hasattr(args, "eval")  # softq export only quantizes: no evaluation texts to tokenize
+    evaluation = hf.read_text_file(args.eval, "--eval file") if evaluates and args.eval is not None else None
     loaded = hf.load_model_dir(args.model, max_length=args.max_length, default_length=128)
-    return model_dir_task(loaded, calib, evaluation, eval_limit=args.eval_limit if args.eval_limit is not None else 128,
-                          **calib_size_kwargs(args))
+    limit = args.eval_limit if getattr(args, "eval_limit", None) is not None else 128
+    return model_dir_task(loaded, calib, evaluation if evaluates else [], eval_limit=limit, **calib_size_kwargs(args))
 
 
 def _quantize(args: argparse.Namespace) -> int:
@@ -185,7 +175,7 @@ def _quantize(args: argparse.Namespace) -> int:
         if args.output.exists() and not args.overwrite:
             raise FileExistsError(f"{args.output} already exists; pass --overwrite to replace it")
         check_writable_parent(args.output)
-    task = _task(args)
+    task = args.load_task(args)
     qmodel = softq.quantize(task.model, task.calib, config)
     print(f"{task.name}: {config.describe()}")
     print(f"  {smoothing_report(qmodel)}")
@@ -210,6 +200,11 @@ def _report(args: argparse.Namespace) -> int:
     from softq.calib import diagnostics
     from softq.quant import sensitivity
 
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:  # before any slow work
+        raise ImportError("softq report draws its plots with matplotlib, which is not installed: "
+                          "pip install 'softq[plot]'")
     config = _config(args)
     bars = args.plot.with_name(f"{args.plot.stem}-sensitivity{args.plot.suffix}")
     if args.plot.suffix.lower() != ".png":
@@ -220,7 +215,7 @@ def _report(args: argparse.Namespace) -> int:
         if path.exists() and not args.overwrite:
             raise FileExistsError(f"--plot: {path} already exists; pass --overwrite to replace it")
         check_writable_parent(path)
-    task = _task(args)
+    task = args.load_task(args)
     qmodel = softq.quantize(task.model, task.calib, config)
     results = {"float": diagnostics.collect(task.model, task.calib), config.describe(): diagnostics.collect(qmodel, task.calib)}
     for label, diag in results.items():

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
 
+# The benchmarks' reference workloads (a character LM, a digits ViT) are not part of the installed package: tests
+# of them import ``workloads`` from benchmarks/, as the benchmark scripts do.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 torch.set_num_threads(2)
 
 

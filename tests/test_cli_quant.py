@@ -1,4 +1,5 @@
-"""`softq quantize` and `softq report` end to end on tiny reference models (trained in seconds)."""
+"""softq's quantize, report and export commands end to end on tiny reference models (trained in seconds), through
+benchmarks/reference.py, which runs the same handlers with the model read from the reference workloads."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import re
 
 import pytest
 
-from softq.cli import main
+from reference import main
+from softq.cli import main as softq_main
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +37,7 @@ def test_quantize_cli_evaluates_and_saves(tmp_path, capsys) -> None:
     assert main(["quantize", "vit", "--size", "tiny", "--output", str(out), "--no-eval"]) == 1
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     # settings that only apply when export quantizes the model itself are refused for a saved one
-    assert main(["export", str(out), "--softmax-bits", "0", "-o", str(tmp_path / "m.onnx")]) == 1
+    assert softq_main(["export", str(out), "--softmax-bits", "0", "-o", str(tmp_path / "m.onnx")]) == 1
     err = capsys.readouterr().err
     assert "--softmax-bits apply when MODEL is quantized here" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "m.onnx").exists()
@@ -132,3 +134,21 @@ def test_quantize_cli_sets_the_percentile_of_the_percentile_observer() -> None:
     assert _config(parser.parse_args([])).percentile == 99.99
     with pytest.raises(ValueError, match="observer='minmax' does not read it"):
         _config(parser.parse_args(["--percentile", "99.9"]))
+
+
+@pytest.mark.parametrize("command", ["quantize", "report", "export"])
+def test_softq_cli_carries_no_reference_model_flags(command, capsys) -> None:
+    """The installed CLI is for the user's models: the reference models' flags live in benchmarks/reference.py."""
+    from softq.cli import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--help"])
+    text = capsys.readouterr().out
+    assert not {"--seed", "--steps", "--size", "--context"} & set(re.findall(r"--[a-z-]+", text)), text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--help"])
+    assert "invalid choice: 'train'" in capsys.readouterr().err
+    assert softq_main([command, "lm", *(["-o", "x.onnx"] if command == "export" else [])]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lm" in err, err

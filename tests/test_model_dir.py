@@ -569,7 +569,7 @@ def test_diagnostics_find_post_ln_outliers_at_layernorm_inputs(folder) -> None:
 def test_export_and_quantize_calibrate_a_model_dir_alike(folder, tmp_path, monkeypatch, capsys) -> None:
     """`softq export DIR` quantizes as `softq quantize DIR` does: the same default calibration (it took 16 texts to
     quantize's 64, a different model from the same folder), or the --calib-size given to either."""
-    from softq.workloads import tasks
+    from softq import evaluation as tasks
 
     seen = []
 
@@ -732,7 +732,7 @@ def test_calibration_texts_mix_both_sources_in_proportion() -> None:
 
 
 def test_model_dir_task_calibrates_on_the_built_in_texts_or_64_of_a_file(folder) -> None:
-    from softq.workloads.tasks import model_dir_task
+    from softq.evaluation import model_dir_task
 
     loaded = hf.load_model_dir(folder)
     rows = lambda task: sum(len(b["input_ids"]) for b in task.calib)  # noqa: E731

@@ -1,4 +1,4 @@
-"""examples/time_pack.py: ONNX files without their large tensors, refilled on the timing machine."""
+"""benchmarks/time_pack.py: ONNX files without their large tensors, refilled on the timing machine."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import time_pack  # noqa: E402
 
 from softq.export import onnx_utils as U  # noqa: E402

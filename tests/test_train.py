@@ -1,4 +1,4 @@
-"""softq.calib.train and ``softq train``: function-preserving gated conversion, fine-tuning, resumable runs."""
+"""softq.calib.train and the reference models' ``train`` command (benchmarks/reference.py): function-preserving gated conversion, fine-tuning, resumable runs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from softq import workloads as W
-from softq.calib.train import convert_to_gated, finetune_to_gated, load_checkpoint
+import workloads as W
+from softq.calib.train import convert_to_gated, load_checkpoint
+from workloads.resumable import finetune_to_gated
+from reference import main as reference_main
 from softq.cli import main as softq_main
 from softq.models import attention_modules
 
@@ -96,7 +98,7 @@ def test_finetune_to_gated_trains_gates_and_round_trips(tmp_path: Path) -> None:
 
 
 def _train(out: Path, *extra: str) -> int:
-    return softq_main(["train", "--model", "lm", "--size", "tiny", "--steps", "6", "--checkpoint-every", "2",
+    return reference_main(["train", "--model", "lm", "--size", "tiny", "--steps", "6", "--checkpoint-every", "2",
                        "--softmax", "clipped", "--out", str(out), "--quiet", *extra])
 
 
@@ -123,22 +125,22 @@ def test_train_cli_resume_continues_from_saved_step(tmp_path: Path, capsys: pyte
 
 def test_train_cli_resume_rejects_other_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert _train(tmp_path / "r", "--stop-after", "2") == 0
-    assert softq_main(["train", "--model", "lm", "--size", "tiny", "--steps", "6", "--seed", "1",
+    assert reference_main(["train", "--model", "lm", "--size", "tiny", "--steps", "6", "--seed", "1",
                        "--out", str(tmp_path / "r"), "--quiet", "--resume", "--softmax", "clipped"]) == 1
     assert "seed" in capsys.readouterr().err
-    assert softq_main(["train", "--model", "vit", "--size", "tiny", "--out", str(tmp_path / "none"),
+    assert reference_main(["train", "--model", "vit", "--size", "tiny", "--out", str(tmp_path / "none"),
                        "--quiet", "--resume"]) == 1
     assert "no checkpoint" in capsys.readouterr().err
     # an explicit exact softmax is a mismatch with a clipped checkpoint, not "as saved"
     lm = ["train", "--model", "lm", "--size", "tiny", "--out", str(tmp_path / "r"), "--quiet", "--resume"]
-    assert softq_main([*lm, "--softmax", "softmax"]) == 1
+    assert reference_main([*lm, "--softmax", "softmax"]) == 1
     assert "trained with softmax='clipped', not 'softmax'" in capsys.readouterr().err
     # resumed without attention flags: it continues as saved, and says so (it used to print "vanilla")
-    assert softq_main(lm) == 0
+    assert reference_main(lm) == 0
     assert "trained lm tiny alpha=0.5,softmax=clipped to step 6" in capsys.readouterr().out
-    # a model written by softq train is not a Hugging Face directory: one line saying what it is
+    # a model written by the reference train command is not a Hugging Face directory: one line saying what it is
     assert softq_main(["quantize", str(tmp_path / "r" / "model"), "--no-eval"]) == 1
-    assert "is a model written by softq train" in capsys.readouterr().err
+    assert "holds a state dict (weights.pt) with no Hugging Face weights" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("content", [b"", b"hello", None])
@@ -162,16 +164,16 @@ def test_train_cli_refuses_flags_it_would_ignore_and_outs_it_would_clobber(tmp_p
     lm = ["train", "--model", "lm", "--size", "tiny", "--steps", "2", "--quiet"]
     for extra, message in ((["--lr", "100"], "--lr is the learning rate of --finetune-gated"),
                            (["--pi", "0.9"], "--pi sets the gates' initial opening")):
-        assert softq_main([*lm, *extra, "--out", str(tmp_path / "x")]) == 1
+        assert reference_main([*lm, *extra, "--out", str(tmp_path / "x")]) == 1
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1 and not (tmp_path / "x").exists()
     (tmp_path / "kept" / "model").mkdir(parents=True)
     (tmp_path / "kept" / "model" / "notes.txt").write_text("mine")
-    assert softq_main([*lm, "--out", str(tmp_path / "kept")]) == 1
+    assert reference_main([*lm, "--out", str(tmp_path / "kept")]) == 1
     assert "already holds model/ and no checkpoint.pt" in capsys.readouterr().err
     assert (tmp_path / "kept" / "model" / "notes.txt").read_text() == "mine"
     (tmp_path / "a_file").write_text("x")
-    assert softq_main([*lm, "--out", str(tmp_path / "a_file" / "run")]) == 1
+    assert reference_main([*lm, "--out", str(tmp_path / "a_file" / "run")]) == 1
     assert "a_file is a file" in capsys.readouterr().err
 
 
@@ -180,7 +182,7 @@ def test_train_cli_clipped_default_keeps_a_fresh_models_rows_alive() -> None:
     zero, no gradient reaches Q and K (docs/outliers.md section 3).  It trains from scratch: alpha 0.5."""
     import argparse
 
-    from softq.calib.cli import attention_from_args
+    from workloads.train_cli import attention_from_args
 
     from softq.attention import configure_attention
 
@@ -202,13 +204,13 @@ def test_clipped_softmax_refuses_non_finite_parameters(capsys) -> None:
     for params in ({"alpha": float("nan")}, {"alpha": float("inf")}, {"zeta": float("inf")}):
         with pytest.raises(ValueError, match="clipped softmax.s (alpha|zeta) must be in"):
             get_softmax("clipped")(scores, None, **params)
-    assert softq_main(["train", "--model", "lm", "--size", "tiny", "--steps", "2", "--softmax", "clipped",
+    assert reference_main(["train", "--model", "lm", "--size", "tiny", "--steps", "2", "--softmax", "clipped",
                        "--alpha", "nan", "--out", "unused", "--quiet"]) == 1
     assert "clipped softmax's alpha must be in [0, 1e+06], got nan" in capsys.readouterr().err
 
 
 def test_train_cli_vit_gated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert softq_main(["train", "--model", "vit", "--size", "tiny", "--steps", "3", "--gated", "--pi", "0.25",
+    assert reference_main(["train", "--model", "vit", "--size", "tiny", "--steps", "3", "--gated", "--pi", "0.25",
                        "--out", str(tmp_path / "v"), "--quiet"]) == 0
     assert "heldout top-1" in capsys.readouterr().out
     model = W.load_model(tmp_path / "v" / "model")
@@ -220,31 +222,31 @@ def test_train_cli_finetune_gated_from_saved_model(tmp_path: Path, capsys: pytes
     W.save_model(W.train_lm("tiny", seed=0, steps=5, tokenizer=tok, progress=False), tmp_path / "base", tok)
     args = ["train", "--model", "lm", "--size", "tiny", "--finetune-gated", str(tmp_path / "base"), "--steps", "3",
             "--pi", "0.25", "--out", str(tmp_path / "g"), "--quiet"]
-    assert softq_main(args) == 0
+    assert reference_main(args) == 0
     assert "fine-tuned 3 steps" in capsys.readouterr().out
     gated = W.load_model(tmp_path / "g" / "model")
     assert gated.config.softq_gated
     before = (tmp_path / "g" / "model").stat().st_mtime_ns
-    assert softq_main(args) == 1  # the same --out again: refused before the fine-tune (it replaced model/)
+    assert reference_main(args) == 1  # the same --out again: refused before the fine-tune (it replaced model/)
     assert "already holds model/" in capsys.readouterr().err
     assert (tmp_path / "g" / "model").stat().st_mtime_ns == before
     for extra in (["--softmax", "clipped"], ["--alpha", "0.5"]):  # were silently ignored
-        assert softq_main([*args[:-3], "--out", str(tmp_path / "c"), *extra, "--quiet"]) == 1
+        assert reference_main([*args[:-3], "--out", str(tmp_path / "c"), *extra, "--quiet"]) == 1
         assert "drop --softmax/--alpha" in capsys.readouterr().err
     (tmp_path / "a_file").write_text("x")  # --out under a file: refused before the fine-tune, not at the save
-    assert softq_main([*args[:-3], "--out", str(tmp_path / "a_file" / "run"), "--quiet"]) == 1
+    assert reference_main([*args[:-3], "--out", str(tmp_path / "a_file" / "run"), "--quiet"]) == 1
     assert "a_file" in capsys.readouterr().err
     # --alpha does nothing without the clipped softmax: refused (it was ignored)
-    assert softq_main(["train", "--model", "lm", "--size", "tiny", "--alpha", "0.5", "--out", str(tmp_path / "n")]) == 1
+    assert reference_main(["train", "--model", "lm", "--size", "tiny", "--alpha", "0.5", "--out", str(tmp_path / "n")]) == 1
     assert "--alpha sets the clipped softmax's gamma" in capsys.readouterr().err and not (tmp_path / "n").exists()
     # A gated model cannot be converted again (its output projection is already rescaled).
     args[args.index("--finetune-gated") + 1] = str(tmp_path / "g" / "model")
     args[args.index("--out") + 1] = str(tmp_path / "g2")
-    assert softq_main(args) == 1
+    assert reference_main(args) == 1
     assert "already has gated attention" in capsys.readouterr().err
-    assert softq_main(["train", "--model", "vit", "--finetune-gated", str(tmp_path / "base"),
+    assert reference_main(["train", "--model", "vit", "--finetune-gated", str(tmp_path / "base"),
                        "--out", str(tmp_path / "x"), "--quiet"]) == 1
     assert "holds a gpt2 model, not --model vit" in capsys.readouterr().err
-    assert softq_main(["train", "--model", "lm", "--family", "opt", "--finetune-gated", str(tmp_path / "base"),
+    assert reference_main(["train", "--model", "lm", "--family", "opt", "--finetune-gated", str(tmp_path / "base"),
                        "--out", str(tmp_path / "x"), "--quiet"]) == 1
     assert "holds a gpt2 model, not --model lm --family opt" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""softq.workloads: data splits, tokenizer, tiny models that really learn, metrics, cache round trips."""
+"""The reference workloads (benchmarks/workloads): data splits, tokenizer, tiny models that really learn, metrics, cache round trips."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from softq import workloads as W
+import workloads as W
 
 GATED_CLIPPED = {"softmax": "clipped", "alpha": 4.0, "gated": True, "gate_pi_init": 0.25}
 

@@ -1,0 +1,160 @@
+"""Peak memory of an INT8 ONNX export (``softq.export.to_onnx``) next to the size of the file it writes.
+
+Each model runs in a fresh process: quantized with the default ``QuantConfig()`` (the task's calibration data; the
+OPT without input smoothing, whose search is several calibrations of it), then the process's peak resident memory
+is reset (``/proc/self/clear_refs``) and ``to_onnx`` writes the file; reported are the peak's growth over the
+memory held before the export (the float and quantized models, the libraries), the file's size, and the float
+model's weights.  ``opt-<N>m``: an OPT of random weights from a config (50272-token table; OPT-1.3B's hidden size
+and layers by default), a size softq could not export before 2026-12-05.
+
+    python benchmarks/bench_export_memory.py                              # writes docs/results/export_memory.md
+    python benchmarks/bench_export_memory.py --models minilm,lm,vit       # without the large OPT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_export_speed import commit  # noqa: E402
+from benchutil import chosen_models, command_line, cpu_description, write_atomic  # noqa: E402
+
+MODELS = ("minilm", "lm", "vit", "opt")
+
+
+def _status(field: str) -> int:
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field))
+
+
+def child(name: str, out: str, hidden: int, layers: int) -> None:
+    """One model: quantize, reset the peak, export; prints a JSON line."""
+    import gc
+
+    import torch
+
+    import softq
+
+    if name == "opt":
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.OPTConfig(vocab_size=50272, hidden_size=hidden, ffn_dim=4 * hidden,
+                                        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                                        max_position_embeddings=512, word_embed_proj_dim=hidden)
+        model = transformers.OPTForCausalLM(config).eval()
+        g = torch.Generator().manual_seed(1)
+        calib = [{"input_ids": torch.randint(2, 50000, (4, 64), generator=g)} for _ in range(4)]
+        example = {"input_ids": torch.randint(2, 50000, (2, 64), generator=torch.Generator().manual_seed(2))}
+    else:
+        import workloads
+
+        if name == "minilm":
+            from softq import hf
+
+            task = workloads.model_dir_task(hf.load_minilm())
+        else:
+            task = workloads.reference_task(name, progress=False)
+        model, calib = task.model, task.calib
+        example = {k: v[:2] for k, v in task.eval_inputs[0].items()}  # what is traced: two held-out inputs
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    start = time.perf_counter()
+    # the OPT without the input-smoothing search: several calibrations of a 1.3B model (before calibration kept no
+    # dequantized weights, the search ran out of 24 GB on it)
+    qmodel = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=None) if name == "opt" else None)
+    quantize_s = time.perf_counter() - start
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status("VmRSS")
+    start = time.perf_counter()
+    softq.export.to_onnx(qmodel, out, example)
+    export_s = time.perf_counter() - start
+    grew = _status("VmHWM") - before
+    # the file runs: onnxruntime's output next to the torch quantized model's on the example
+    import numpy as np
+
+    from softq.export.runtimes import runner
+
+    feeds = {k: v.numpy() for k, v in example.items()}
+    if "input_ids" in feeds and "attention_mask" not in feeds:
+        feeds["attention_mask"] = np.ones_like(feeds["input_ids"])
+    got = runner(out)(feeds)[0]
+    from softq.quant.quantizers import uncached_weights
+
+    with torch.no_grad(), uncached_weights():  # the float copy of the weights a first run caches: not needed here
+        ref = qmodel(**example)
+    ref = (ref.logits if getattr(ref, "logits", None) is not None else ref.last_hidden_state).numpy()
+    if "attention_mask" in example:  # padding positions compute nothing anyone reads
+        valid = example["attention_mask"].numpy().astype(bool)
+        got, ref = got[valid], ref[valid]
+    print(json.dumps({"model": name if name != "opt" else f"opt-{round(params / 1e6)}m", "params": params,
+                      "float": weights, "held": before, "grew": grew, "file": Path(out).stat().st_size,
+                      "quantize_s": quantize_s, "export_s": export_s,
+                      "parity": float(np.abs(got - ref).max() / np.abs(ref).max())}))
+
+
+def write(rows: list[dict], path: Path, minutes: float) -> Path:
+    lines = ["# Memory of an INT8 ONNX export", "",
+             "Generated by `benchmarks/bench_export_memory.py`; do not edit by hand. Command:", "",
+             f"    {command_line()}", "",
+             f"Machine: {cpu_description()}; {commit()}. Took {minutes:.1f} min.", "",
+             "Each model in a fresh process: `softq.quantize(model, calib)` with the default `QuantConfig()` (the OPT "
+             "with `input_smoothing=None`: the default's search over smoothing candidates is several calibrations of it, "
+             "and before 2026-12-05 ran out of this machine's memory; not re-run since), then the "
+             "process's peak resident memory reset and `softq.export.to_onnx(qmodel, path, example)` with two held-out "
+             "inputs as the example (the OPT: two other random 64-token sequences). Held: resident "
+             "memory before the export (libraries, the float and the quantized model). Export peak: the peak's growth "
+             "over that during the export. onnxruntime vs torch: max |difference| / max |output| of the file's first "
+             "output (onnxruntime, all optimisations) and the torch quantized model's on the two example inputs the "
+             "export traced (text: their valid tokens; on MiniLM a code at a rounding tie of the integer GEMM flips "
+             "by a step and spreads, as docs/results/export_speed.md describes for other runtimes).", "",
+             "| model | parameters | float weights GB | file GB | held GB | export peak GB | peak / file | quantize s | "
+             "export s | onnxruntime vs torch |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | | | | | failed: {r['error']} | | | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['float'] / 1e9:.3f} | {r['file'] / 1e9:.3f} | "
+                     f"{r['held'] / 1e9:.2f} | {r['grew'] / 1e9:.3f} | {r['grew'] / r['file']:.1f} | "
+                     f"{r['quantize_s']:.0f} | {r['export_s']:.0f} | {r['parity']:.1e} |")
+    write_atomic(path, "\n".join(lines) + "\n")
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--opt-hidden", type=int, default=2048, help="the OPT's hidden size (default: %(default)s)")
+    p.add_argument("--opt-layers", type=int, default=24, help="the OPT's layers (default: %(default)s: OPT-1.3B's "
+                                                              "shape, 1.31B parameters)")
+    p.add_argument("--output", type=Path, default=Path("docs/results/export_memory.md"))
+    p.add_argument("--child", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args.child[0], args.child[1], args.opt_hidden, args.opt_layers)
+        return
+    models = chosen_models(p, args.models, MODELS)
+    start, rows = time.perf_counter(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in models:
+            out = subprocess.run([sys.executable, __file__, "--child", m, str(Path(tmp) / f"{m}.onnx"),
+                                  "--opt-hidden", str(args.opt_hidden), "--opt-layers", str(args.opt_layers)],
+                                 capture_output=True, text=True)
+            if out.returncode != 0:
+                tail = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+                rows.append({"model": m, "error": f"{tail[:200]} (exit status {out.returncode})"})
+            else:
+                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            write(rows, args.output, (time.perf_counter() - start) / 60)
+    print(args.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""The support matrix: every family softq supports, run tiny from a config through each stage, and the families it
+refuses with the one line it refuses them with.  Nothing here is written by hand: a cell is what the run measured.
+
+    python benchmarks/support_matrix.py                 # writes docs/results/support_matrix.md and README's matrix
+    python benchmarks/support_matrix.py --no-mpc        # without the encrypted runs (minutes)
+
+Stages, each on a 2-layer model of hidden size 32 with random weights, on inputs other than the calibration ones:
+* quantize: default ``QuantConfig()``; relative output error ||q - fp|| / ||fp|| at most 0.1;
+* save/load: ``softq.save`` then ``softq.load`` computes bit for bit what was saved;
+* onnxruntime / tract / OpenVINO: ``softq.to_onnx`` traced on one shape, run on another (batch 3, 13 tokens, the
+  last text padded); relative error to the quantized torch model at most 2e-2;
+* MPC: the exact path (softmax, erf GELU) under CrypTen, 2 parties; relative error to plaintext at most 1e-2;
+* variants: clipped softmax, gated attention and softpick configured, quantized and exported, onnxruntime within
+  2e-2 of torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+import softq
+from benchutil import command_line, write_atomic
+from softq.export import runtimes
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKERS = ("<!-- support-matrix:start -->", "<!-- support-matrix:end -->")
+QUANT_BOUND, ONNX_BOUND, MPC_BOUND = 0.1, 2e-2, 1e-2
+COMMON = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64)
+TEXT = dict(vocab_size=64, max_position_embeddings=128)
+
+
+def supported() -> dict[str, callable]:
+    """model_type -> a builder of a tiny model of that family (headless encoders, causal LMs, image classifiers)."""
+    t = transformers
+    return {
+        "bert": lambda: t.BertModel(t.BertConfig(**TEXT, **COMMON), add_pooling_layer=False),
+        "roberta": lambda: t.RobertaModel(t.RobertaConfig(vocab_size=64, max_position_embeddings=130, pad_token_id=1,
+                                                          **COMMON), add_pooling_layer=False),
+        "xlm-roberta": lambda: t.XLMRobertaModel(t.XLMRobertaConfig(vocab_size=64, max_position_embeddings=130,
+                                                                    pad_token_id=1, **COMMON), add_pooling_layer=False),
+        "camembert": lambda: t.CamembertModel(t.CamembertConfig(vocab_size=64, max_position_embeddings=130,
+                                                                pad_token_id=1, **COMMON), add_pooling_layer=False),
+        "electra": lambda: t.ElectraModel(t.ElectraConfig(**TEXT, embedding_size=16, **COMMON)),
+        "distilbert": lambda: t.DistilBertModel(t.DistilBertConfig(vocab_size=64, max_position_embeddings=128,
+                                                                   n_layers=2, n_heads=4, dim=32, hidden_dim=64,
+                                                                   pad_token_id=1)),
+        "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128)),
+        "opt": lambda: t.OPTForCausalLM(t.OPTConfig(**TEXT, ffn_dim=64, word_embed_proj_dim=32, pad_token_id=1,
+                                                    **COMMON)),
+        "vit": lambda: t.ViTForImageClassification(t.ViTConfig(image_size=16, patch_size=4, num_channels=3,
+                                                               num_labels=10, **COMMON)),
+        "deit": lambda: t.DeiTForImageClassification(t.DeiTConfig(image_size=16, patch_size=4, num_channels=3,
+                                                                  num_labels=10, **COMMON)),
+    }
+
+
+def refused() -> dict[str, callable]:
+    """Families people quantize today that softq does not run yet: what it says when given one."""
+    t = transformers
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    return {
+        "llama": lambda: t.LlamaForCausalLM(t.LlamaConfig(**small, num_key_value_heads=2)),
+        "qwen2": lambda: t.Qwen2ForCausalLM(t.Qwen2Config(**small, num_key_value_heads=2)),
+        "mistral": lambda: t.MistralForCausalLM(t.MistralConfig(**small, num_key_value_heads=2)),
+        "gemma2": lambda: t.Gemma2ForCausalLM(t.Gemma2Config(**small, num_key_value_heads=2, head_dim=8)),
+        "phi3": lambda: t.Phi3ForCausalLM(t.Phi3Config(**small, num_key_value_heads=2, pad_token_id=0)),
+        "modernbert": lambda: t.ModernBertModel(t.ModernBertConfig(**small, pad_token_id=0)),
+        "mpnet": lambda: t.MPNetModel(t.MPNetConfig(**small)),
+        "dinov2": lambda: t.Dinov2Model(t.Dinov2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                       num_attention_heads=4, image_size=16, patch_size=4)),
+    }
+
+
+def inputs(model: torch.nn.Module, seed: int, batch: int, seq: int, pad: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if model.main_input_name == "pixel_values":
+        size = model.config.image_size
+        return {"pixel_values": torch.randn(batch, model.config.num_channels, size, size, generator=g)}
+    ids = torch.randint(3, 64, (batch, seq), generator=g)
+    mask = torch.ones_like(ids)
+    if pad and model.config.model_type not in ("gpt2", "opt"):  # right padding in the last text
+        mask[-1, seq - 4:] = 0
+        ids[mask == 0] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@torch.no_grad()
+def output(model: torch.nn.Module, x: dict[str, torch.Tensor]) -> np.ndarray:
+    out = model(**x)
+    value = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+    if "attention_mask" in x:
+        value = value[x["attention_mask"].bool()]
+    return value.float().numpy()
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def cell(ok: bool, value: float | None = None) -> str:
+    text = "yes" if ok else "**no**"
+    return f"{text} ({value:.1e})" if value is not None else text
+
+
+def onnx_errors(qmodel: torch.nn.Module, model: torch.nn.Module, path: Path, calib: list[dict],
+                which: tuple[str, ...]) -> dict[str, float]:
+    softq.to_onnx(qmodel, str(path), calib[0], overwrite=True)
+    x = inputs(model, 99, 3, 13, pad=True)
+    ref = output(qmodel, x)
+    feeds = {k: v.numpy() for k, v in x.items()}
+    errors = {}
+    for runtime in which:
+        out = runtimes.runner(path, runtime)(feeds)[0]
+        if "attention_mask" in x:
+            out = out[x["attention_mask"].numpy().astype(bool)]
+        errors[runtime] = rel(out, ref)
+    return errors
+
+
+def mpc_error(model: torch.nn.Module) -> float:
+    import softq.mpc
+
+    x = inputs(model, 7, 2, 12, pad=True)
+    result = softq.mpc.run(model, x, softmax="softmax", gelu="erf", world_size=2, timeout=600)
+    got = result.outputs[0]
+    got = got[x["attention_mask"].bool()] if "attention_mask" in x else got
+    return rel(got.float().numpy(), output(model, x))
+
+
+def variants_ok(build, workdir: Path) -> tuple[bool, str]:
+    failed = []
+    for name, kwargs in (("clipped", dict(softmax="clipped", alpha=0.5)), ("gated", dict(gated=True)),
+                         ("softpick", dict(softmax="softpick"))):
+        torch.manual_seed(0)
+        model = build().eval()
+        try:
+            softq.configure_attention(model, **kwargs)
+            calib = [inputs(model, s, 2, 20, pad=True) for s in range(3)]
+            qmodel = softq.quantize(model, calib, softq.QuantConfig())
+            err = onnx_errors(qmodel, model, workdir / f"{name}.onnx", calib, ("onnxruntime",))["onnxruntime"]
+            if not err <= ONNX_BOUND:
+                failed.append(f"{name} {err:.1e}")
+        except Exception as exc:  # noqa: BLE001 - a table cell says what failed
+            failed.append(f"{name}: {str(exc).splitlines()[0][:60]}")
+    return not failed, ", ".join(failed)
+
+
+def run_family(name: str, build, workdir: Path, mpc: bool) -> list[str]:
+    torch.manual_seed(0)
+    model = build().eval()
+    calib = [inputs(model, s, 2, 20, pad=True) for s in range(3)]
+    held = inputs(model, 50, 3, 13, pad=True)
+    qmodel = softq.quantize(model, calib, softq.QuantConfig())
+    q_err = rel(output(qmodel, held), output(model, held))
+    softq.save(qmodel, workdir / name, overwrite=True)
+    loaded = softq.load(workdir / name)
+    same = bool(np.array_equal(output(loaded, held), output(qmodel, held)))
+    which = tuple(r for r in ("onnxruntime", "tract", "openvino") if runtimes.available(r))
+    errors = onnx_errors(qmodel, model, workdir / f"{name}.onnx", calib, which)
+    cells = [name, cell(q_err <= QUANT_BOUND, q_err), cell(same)]
+    cells += [cell(errors[r] <= ONNX_BOUND, errors[r]) if r in errors else "not installed"
+              for r in ("onnxruntime", "tract", "openvino")]
+    if mpc:
+        try:
+            m_err = mpc_error(model)
+            cells.append(cell(m_err <= MPC_BOUND, m_err))
+        except Exception as exc:  # noqa: BLE001
+            cells.append(f"**no**: {str(exc).splitlines()[0][:80]}")
+    else:
+        cells.append("not run")
+    ok, why = variants_ok(build, workdir)
+    cells.append("yes" if ok else f"**no**: {why}")
+    return cells
+
+
+def refusal(build) -> str:
+    torch.manual_seed(0)
+    model = build().eval()
+    try:
+        softq.quantize(model, [{"input_ids": torch.randint(3, 64, (1, 8))}], softq.QuantConfig())
+    except ValueError as err:
+        return str(err).splitlines()[0]
+    return "**not refused**"
+
+
+def matrix(mpc: bool) -> str:
+    header = ["family", "quantize", "save / load", "onnxruntime", "tract", "OpenVINO", "MPC exact path",
+              "attention variants"]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, build in supported().items():
+            start = time.time()
+            rows.append("| " + " | ".join(run_family(name, build, Path(tmp), mpc)) + " |")
+            print(f"{name}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+    lines = [*rows, "", "Refused, each in one line:", "", "| family | what softq says |", "|---|---|"]
+    for name, build in refused().items():
+        lines.append(f"| {name} | {refusal(build).replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-mpc", dest="mpc", action="store_false", help="skip the encrypted runs")
+    parser.add_argument("--output", type=Path, default=ROOT / "docs/results/support_matrix.md")
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="README whose matrix is replaced")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    start = time.time()
+    table = matrix(args.mpc)
+    cells = (f"In each cell, the measured relative error where there is one. Bounds: quantize {QUANT_BOUND}, "
+             f"runtimes {ONNX_BOUND:.0e} on a shape other than the traced one, MPC {MPC_BOUND:.0e}.")
+    write_atomic(args.output, "\n".join([
+        "# Support matrix", "", "Generated by `benchmarks/support_matrix.py`; do not edit by hand. Command:", "",
+        f"    {command_line()}", "", f"torch {torch.__version__}, transformers {transformers.__version__}; took "
+        f"{(time.time() - start) / 60:.1f} min.", "", __doc__.split("\n\n", 2)[2].strip(), "", cells, "", table, ""]))
+    readme = args.readme.read_text()
+    pattern = re.compile(re.escape(MARKERS[0]) + ".*?" + re.escape(MARKERS[1]), re.S)
+    if not pattern.search(readme):
+        raise SystemExit(f"{args.readme} has no {MARKERS[0]} ... {MARKERS[1]} block")
+    block = f"{MARKERS[0]}\n{table}\n\n{cells} Generated by `python benchmarks/support_matrix.py`.\n{MARKERS[1]}"
+    write_atomic(args.readme, pattern.sub(lambda _: block, readme))
+    print(f"wrote {args.output} and the matrix in {args.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
