@@ -297,7 +297,7 @@ def test_qdq_linears_keep_the_dequantize_matmul_form(smoothed, graphs, tmp_path)
     """linears="qdq" (OpenVINO's int8 pattern): every Linear stays DequantizeLinear -> MatMul, the other folds
     still apply, and the outputs are the integer form's."""
     from softq.export import runtimes
-    from softq.export.model_export import ExportError
+    from softq.export.errors import ExportError
 
     qmodel = smoothed["gpt2"]
     example = tiny_inputs("gpt2")
@@ -367,7 +367,7 @@ def test_dynamic_linears_of_symmetric_activations_see_the_unclipped_input():
 def test_dynamic_linears_of_narrower_activations_are_refused():
     """act_bits < 8: the static grid's Clip kept the fusion from finding the input quantization, and the file came
     out in the integer form, byte for byte, with no word."""
-    from softq.export.model_export import ExportError
+    from softq.export.errors import ExportError
 
     qmodel = softq.quantize(tiny_model("vit"), [tiny_inputs("vit", seed=s) for s in range(3)],
                             softq.QuantConfig(act_bits=4))
