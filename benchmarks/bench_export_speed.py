@@ -44,7 +44,7 @@ from benchutil import (DYNAMIC, FLOAT_SOFTMAX, FP32_STATIC, INT_FORM, MODELS, QD
                        cpu_description, int_list, interleaved, table_lines, timing_sentence, variants_paragraph, write_atomic)
 
 import softq  # noqa: E402
-from softq.export import fuse  # noqa: E402
+from softq.export import fuse_shapes  # noqa: E402
 from softq.export import onnx_utils as U  # noqa: E402
 from softq.export import runtimes  # noqa: E402
 from softq.export.model_export import to_onnx, to_onnx_float  # noqa: E402
@@ -130,7 +130,7 @@ class Bench:
         paths = {"FP32": Path(to_onnx_float(self.model, workdir / f"{self.name}_fp32.onnx", self.example(),
                                             overwrite=True, **pool))}
         float_model = onnx.load(str(paths["FP32"]))
-        fuse.static_reshapes(float_model)
+        fuse_shapes.static_reshapes(float_model)
         paths[FP32_STATIC] = U.save_atomic(U.prune(float_model), workdir / f"{self.name}_fp32_static.onnx", overwrite=True)
         paths["softq INT8, fast"] = Path(to_onnx(qmodel, workdir / f"{self.name}_fast.onnx", self.example(),
                                                  softmax="fast", overwrite=True, **pool))

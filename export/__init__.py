@@ -20,12 +20,14 @@ from softq.export.int_softmax import FORMS, OUT_SCALE, SoftmaxQuant, build_softm
 __all__ = ["FORMS", "OUT_SCALE", "SoftmaxQuant", "build_softmax", "reference", "softmax_model",
            "to_onnx", "to_onnx_float", "build_onnx", "ExportError", "runtimes"]
 
-_LAZY = {"to_onnx", "to_onnx_float", "build_onnx", "build_onnx_float", "ExportError"}
+# name -> the module that holds it (imported on first use: model_export imports torch)
+_LAZY = {"to_onnx": "model_export", "to_onnx_float": "model_export", "build_onnx": "model_export",
+         "build_onnx_float": "model_export", "ExportError": "errors"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from softq.export import model_export
+        import importlib
 
-        return getattr(model_export, name)
+        return getattr(importlib.import_module(f"softq.export.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'softq.export' has no attribute {name!r}")

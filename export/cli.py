@@ -132,7 +132,8 @@ def _pooling(args: argparse.Namespace) -> tuple[str | None, bool]:
 
 def _export(args: argparse.Namespace) -> int:
     from softq.export import onnx_utils
-    from softq.export.model_export import default_form, to_onnx
+    from softq.export.cores import default_form
+    from softq.export.model_export import to_onnx
 
     onnx_utils.check_writable(args.output, args.overwrite)  # before any slow work
     qmodel = load_quantized(args)

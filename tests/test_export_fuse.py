@@ -12,7 +12,7 @@ from conftest import tiny_inputs, tiny_model
 from onnx import TensorProto, helper, numpy_helper
 
 import softq
-from softq.export import fuse
+from softq.export import fuse, fuse_layout, fuse_linear, fuse_scales, fuse_shapes
 from softq.export import onnx_utils as U
 from softq.export.model_export import build_onnx
 
@@ -95,7 +95,7 @@ def test_onnxruntime_fuses_each_linear_with_its_bias(smoothed, graphs, tmp_path,
         else:  # the DQ -> MatMul form: fused without the bias, a separate Add each
             assert linears and all(len(n.input) == 6 for n in linears) and bias_adds
     # the scalar 'one' that keeps the fusion's scale a Mul: one DequantizeLinear, one Abs, for the whole graph
-    assert sum(n.name.startswith(fuse.ONE) for n in fused.graph.node) == 2
+    assert sum(n.name.startswith(fuse_linear.ONE) for n in fused.graph.node) == 2
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -152,7 +152,7 @@ def test_score_scale_folds_into_the_query_dequantization(smoothed, graphs, famil
         assert q_plain.op_type == "QuantizeLinear"
         expected = np.float32(plain_consts[q_plain.input[1]] * np.float32(head_dim**-0.5))
         assert consts[dq.input[1]] == expected
-    assert fuse.fold_matmul_scales(plain) == layers  # the unfused graph had the Mul after each
+    assert fuse_scales.fold_matmul_scales(plain) == layers  # the unfused graph had the Mul after each
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -222,7 +222,7 @@ def test_layernorm_scale_folds_past_a_reshape_that_keeps_the_channels_last():
         mul_c = c if target[-1] == 8 else np.tile(c, 2)
         model = _graph(nodes, {**inits, "c": mul_c, "t": np.array(target, np.int64)}, x_shape=(6, 8))
         before = U.run(model, {"x": x}, "disable")[0]
-        assert fuse.fold_layernorm_scales(model) == int(folds)
+        assert fuse_scales.fold_layernorm_scales(model) == int(folds)
         assert ("Mul" in {n.op_type for n in model.graph.node}) != folds
         np.testing.assert_allclose(U.run(model, {"x": x}, "disable")[0], before, rtol=1e-5, atol=1e-6)
     # a target built at run time (batch and tokens read by Shape): the last dimension from shape inference
@@ -234,7 +234,7 @@ def test_layernorm_scale_folds_past_a_reshape_that_keeps_the_channels_last():
     model = _graph(nodes, {**inits, "zero": np.array([0], np.int64), "one": np.array([1], np.int64),
                            "eight": np.array([8], np.int64)}, x_shape=("b", 8))
     before = U.run(model, {"x": x}, "disable")[0]
-    assert fuse.fold_layernorm_scales(model) == 1 and "Mul" not in {n.op_type for n in model.graph.node}
+    assert fuse_scales.fold_layernorm_scales(model) == 1 and "Mul" not in {n.op_type for n in model.graph.node}
     np.testing.assert_allclose(U.run(model, {"x": x}, "disable")[0], before, rtol=1e-5, atol=1e-6)
 
 
@@ -264,18 +264,18 @@ def test_passes_leave_what_they_cannot_fold():
     # two readers with different scales: no single gamma serves both
     model = _graph([ln, helper.make_node("Mul", ["n", "c1"], ["y0"]), helper.make_node("Mul", ["n", "c2"], ["z0"])],
                    {"g": np.ones(8, np.float32), "b": np.zeros(8, np.float32), "c1": c1, "c2": c2})
-    assert fuse.fold_layernorm_scales(model) == 0 and len(model.graph.node) == 5
+    assert fuse_scales.fold_layernorm_scales(model) == 0 and len(model.graph.node) == 5
     # a Mul and a non-Mul reader (a residual Add): the Mul stays
     model = _graph([ln, helper.make_node("Mul", ["n", "c1"], ["y0"]), helper.make_node("Add", ["n", "x"], ["z0"])],
                    {"g": np.ones(8, np.float32), "b": np.zeros(8, np.float32), "c1": c1})
-    assert fuse.fold_layernorm_scales(model) == 0
+    assert fuse_scales.fold_layernorm_scales(model) == 0
     # the same scale on every reader folds, and computes the same
     model = _graph([ln, helper.make_node("Mul", ["n", "c1"], ["y0"]), helper.make_node("Mul", ["c1", "n"], ["z0"])],
                    {"g": np.linspace(0.5, 1.5, 8, dtype=np.float32), "b": np.linspace(-1, 1, 8, dtype=np.float32),
                     "c1": np.linspace(0.1, 3, 8, dtype=np.float32)})
     x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
     before = U.run(model, {"x": x}, "disable")
-    assert fuse.fold_layernorm_scales(model) == 1
+    assert fuse_scales.fold_layernorm_scales(model) == 1
     assert [n.op_type for n in model.graph.node] == ["LayerNormalization", "Identity", "Identity"]
     after = U.run(model, {"x": x}, "disable")
     np.testing.assert_allclose(after[0], before[0], rtol=1e-5, atol=1e-6)
@@ -286,10 +286,10 @@ def test_passes_leave_what_they_cannot_fold():
              helper.make_node("MatMul", ["d", "w"], ["m"]), helper.make_node("Mul", ["m", "c"], ["y0"]),
              helper.make_node("Relu", ["x"], ["z0"])]
     inits = {"s": np.float32(0.1), "zp": np.uint8(128), "w": np.ones((8, 8), np.float32)}
-    assert fuse.fold_matmul_scales(_graph(nodes, {**inits, "c": np.float32(-0.5)})) == 0
+    assert fuse_scales.fold_matmul_scales(_graph(nodes, {**inits, "c": np.float32(-0.5)})) == 0
     model = _graph(nodes, {**inits, "c": np.float32(0.5)})
     before = U.run(model, {"x": x}, "disable")[0]
-    assert fuse.fold_matmul_scales(model) == 1 and "Mul" not in {n.op_type for n in model.graph.node}
+    assert fuse_scales.fold_matmul_scales(model) == 1 and "Mul" not in {n.op_type for n in model.graph.node}
     np.testing.assert_allclose(U.run(model, {"x": x}, "disable")[0], before, rtol=1e-6)
 
 
@@ -297,7 +297,7 @@ def test_qdq_linears_keep_the_dequantize_matmul_form(smoothed, graphs, tmp_path)
     """linears="qdq" (OpenVINO's int8 pattern): every Linear stays DequantizeLinear -> MatMul, the other folds
     still apply, and the outputs are the integer form's."""
     from softq.export import runtimes
-    from softq.export.model_export import ExportError
+    from softq.export.errors import ExportError
 
     qmodel = smoothed["gpt2"]
     example = tiny_inputs("gpt2")
@@ -367,7 +367,7 @@ def test_dynamic_linears_of_symmetric_activations_see_the_unclipped_input():
 def test_dynamic_linears_of_narrower_activations_are_refused():
     """act_bits < 8: the static grid's Clip kept the fusion from finding the input quantization, and the file came
     out in the integer form, byte for byte, with no word."""
-    from softq.export.model_export import ExportError
+    from softq.export.errors import ExportError
 
     qmodel = softq.quantize(tiny_model("vit"), [tiny_inputs("vit", seed=s) for s in range(3)],
                             softq.QuantConfig(act_bits=4))
@@ -421,8 +421,8 @@ def test_shared_linears_become_one_gemm_with_the_same_outputs(case):
     model = _shared_graph(requant=case != "float", extra_reader=case == "read elsewhere")
     x = np.random.default_rng(4).standard_normal((200, 8)).astype(np.float32) * 3
     before = U.run(model, {"x": x}, "disable")
-    assert fuse.fuse_shared_linears(model) == 1
-    assert fuse.fold_split_quantizers(model) == (case == "requantized")
+    assert fuse_linear.fuse_shared_linears(model) == 1
+    assert fuse_linear.fold_split_quantizers(model) == (case == "requantized")
     U.prune(model)
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("MatMulInteger") == 1 and ops.count("Split") == 1
@@ -447,7 +447,7 @@ def test_linears_on_different_inputs_stay_apart():
             node.input[0] = "codes2"
     model.graph.node.insert(3, helper.make_node("Abs", ["x"], ["xa"]))
     model.graph.node.insert(4, helper.make_node("QuantizeLinear", ["xa", "s", "zp"], ["codes2"]))
-    assert fuse.fuse_shared_linears(model) == 1  # the first two still share theirs
+    assert fuse_linear.fuse_shared_linears(model) == 1  # the first two still share theirs
     assert sum(n.op_type == "MatMulInteger" for n in model.graph.node) == 2
 
 
@@ -472,7 +472,7 @@ def _reshape_graph() -> onnx.ModelProto:
 
 def test_static_reshapes_rewrite_only_what_shape_inference_proves():
     model = _reshape_graph()
-    assert fuse.static_reshapes(model) == 1
+    assert fuse_shapes.static_reshapes(model) == 1
     U.prune(model)
     made = {o: n for n in model.graph.node for o in n.output}
     consts = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
@@ -660,7 +660,7 @@ def test_heads_stay_apart_where_a_padded_part_has_another_reader(unmerged):
     model.graph.output.extend([helper.make_tensor_value_info(query.output[0], TensorProto.UINT8, None)])
     feeds = _feeds("vit", 7)[1]
     before = U.session(model, "all").run(None, feeds)
-    assert fuse.merge_head_splits(model) == layers - 1
+    assert fuse_layout.merge_head_splits(model) == layers - 1
     kept = list(split.output)
     assert any(n.op_type == "Split" and list(n.output) == kept for n in model.graph.node)
     after = U.session(model, "all").run(None, feeds)
@@ -731,6 +731,6 @@ def test_quantizer_input_scale_folds_only_a_positive_scalar_on_a_linear_output()
         x = np.array([[0.31, -1.2], [-0.7, 0.26]] if linear else [[0.31, -1.2, 2.5, 0.049], [-0.7, 0.26, 1.1, -3.0]],
                      np.float32)
         before = U.run(model, {"x": x}, "disable")[0]
-        assert fuse.fold_quantizer_input_scales(model) == int(folds)
+        assert fuse_scales.fold_quantizer_input_scales(model) == int(folds)
         assert sum(n.op_type == "Mul" for n in model.graph.node) == int(not folds)
         assert np.array_equal(U.run(model, {"x": x}, "disable")[0], before)

@@ -18,8 +18,9 @@ from onnx import numpy_helper
 import softq
 from softq.attention import attention_points, configure_attention
 from softq.export import onnx_utils as U
+from softq.export.errors import ExportError
 from softq.export.int_softmax import rounding_constants
-from softq.export.model_export import ExportError, build_onnx, to_onnx, to_onnx_float
+from softq.export.model_export import build_onnx, to_onnx, to_onnx_float
 
 STEP = 2.0**-8
 # Stated tolerances (tiny random models, the hardest case for rounding flips):

@@ -430,12 +430,13 @@ def _exported_act(q, x: torch.Tensor) -> np.ndarray:
 
     import onnxruntime as ort
 
-    from softq.export.model_export import TORCH_OPSET, _ExportAct
+    from softq.export.functions import TORCH_OPSET
+    from softq.export.modules import ExportAct
 
     buf = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(_ExportAct(q, 1).eval(), (x,), buf, dynamo=False, opset_version=TORCH_OPSET,
+        torch.onnx.export(ExportAct(q, 1).eval(), (x,), buf, dynamo=False, opset_version=TORCH_OPSET,
                           input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "n"}})
     return ort.InferenceSession(buf.getvalue()).run(None, {"x": x.numpy()})[0]
 

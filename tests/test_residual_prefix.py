@@ -104,7 +104,8 @@ def test_bert_decoder_gets_no_prefix_and_decodes_with_a_cache_as_in_one_pass() -
 def test_bert_decoder_export_refuses_what_it_cannot_mask_or_read(tmp_path) -> None:
     """softmax='ort' (QLinearSoftmax: no mask) is refused for a BERT decoder as for GPT-2; a model with
     cross-attention is refused in one line (the graph would drop the encoder states)."""
-    from softq.export.model_export import ExportError, build_onnx, to_onnx_float
+    from softq.export.errors import ExportError
+    from softq.export.model_export import build_onnx, to_onnx_float
 
     qmodel = softq.quantize(bert_decoder(), [tiny_inputs("bert", seed=s) for s in range(2)],
                             softq.QuantConfig(softmax_output="edge"))

@@ -258,7 +258,8 @@ def test_float_input_model_exports_with_parity(family):
     """softmax_input='float': the scores point stays float in torch; the fast form's ONNX feeds s - rowmax
     straight into the Exp (no QuantizeLinear/DequantizeLinear before it) and matches torch, padding included;
     the int form is refused with one line that says what to do."""
-    from softq.export.model_export import ExportError, build_onnx
+    from softq.export.errors import ExportError
+    from softq.export.model_export import build_onnx
 
     calib = [tiny_inputs(family, seed=s) for s in range(2)]
     qmodel = softq.quantize(tiny_model(family), calib, softq.QuantConfig(softmax_input="float"))

@@ -1,0 +1,180 @@
+"""The export layers: small modules that stand in for each quantized module of the export copy.
+
+Each takes its codes, scales and zero points from the quantized module it replaces (activation quantizers,
+quantized Linears, embedding tables, weight-only parametrizations, the attention core's softmax points) and
+calls one :mod:`softq.export.functions` Function, so the trace computes the quantized model's numbers and
+writes their ONNX form.  :func:`softq.export.prepare.export_copy` puts them in place.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from softq.export.errors import ExportError
+from softq.export.functions import (STATE, TORCH_OPSET, AttentionMarkerFn, EmbeddingLookupFn, GroupQDQFn, QDQFn,
+                                    WeightDQFn, WeightOnlyFn)
+from softq.quant.quantizers import weight_codes
+
+
+class ExportWeightOnly(nn.Module):
+    """Stands in for a :class:`WeightOnly` parametrization in the export copy (its input, the float
+    original, is then unused and leaves the graph)."""
+
+    def __init__(self, quant: nn.Module, original: torch.Tensor, key: int) -> None:
+        super().__init__()
+        codes, scale = quant.codes_and_scale(original)
+        if codes.abs().max() > 127:
+            raise ExportError(f"weight-only codes of {quant.bits} bits do not fit int8")
+        STATE.weights[key] = (codes.to(torch.int8).numpy(), scale.to(torch.float32).numpy(), None, None)
+        self.register_buffer("w_deq", codes * scale)
+        self.key = key
+
+    def forward(self, _original: torch.Tensor) -> torch.Tensor:
+        return WeightOnlyFn.apply(self.w_deq, self.key)
+
+
+class ExportAct(nn.Module):
+    def __init__(self, quantizer: nn.Module, key: int) -> None:
+        super().__init__()
+        self.signed = bool(quantizer.signed)
+        bits = int(quantizer.bits)
+        if bits > 8:
+            raise ExportError(f"softq exports activations of at most 8 bits (ONNX opset {TORCH_OPSET}); got {bits}")
+        self.qmin, self.qmax = ((-(2 ** (bits - 1)) + 1, 2 ** (bits - 1) - 1) if self.signed else (0, 2**bits - 1))
+        self.key = key
+        self.grouped = quantizer.scale.numel() > 1
+        if self.grouped:  # per-embedding-group: one (scale, zero point) per hidden channel
+            if (self.qmin, self.qmax) not in ((0, 255), (-127, 127)):
+                raise ExportError(f"per-group activations export at 8 bits only; got {bits}")
+            scale = quantizer.scale.detach().float().reshape(-1)
+            zp = quantizer.zero_point.detach().round().reshape(-1)
+            STATE.acts[key] = (scale.numpy().astype(np.float32),
+                               zp.numpy().astype(np.int8 if self.signed else np.uint8), self.signed)
+            self.register_buffer("scale_v", scale)
+            self.register_buffer("zp_v", zp.float())
+        else:
+            self.scale = float(quantizer.scale)
+            self.zp = int(round(float(quantizer.zero_point)))
+        # prefix-token rows (QuantConfig.residual_prefix): Slice -> their own Q/DQ -> Concat, as in torch
+        self.prefix = nn.ModuleList(ExportAct(row, -(key * 16 + i + 1))
+                                    for i, row in enumerate(getattr(quantizer, "prefix", ())))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.prefix) and x.dim() >= 3:
+            rows = [q(x[..., i:i + 1, :]) for i, q in enumerate(self.prefix)]  # empty past a short input's end
+            return torch.cat([*rows, self._forward(x[..., len(self.prefix):, :])], dim=-2)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grouped:
+            return GroupQDQFn.apply(x, self.scale_v, self.zp_v, self.key, self.qmin, self.qmax)
+        return QDQFn.apply(x, self.scale, self.zp, self.qmin, self.qmax, self.signed)
+
+
+class ExportLinear(nn.Module):
+    def __init__(self, layer: nn.Module, storage: str) -> None:
+        super().__init__()
+        # the codes inference computes with (QLinear.dequantized_weight; Brevitas' int_weight() bit for bit, with
+        # a few weight-sized temporaries fewer)
+        codes, scale = weight_codes(layer.weight, layer.weight_bits, 0 if layer.per_channel else None)
+        if codes.abs().max() > 127:
+            raise ExportError(f"weights of {type(layer).__name__} do not fit int8 (weight_bits > 8 is not exportable)")
+        codes = codes.t().to(torch.int8).contiguous()  # [in, out]: MatMul(x, W^T), axis=1
+        scale = scale.reshape(-1 if scale.numel() > 1 else ()).to(torch.float32)
+        zp = torch.zeros(scale.shape, dtype=torch.int8)
+        if storage == "uint8":  # same symmetric grid, stored shifted by 128 (see to_onnx)
+            codes = (codes.to(torch.int16) + 128).to(torch.uint8)
+            zp = torch.full(scale.shape, 128, dtype=torch.uint8)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zp", zp)
+        bias = layer.effective_bias()  # with the weight bias correction
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.input_act = layer.input_act
+        self.register_buffer("input_scale", layer.input_scale.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale.numel():  # input smoothing: one Mul, merged for Linear layers sharing the input
+            x = x * self.input_scale
+        y = torch.matmul(self.input_act(x), WeightDQFn.apply(self.codes, self.scale, self.zp))
+        return y if self.bias is None else y + self.bias
+
+
+class ExportEmbedding(nn.Module):
+    """Weight-only int8 embedding table (symmetric, one scale per row): int8 codes and float scales, both gathered.
+
+    From a :class:`softq.quant.quantizers.QEmbedding` (``QuantConfig.embedding_bits``, the
+    default): its own codes and scales, so ONNX computes what the torch model does.  From a
+    float ``nn.Embedding`` (``embeddings="int8"`` on a model quantized with
+    ``embedding_bits=None``): 8-bit codes made here, which the torch model does not use.
+    """
+
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        if hasattr(emb, "int_weight"):  # a QEmbedding: the codes its inference computes with
+            codes, scale = weight_codes(emb.weight, emb.bits, 0)
+            if codes.abs().max() > 127:
+                raise ExportError(f"embedding codes of {emb.bits} bits do not fit int8")
+            codes, scale = codes.to(torch.int8), scale.reshape(-1).to(torch.float32)
+        else:
+            w = emb.weight.detach().to(torch.float32)
+            scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+            codes = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+        self.padding_idx = emb.padding_idx
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale.reshape(-1, 1).to(torch.float32))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return EmbeddingLookupFn.apply(ids, self.codes, self.scale)
+
+
+class FloatEmbedding(nn.Module):
+    """A QEmbedding exported as a float table of its dequantized codes (``embeddings="float"``)."""
+
+    def __init__(self, emb: nn.Module) -> None:
+        super().__init__()
+        self.padding_idx = emb.padding_idx
+        self.weight = nn.Parameter(emb.dequantized().detach().clone(), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight, self.padding_idx)
+
+
+class ScoresTap(nn.Module):
+    """Passes the float scores through and remembers them (and the mask) for the attention marker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x
+        return x
+
+
+class ValidTap(nn.Module):
+    """Stands in for the softmax-output quantizer: remembers the mask, passes the probabilities on."""
+
+    def __init__(self, tap: ScoresTap) -> None:
+        super().__init__()
+        self.tap = [tap]  # a list: not a submodule
+
+    def forward(self, probs: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        self.tap[0].valid = valid
+        return probs
+
+
+class AttentionMarker(nn.Module):
+    """Replaces the P.V matmul: one marker from (scores, V, valid) to P.V."""
+
+    def __init__(self, tap: ScoresTap, key: int) -> None:
+        super().__init__()
+        self.tap = [tap]
+        self.key = key
+
+    def forward(self, probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        tap = self.tap[0]
+        return AttentionMarkerFn.apply(tap.seen, value, tap.valid, torch.matmul(probs, value), self.key)
