@@ -521,7 +521,7 @@ def _float32(model: nn.Module) -> nn.Module:
 def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
                  embeddings: str | None = None) -> tuple[nn.Module, dict[int, dict[str, Any]]]:
     from softq.attention import attention_points
-    from softq.quant.quantizers import QEmbedding, QLinear
+    from softq.quant.layers import QEmbedding, QLinear
     from softq.softmax import HALF_DTYPES
 
     # the copy shares the quantized weights, which it only reads (into int8 codes) before replacing their layers: a
@@ -550,7 +550,7 @@ def _export_copy(qmodel: nn.Module, weight_storage: str = "int8",
     counter = iter(range(10**9))
     _replace_children(model, lambda m: isinstance(m, QLinear), lambda m: _ExportLinear(m, weight_storage))
     _replace_children(model, _is_act_quantizer, lambda m: _ExportAct(m, next(counter)))
-    from softq.quant.quantizers import WeightOnly
+    from softq.quant.layers import WeightOnly
 
     if embeddings == "float":
         _replace_children(model, lambda m: isinstance(m, QEmbedding), _FloatEmbedding)
@@ -1073,7 +1073,8 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
 def _quantization_off(qmodel: nn.Module) -> list[str]:
     """Names of the points whose quantization is off: activation or softmax quantizers not in ``quant`` mode,
     quantized Linears or tables with weight quantization disabled, disabled weight-only parametrizations."""
-    from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, SoftmaxOutputQuantizer, WeightOnly
+    from softq.quant.layers import QEmbedding, QLinear, WeightOnly
+    from softq.quant.quantizers import ActQuantizer, SoftmaxOutputQuantizer
 
     return [name for name, m in qmodel.named_modules()
             if isinstance(m, (ActQuantizer, SoftmaxOutputQuantizer)) and m.mode != "quant"

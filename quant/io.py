@@ -39,16 +39,9 @@ from torch.nn.utils import parametrize
 from softq._files import atomic_directory, error_line
 from softq.attention import configure_from_config
 from softq.quant.config import BIAS_CORRECTION_GRANULARITIES, DEFAULT_PERCENTILE, EMBEDDING_MIN_ROWS, QuantConfig
+from softq.quant.layers import BiasShift, QEmbedding, QLinear, WeightOnly
 from softq.quant.quantize import is_quantized, prepare, set_mode
-from softq.quant.quantizers import (
-    ActQuantizer,
-    BiasShift,
-    QEmbedding,
-    QLinear,
-    SoftmaxOutputQuantizer,
-    WeightOnly,
-    weight_codes32,
-)
+from softq.quant.quantizers import ActQuantizer, SoftmaxOutputQuantizer, weight_codes32
 
 FORMAT_VERSION = 2  # 2: weights as codes (quant_config.json "coded_weights"); 1: float weights (weights="float")
 WEIGHT_FORMATS = ("codes", "float")

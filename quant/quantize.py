@@ -1,6 +1,6 @@
 """``softq.quantize``: W8A8 post-training quantization of a whole Hugging Face model.
 
-What is quantized (each point is a Brevitas quantizer, see ``quantizers.py``):
+What is quantized (each point is a Brevitas quantizer, see ``quantizers.py`` and ``layers.py``):
 
 * every ``nn.Linear`` weight (symmetric, per output channel) and its input;
 * the Q and K inputs of the score matmul and the softmax input (scores);
@@ -43,22 +43,9 @@ from softq.hf import (is_sentence_transformer, refuse_save_pretrained, sentence_
                       sentence_transformer_pooling)
 from softq.models import conv1d_to_linear, is_causal, model_family
 from softq.quant.config import AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN, AUTO_SMOOTHING_RATIO, AUTO_SMOOTHING_TIE, PREFIX_TOKENS, QuantConfig, softmax_input_span
-from softq.quant.quantizers import (ActQuantizer, BiasShift, QEmbedding, QLinear, RowScoresQuantizer,
-                                    SoftmaxOutputQuantizer, WeightOnly, quantize_weight_only,
-                                    uncached_weights)
-
-
-class QLayerNorm(nn.LayerNorm):
-    """LayerNorm whose input (the residual stream) is quantized first."""
-
-    def __init__(self, norm: nn.LayerNorm, act: ActQuantizer) -> None:
-        super().__init__(norm.normalized_shape, eps=norm.eps, elementwise_affine=norm.elementwise_affine,
-                         bias=norm.bias is not None, device=norm.weight.device if norm.weight is not None else None)
-        self.load_state_dict(norm.state_dict())
-        self.input_act = act
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(self.input_act(x))
+from softq.quant.layers import BiasShift, QEmbedding, QLayerNorm, QLinear, WeightOnly, quantize_weight_only
+from softq.quant.quantizers import ActQuantizer, RowScoresQuantizer, SoftmaxOutputQuantizer
+from softq.quant.weight_cache import uncached_weights
 
 
 def _act(config: QuantConfig, groups: int | str = 1, prefix: int = 0) -> ActQuantizer:
@@ -653,7 +640,7 @@ def correct_weight_bias(qmodel: nn.Module, batches: list[Batch]) -> int:
     input the quantized layer sees on the calibration batches (tokens a batch's ``attention_mask`` marks valid;
     a weight-only ``Conv2d``: over images and positions).  That shift is taken off the bias (Nagel et al. 2019,
     data-free quantization's bias correction, here with the calibration data's mean): ``QLinear.bias_shift``, a
-    :class:`~softq.quant.quantizers.BiasShift` on a conv's bias.  One pass over the batches, all layers at once
+    :class:`~softq.quant.layers.BiasShift` on a conv's bias.  One pass over the batches, all layers at once
     (the means the quantized model sees before any correction); free at run time, it is the bias.
     """
     linears = {name: m for name, m in qmodel.named_modules() if isinstance(m, QLinear)}

@@ -216,7 +216,7 @@ def test_input_smoothing_keeps_the_function_and_exports_one_mul_per_input(tmp_pa
     from softq.export import onnx_utils as U
     from softq.export.model_export import build_onnx
     from softq.quant.io import load, save
-    from softq.quant.quantizers import QLinear
+    from softq.quant.layers import QLinear
 
     model = tiny_model("bert")
     with torch.no_grad():
@@ -448,7 +448,7 @@ def test_auto_input_smoothing_prefers_the_scales_that_fold_into_layernorms(famil
     from softq.export.model_export import build_onnx
     from softq.quant.config import AUTO_SMOOTHING_ALPHAS
     from softq.quant.quantize import smoothing_report
-    from softq.quant.quantizers import QLinear
+    from softq.quant.layers import QLinear
 
     model = tiny_model(family)
     with torch.no_grad():
@@ -490,7 +490,7 @@ def test_auto_input_smoothing_without_a_search_gates_or_leaves_a_single_example_
     along them and searched."""
     from softq.quant.config import AUTO_SMOOTHING_ALPHA
     from softq.quant.quantize import smoothing_report
-    from softq.quant.quantizers import QLinear
+    from softq.quant.layers import QLinear
 
     calib = [tiny_inputs("bert", seed=s) for s in range(3)]
     cfg = softq.QuantConfig(observer="percentile")

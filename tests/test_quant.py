@@ -13,7 +13,8 @@ import softq
 from softq.attention import attention_points
 from softq.calib.data import CalibrationDataError
 from softq.models import UnsupportedModelError
-from softq.quant.quantizers import ActQuantizer, QLinear, SoftmaxOutputQuantizer
+from softq.quant.layers import QLinear
+from softq.quant.quantizers import ActQuantizer, SoftmaxOutputQuantizer
 
 FAMILIES = ["gpt2", "opt", "bert", "roberta", "vit", "deit"]
 
@@ -682,7 +683,7 @@ def test_softmax_output_is_validated() -> None:
 
 
 def test_residual_stream_quantized_only_with_the_edge_softmax_by_default() -> None:
-    from softq.quant.quantize import QLayerNorm
+    from softq.quant.layers import QLayerNorm
 
     calib = [tiny_inputs("bert", seed=s) for s in range(2)]
     x = tiny_inputs("bert", seed=5)
@@ -770,7 +771,7 @@ def test_weight_bias_correction_takes_the_rounding_shift_of_each_linear_off_its_
 def test_weight_bias_correction_of_a_weight_only_patch_convolution() -> None:
     """A ViT's patch convolution (weight-only int8 codes): its bias gets the mean shift of the rounded kernel over
     the calibration images and patch positions; switching the weight codes off (sensitivity) drops it too."""
-    from softq.quant.quantizers import BiasShift
+    from softq.quant.layers import BiasShift
     from softq.quant.sensitivity import enable_only
 
     model = tiny_model("vit")
@@ -891,7 +892,7 @@ def test_auto_searches_free_their_trial_copies() -> None:
     model of 64 MiB or more: smaller ones are left to the collector)."""
     import gc
 
-    from softq.quant.quantizers import QLinear
+    from softq.quant.layers import QLinear
 
     import softq.quant.quantize as qmod
 
@@ -925,7 +926,7 @@ def test_uncached_weights_is_per_thread() -> None:
     thread made this thread's inference recompute its weights, and two overlapping calls left it off for good."""
     import threading
 
-    from softq.quant.quantizers import _caching, uncached_weights
+    from softq.quant.weight_cache import _caching, uncached_weights
 
     inside, release = threading.Event(), threading.Event()
 
@@ -952,7 +953,7 @@ def test_quantize_keeps_no_dequantized_weights_while_calibrating() -> None:
     calibrating now; the quantized model makes its cache when it is first run."""
     import gc
 
-    from softq.quant.quantizers import QLinear
+    from softq.quant.layers import QLinear
 
     import softq.quant.quantize as qmod
 

@@ -15,8 +15,9 @@ from conftest import assert_cached_decoding_matches, tiny_inputs, tiny_model
 
 import softq
 from softq.calib.smoothquant import smooth_inputs
-from softq.quant.quantize import QLayerNorm, residual_prefix
-from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, dequantized_weight
+from softq.quant.layers import QEmbedding, QLayerNorm, QLinear
+from softq.quant.quantize import residual_prefix
+from softq.quant.quantizers import ActQuantizer, dequantized_weight
 
 # the residual stream quantized (the default only with the edge softmax): what prefix scales are for
 RQ = functools.partial(softq.QuantConfig, quantize_residual=True)
