@@ -64,7 +64,7 @@ class WeightOnly(nn.Module):
 
 class BiasShift(nn.Module):
     """Parametrization of a weight-only ``Conv2d``'s bias: ``bias + shift``, the weight bias correction
-    (:func:`softq.quant.quantize.correct_weight_bias`), while ``enabled`` (``softq.quant.sensitivity``
+    (:func:`softq.quant.weight_bias.correct_weight_bias`), while ``enabled`` (``softq.quant.sensitivity``
     switches it with the weight's :class:`WeightOnly`)."""
 
     def __init__(self, shift: torch.Tensor) -> None:
@@ -126,7 +126,7 @@ class QLinear(_NotPickled, _DequantizedCache, _CopiedWeights, QuantLinear):
         # per-input-channel 1/s of input smoothing (softq.calib.smoothquant.smooth_inputs); empty: none
         scale = getattr(linear, "softq_input_scale", None)
         self.register_buffer("input_scale", torch.ones(0) if scale is None else scale.detach().clone().float())
-        # weight bias correction (softq.quant.quantize.correct_weight_bias): added to the bias while the weights
+        # weight bias correction (softq.quant.weight_bias.correct_weight_bias): added to the bias while the weights
         # are quantized, so switching weight quantization off (softq.quant.sensitivity) gives the float layer back
         self.register_buffer("bias_shift", torch.zeros(0))
 
