@@ -86,7 +86,7 @@ def child(name: str, out: str, hidden: int, layers: int) -> None:
     if "input_ids" in feeds and "attention_mask" not in feeds:
         feeds["attention_mask"] = np.ones_like(feeds["input_ids"])
     got = runner(out)(feeds)[0]
-    from softq.quant.quantizers import uncached_weights
+    from softq.quant.weight_cache import uncached_weights
 
     with torch.no_grad(), uncached_weights():  # the float copy of the weights a first run caches: not needed here
         ref = qmodel(**example)

@@ -42,7 +42,7 @@ from benchutil import cpu_description, interleaved  # noqa: E402
 import softq  # noqa: E402
 from softq import hf  # noqa: E402
 from softq.export.model_export import to_onnx  # noqa: E402
-from softq.quant.quantizers import QLinear  # noqa: E402
+from softq.quant.layers import QLinear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

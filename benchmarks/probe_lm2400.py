@@ -43,7 +43,8 @@ from softq.models import conv1d_to_linear
 from softq.quant import quantizers as QZ
 from softq.quant.quantize import smoothing_report
 from softq.quant.sensitivity import enable_only
-from softq.quant.quantizers import QLinear, SoftmaxOutputQuantizer
+from softq.quant.layers import QLinear
+from softq.quant.quantizers import SoftmaxOutputQuantizer
 from workloads.tasks import reference_task
 
 ROOT = Path(__file__).resolve().parents[1]

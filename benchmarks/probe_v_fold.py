@@ -6,7 +6,7 @@ projection's input (the attention output P.V) is multiplied by a per-channel ``1
 it into the row core's final division as a per-(head, channel) constant, one full-size Mul per layer.  P.V is
 linear in V channel by channel, so the same ``1/s`` can scale V instead: the rows (and bias) of the Linear
 that produces V (v_proj; GPT-2's c_attn: its V third), whose per-output-channel weight codes do not change,
-and V's quantizer then sees V/s (``softq.quant.quantize.fold_smoothing_into_v``; V's range observed again
+and V's quantizer then sees V/s (``softq.quant.v_fold.fold_smoothing_into_v``; V's range observed again
 over the calibration batches).  This probe quantizes with and without it, exports both with ``to_onnx``
 and compares, for
 bench_export_speed.py's reference ViT and LM and all-MiniLM-L6-v2: the distance of the ONNX outputs to

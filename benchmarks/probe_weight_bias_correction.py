@@ -28,8 +28,8 @@ from bench_quant import command_line, write_atomic  # noqa: E402
 from benchutil import mean_cosine_distance  # noqa: E402
 
 import softq  # noqa: E402
-from softq.quant.quantize import correct_weight_bias  # noqa: E402
-from softq.quant.quantizers import BiasShift, QLinear  # noqa: E402
+from softq.quant.layers import BiasShift, QLinear  # noqa: E402
+from softq.quant.weight_bias import correct_weight_bias  # noqa: E402
 
 MEASURE = {"bert-base": "mean cosine to FP32", "minilm": "mean cosine to FP32", "lm": "perplexity", "vit": "top-1 %"}
 

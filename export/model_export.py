@@ -177,7 +177,8 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
 def _quantization_off(qmodel: nn.Module) -> list[str]:
     """Names of the points whose quantization is off: activation or softmax quantizers not in ``quant`` mode,
     quantized Linears or tables with weight quantization disabled, disabled weight-only parametrizations."""
-    from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, SoftmaxOutputQuantizer, WeightOnly
+    from softq.quant.layers import QEmbedding, QLinear, WeightOnly
+    from softq.quant.quantizers import ActQuantizer, SoftmaxOutputQuantizer
 
     return [name for name, m in qmodel.named_modules()
             if isinstance(m, (ActQuantizer, SoftmaxOutputQuantizer)) and m.mode != "quant"

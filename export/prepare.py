@@ -134,7 +134,7 @@ def export_copy(qmodel: nn.Module, weight_storage: str = "int8",
                 embeddings: str | None = None) -> tuple[nn.Module, dict[int, dict[str, Any]]]:
     """The export copy of ``qmodel`` and, by marker key, the parameters of each attention core."""
     from softq.attention import attention_points
-    from softq.quant.quantizers import QEmbedding, QLinear
+    from softq.quant.layers import QEmbedding, QLinear
     from softq.softmax import HALF_DTYPES
 
     # the copy shares the quantized weights, which it only reads (into int8 codes) before replacing their layers: a
@@ -163,7 +163,7 @@ def export_copy(qmodel: nn.Module, weight_storage: str = "int8",
     counter = iter(range(10**9))
     _replace_children(model, lambda m: isinstance(m, QLinear), lambda m: ExportLinear(m, weight_storage))
     _replace_children(model, _is_act_quantizer, lambda m: ExportAct(m, next(counter)))
-    from softq.quant.quantizers import WeightOnly
+    from softq.quant.layers import WeightOnly
 
     if embeddings == "float":
         _replace_children(model, lambda m: isinstance(m, QEmbedding), FloatEmbedding)

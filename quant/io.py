@@ -13,7 +13,7 @@ Layout of a saved model::
                          ``weights="float"``; activation scales, zero points, betas
 
 Loading rebuilds the float architecture from the config, inserts the same
-quantization points with :func:`softq.quant.quantize.prepare` and loads the state
+quantization points with :func:`softq.quant.points.prepare` and loads the state
 dict; no calibration data is needed.  A weight stored as codes loads as ``codes * scale``, a float weight that
 quantizes to the same codes and scale (checked for each weight when saving; one that would not is saved float): the
 loaded model computes what the saved one did, bit for bit, but its float weights are the quantized ones, so
@@ -39,16 +39,10 @@ from torch.nn.utils import parametrize
 from softq._files import atomic_directory, error_line
 from softq.attention import configure_from_config
 from softq.quant.config import BIAS_CORRECTION_GRANULARITIES, DEFAULT_PERCENTILE, EMBEDDING_MIN_ROWS, QuantConfig
-from softq.quant.quantize import is_quantized, prepare, set_mode
-from softq.quant.quantizers import (
-    ActQuantizer,
-    BiasShift,
-    QEmbedding,
-    QLinear,
-    SoftmaxOutputQuantizer,
-    WeightOnly,
-    weight_codes32,
-)
+from softq.quant.layers import BiasShift, QEmbedding, QLinear, WeightOnly
+from softq.quant.points import prepare, set_mode
+from softq.quant.quantize import is_quantized
+from softq.quant.quantizers import ActQuantizer, SoftmaxOutputQuantizer, weight_codes32
 
 FORMAT_VERSION = 2  # 2: weights as codes (quant_config.json "coded_weights"); 1: float weights (weights="float")
 WEIGHT_FORMATS = ("codes", "float")

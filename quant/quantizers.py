@@ -1,33 +1,26 @@
-"""Quantization points built on Brevitas: activations, softmax output, Linear layers, embedding tables.
+"""Quantizer arithmetic built on Brevitas: activation points, softmax input and output points, weight codes.
 
-Weights use Brevitas' ``QuantLinear`` with its per-channel int8 weight quantizer
-(scales follow each output channel's max |w|).  Activations use Brevitas'
-``IntQuant`` core (round, clamp, dequantize with a straight-through gradient)
-driven by scales and zero points that softq's observers (``softq.calib``) fit on
-calibration data, so the calibration rule is softq's choice, the arithmetic is
-Brevitas'.
+Activations use Brevitas' ``IntQuant`` core (round, clamp, dequantize with a
+straight-through gradient) driven by scales and zero points that softq's observers
+(``softq.calib``) fit on calibration data, so the calibration rule is softq's
+choice, the arithmetic is Brevitas'.  Weights are symmetric narrow-range codes
+(:func:`weight_codes`), the formula of Brevitas' per-channel int8 weight quantizer
+that the quantized layers (``layers.py``) use.
 
 Every activation point has three modes:
 ``float`` (pass-through), ``observe`` (pass-through, feeding its observer) and
-``quant`` (fake-quantize).  The quantized model is an ordinary ``nn.Module``.
+``quant`` (fake-quantize).
 """
 
 from __future__ import annotations
 
-import contextvars
-import copy
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Literal
 
 import torch
 from brevitas.core.function_wrapper import RoundSte, TensorClamp
 from brevitas.core.function_wrapper.misc import Identity
 from brevitas.core.quant.int_base import IntQuant
-from brevitas.nn import QuantEmbedding, QuantLinear
-from brevitas.quant import Int8WeightPerChannelFloat, Int8WeightPerTensorFloat
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from softq.attention import ProbsQuantizer
 from softq.calib.observers import (ChannelRange, NonFiniteActivation, Observer, make_observer, scale_and_zero_point,
@@ -482,101 +475,6 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         return f"bits={self.bits}, {self.representation}, {scale}, mode={self.mode}, bias_correction={corr}"
 
 
-@contextmanager
-def _copying(cls: type) -> Iterator[None]:
-    cls._copying = True
-    try:
-        yield
-    finally:
-        cls._copying = False
-
-
-class _CopiedWeights:
-    """Mixin: skip the random initialisation of weights that the constructor overwrites with copies (on
-    all-MiniLM-L6-v2 the embedding table's normal_ alone cost 5% of a calibration pass, profiled ad hoc)."""
-
-    _copying = False
-
-    def reset_parameters(self) -> None:
-        if not type(self)._copying:
-            super().reset_parameters()
-
-
-class _NotPickled:
-    """Mixin for the layers built on Brevitas: pickling them (``torch.save(model)``, not of its state dict) fails
-    deep in Brevitas' injector classes ("Can't pickle <class 'brevitas.inject...'>"); say what works instead.
-    Deep copies, which softq makes, copy the attributes as before (``copy.deepcopy`` does not go through it)."""
-
-    def __reduce_ex__(self, protocol: int) -> None:
-        raise TypeError(f"{type(self).__name__} (a softq quantized layer) cannot be pickled, so torch.save(model) "
-                        "does not work on a quantized model: save it with softq.quant.save(model, directory) and "
-                        "load it with softq.quant.load(directory)")
-
-    def __deepcopy__(self, memo: dict) -> nn.Module:
-        replica = type(self).__new__(type(self))
-        memo[id(self)] = replica
-        # not the dequantized-weight cache (_DequantizedCache): keyed by the original weight's storage, a copy's
-        # never matches it, and it was a float copy of every weight more in each copy (quantize's trials, export)
-        state = {k: v for k, v in self.__getstate__().items() if k != "_cache"}
-        replica.__dict__.update(copy.deepcopy(state, memo))
-        return replica
-
-    def __copy__(self) -> nn.Module:  # copy.copy goes through __reduce_ex__ too: a shallow copy, as nn.Module's
-        replica = type(self).__new__(type(self))
-        replica.__dict__.update(self.__getstate__())
-        return replica
-
-
-_optimizer_steps = 0  # steps of any torch optimizer so far: part of the dequantized-weight cache's key
-# False inside uncached_weights(): per thread (and asyncio task), so a quantize in one thread leaves another's
-# inference cached, and overlapping calls in two threads cannot leave it off
-_caching: contextvars.ContextVar[bool] = contextvars.ContextVar("softq_weight_cache", default=True)
-
-
-@contextmanager
-def uncached_weights() -> Iterator[None]:
-    """Inference computes each layer's dequantized weight without keeping it (``quantize``'s calibration runs:
-    the cache of each model it ran, every smoothing candidate's, was a float copy of the model more)."""
-    token = _caching.set(False)
-    try:
-        yield
-    finally:
-        _caching.reset(token)
-
-
-def _count_optimizer_step(*_args: object) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
-
-
-class _DequantizedCache:
-    """Mixin: the dequantized weight of inference, computed once per weight version (Brevitas re-quantizes the
-    weight on every call).  The key is the weight's version counter and storage and the number of optimizer steps
-    taken (a fused optimizer step moves no version counter); the cache is also dropped whenever the layer changes
-    mode (``model.train()`` / ``model.eval()``: what to call after editing weights through ``.data``, which nothing
-    sees).  Traced (``torch.jit.trace``) and compiled (``torch.compile``)
-    code computes the weight in its graph instead: a Python cache is a branch those record as another graph, and a
-    guard on its key per layer."""
-
-    _cache: tuple[tuple[int, int, int], torch.Tensor] | None = None
-
-    def _cached_dequantized(self, bits: int, per_channel: bool) -> torch.Tensor:
-        if torch.jit.is_tracing() or torch.compiler.is_compiling() or not _caching.get():
-            return dequantized_weight(self.weight, bits, per_channel)
-        key = (self.weight._version, self.weight.data_ptr(), _optimizer_steps)
-        if self._cache is None or self._cache[0] != key:
-            with torch.no_grad():
-                self._cache = (key, dequantized_weight(self.weight, bits, per_channel))
-        return self._cache[1]
-
-    def train(self, mode: bool = True) -> nn.Module:
-        self._cache = None
-        return super().train(mode)
-
-
 WEIGHT_SCALE_MIN = 1e-10  # Brevitas' scaling_min_val of Int8WeightPer{Channel,Tensor}Float (on max |w|)
 
 
@@ -607,174 +505,3 @@ def dequantized_weight(weight: torch.Tensor, bits: int, per_channel: bool) -> to
     (tests check equality with Brevitas bit for bit): :func:`weight_codes` per row (output channel) or tensor."""
     codes, scale = weight_codes(weight, bits, 0 if per_channel else None)
     return codes * scale
-
-
-def _straight_through(weight: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
-    """:func:`dequantized_weight` with an identity (straight-through) gradient, for float16 / bfloat16 weights: Brevitas'
-    quantizer divides a float16 all-zero row by a scale rounded to 0, and rounds bfloat16 codes differently from
-    float32.  Brevitas also differentiates through each row's abs-max scale; this gradient does not (softq trains
-    no quantized weights: bias and scale calibration read the dequantized weights)."""
-    return weight + (dequantized_weight(weight.detach(), bits, per_channel) - weight).detach()
-
-
-class WeightOnly(nn.Module):
-    """Parametrization storing a float parameter as symmetric int codes, one scale per slice along ``axis``.
-
-    For weights that are not a Linear's or an embedding table's: a ViT's patch projection
-    (``Conv2d``, one scale per output channel) and its learned position table (one per
-    position).  The same formula as :func:`weight_codes` (Brevitas' per-channel
-    weight quantizer): scale ``max(max|w|, 1e-10) / (2^(b-1) - 1)``, codes
-    ``round(w / scale)`` clamped to the narrow range.  Weight-only: the module computes
-    in float on the dequantized values, which is what the ONNX export stores as int8
-    codes and scales (``Cast -> Mul``, folded to a constant by runtimes at load time).
-    Gradients pass straight through the rounding.
-    """
-
-    def __init__(self, bits: int, axis: int) -> None:
-        super().__init__()
-        self.bits, self.axis = bits, axis
-        self.enabled = True  # False: the float parameter itself (softq.quant.sensitivity)
-
-    def codes_and_scale(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Integer codes (as float) and the scale, shaped to broadcast against ``w``."""
-        return weight_codes(w, self.bits, self.axis)
-
-    def forward(self, w: torch.Tensor) -> torch.Tensor:
-        if not self.enabled:
-            return w
-        codes, scale = self.codes_and_scale(w)
-        q = codes * scale
-        # straight-through only when training: w + (q - w) can differ from q by a rounding step
-        return w + (q - w).detach() if w.requires_grad and torch.is_grad_enabled() else q
-
-    def extra_repr(self) -> str:
-        return f"bits={self.bits}, axis={self.axis}"
-
-
-class BiasShift(nn.Module):
-    """Parametrization of a weight-only ``Conv2d``'s bias: ``bias + shift``, the weight bias correction
-    (:func:`softq.quant.quantize.correct_weight_bias`), while ``enabled`` (``softq.quant.sensitivity``
-    switches it with the weight's :class:`WeightOnly`)."""
-
-    def __init__(self, shift: torch.Tensor) -> None:
-        super().__init__()
-        self.register_buffer("shift", shift.detach().clone().float())
-        self.enabled = True
-
-    def forward(self, b: torch.Tensor) -> torch.Tensor:
-        return b + self.shift.to(b.dtype) if self.enabled else b
-
-
-def quantize_weight_only(model: nn.Module, weight_bits: int, table_bits: int | None,
-                         exclude: tuple[str, ...] = ()) -> None:
-    """Weight-only codes for the parameters no quantized module holds, in place: every ``Conv2d``
-    weight (``weight_bits``, per output channel) and a vision encoder's learned position table
-    (a 3-D ``position_embeddings`` parameter, ``table_bits`` per position; ``None`` leaves it float)."""
-    from torch.nn.utils import parametrize
-
-    for name, module in list(model.named_modules()):
-        if any(pattern in name for pattern in exclude):
-            continue
-        if type(module) is nn.Conv2d:
-            parametrize.register_parametrization(module, "weight", WeightOnly(weight_bits, axis=0))
-        table = getattr(module, "position_embeddings", None)
-        if table_bits is not None and isinstance(table, nn.Parameter) and table.dim() == 3:
-            parametrize.register_parametrization(module, "position_embeddings", WeightOnly(table_bits, axis=1))
-
-
-class QLinear(_NotPickled, _DequantizedCache, _CopiedWeights, QuantLinear):
-    """Brevitas ``QuantLinear`` (int weights, float bias) behind a softq activation quantizer."""
-
-    def __init__(self, linear: nn.Linear, weight_bits: int, per_channel: bool, act: ActQuantizer) -> None:
-        weight_quant = Int8WeightPerChannelFloat if per_channel else Int8WeightPerTensorFloat
-        with _copying(QLinear):
-            super().__init__(
-                linear.in_features, linear.out_features, bias=linear.bias is not None,
-                weight_quant=weight_quant, weight_bit_width=weight_bits, return_quant_tensor=False,
-                device=linear.weight.device, dtype=linear.weight.dtype,
-            )
-        with torch.no_grad():
-            self.weight.copy_(linear.weight)
-            if linear.bias is not None:
-                self.bias.copy_(linear.bias)
-        self.input_act = act
-        self.weight_bits, self.per_channel = weight_bits, per_channel
-        # per-input-channel 1/s of input smoothing (softq.calib.smoothquant.smooth_inputs); empty: none
-        scale = getattr(linear, "softq_input_scale", None)
-        self.register_buffer("input_scale", torch.ones(0) if scale is None else scale.detach().clone().float())
-        # weight bias correction (softq.quant.quantize.correct_weight_bias): added to the bias while the weights
-        # are quantized, so switching weight quantization off (softq.quant.sensitivity) gives the float layer back
-        self.register_buffer("bias_shift", torch.zeros(0))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_scale.numel():
-            x = x * self.input_scale
-        x = self.input_act(x)
-        if self.weight.dtype in HALF_DTYPES and not self.weight_quant.disable_quant and (self.training
-                                                                                  or torch.is_grad_enabled()):
-            # Brevitas' half arithmetic: its 1e-10 scale floor is 0 in float16 (an all-zero row: NaN), and bfloat16
-            # codes differ from float32's; the inference path's codes, straight-through
-            return nn.functional.linear(x, _straight_through(self.weight, self.weight_bits, self.per_channel),
-                                        self.effective_bias())
-        if self.training or torch.is_grad_enabled() or self.weight_quant.disable_quant:
-            y = super().forward(x)
-            return y + self.bias_shift if self.bias_shift.numel() and not self.weight_quant.disable_quant else y
-        # inference: the same product on the dequantized weight, cached (tests check the outputs are equal)
-        return nn.functional.linear(x, self.dequantized_weight(), self.effective_bias())
-
-    def effective_bias(self) -> torch.Tensor | None:
-        """The bias the quantized layer adds: ``bias + bias_shift`` (weight bias correction) while its
-        weights are quantized; what the ONNX export stores."""
-        if not self.bias_shift.numel() or self.weight_quant.disable_quant:
-            return self.bias
-        return self.bias_shift if self.bias is None else self.bias + self.bias_shift
-
-    def dequantized_weight(self) -> torch.Tensor:
-        return self._cached_dequantized(self.weight_bits, self.per_channel)
-
-    def weight_scale(self) -> torch.Tensor:
-        """Per-output-channel (or scalar) weight scale, shape [out] or []."""
-        return self.quant_weight().scale.detach().reshape(-1)
-
-    def int_weight(self) -> torch.Tensor:
-        return self.quant_weight().int().detach()
-
-
-class QEmbedding(_NotPickled, _DequantizedCache, _CopiedWeights, QuantEmbedding):
-    """Brevitas ``QuantEmbedding`` with per-row symmetric int weights (one scale per table row).
-
-    Weight-only: the looked-up rows are the dequantized codes, exactly what the
-    ONNX export stores (int8 codes, DequantizeLinear(axis=0), Gather), so the
-    file is about a quarter of FP32 and torch and ONNX agree.  Brevitas' own
-    ``QuantEmbedding.forward`` takes per-tensor scales only, so the lookup is
-    done here on ``quant_weight()``; in inference the dequantized table is
-    computed once and cached (``_DequantizedCache``).
-    """
-
-    def __init__(self, emb: nn.Embedding, bits: int) -> None:
-        with _copying(QEmbedding):
-            super().__init__(emb.num_embeddings, emb.embedding_dim, padding_idx=emb.padding_idx,
-                             weight_quant=Int8WeightPerChannelFloat, weight_bit_width=bits,
-                             return_quant_tensor=False, device=emb.weight.device, dtype=emb.weight.dtype)
-        with torch.no_grad():
-            self.weight.copy_(emb.weight)
-        self.bits = bits
-
-    def dequantized(self) -> torch.Tensor:
-        if self.weight_quant.disable_quant:  # the float table (softq.quant.sensitivity)
-            return self.weight
-        if self.training or torch.is_grad_enabled() and self.weight.requires_grad:
-            if self.weight.dtype in HALF_DTYPES:  # Brevitas' scale floor is 0 in float16 (a zero row, padding: NaN)
-                return _straight_through(self.weight, self.bits, True)
-            return self.quant_weight().value
-        return self._cached_dequantized(self.bits, True)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(ids, self.dequantized(), self.padding_idx)
-
-    def weight_scale(self) -> torch.Tensor:
-        """Per-row weight scale, shape [num_embeddings]."""
-        return self.quant_weight().scale.detach().reshape(-1)
-
-    def int_weight(self) -> torch.Tensor:
-        return self.quant_weight().int().detach()

@@ -18,8 +18,8 @@ from torch import nn
 from softq.attention import attention_points
 from softq.calib.diagnostics import save_figure
 from softq.models import transformer_blocks
-from softq.quant.quantize import QLayerNorm
-from softq.quant.quantizers import ActQuantizer, BiasShift, QEmbedding, QLinear, SoftmaxOutputQuantizer, WeightOnly
+from softq.quant.layers import BiasShift, QEmbedding, QLayerNorm, QLinear, WeightOnly
+from softq.quant.quantizers import ActQuantizer, SoftmaxOutputQuantizer
 
 
 def enable_only(qmodel: nn.Module, chosen: set[int]) -> None:

@@ -216,7 +216,7 @@ def test_input_smoothing_keeps_the_function_and_exports_one_mul_per_input(tmp_pa
     from softq.export import onnx_utils as U
     from softq.export.model_export import build_onnx
     from softq.quant.io import load, save
-    from softq.quant.quantizers import QLinear
+    from softq.quant.layers import QLinear
 
     model = tiny_model("bert")
     with torch.no_grad():
@@ -273,7 +273,7 @@ def test_smoothing_into_v_keeps_the_function_and_drops_the_cores_per_channel_div
 
     from softq.export.model_export import build_onnx
     from softq.quant.io import load, save
-    from softq.quant.quantize import set_mode
+    from softq.quant.points import set_mode
     from conftest import padded_logit_error
 
     calib = [tiny_inputs(family, seed=s) for s in range(4)]
@@ -328,11 +328,12 @@ def test_smoothing_into_v_auto_keeps_the_fold_only_where_the_held_out_error_is_n
     correction on both copies) is no higher than the unfolded model's, else like smoothing_into_v=False:
     the same logits bit for bit either way, in place too, and the report names the choice."""
     from softq.quant import quantize as Q
+    from softq.quant import v_fold
 
     calib = [tiny_inputs(family, seed=s) for s in range(4)]
     model = tiny_model(family)
     x = tiny_inputs(family, seed=9)
-    true_error = Q.output_error
+    true_error = v_fold.output_error
     calls = []
 
     def judged(m, batches, reference):  # noqa: ANN001, ANN202 - the fold's copy is the second model judged
@@ -342,7 +343,7 @@ def test_smoothing_into_v_auto_keeps_the_fold_only_where_the_held_out_error_is_n
         return calls[-1]
 
     with monkeypatch.context() as patch:
-        patch.setattr(Q, "output_error", judged)
+        patch.setattr(v_fold, "output_error", judged)  # where the fold's "auto" check looks it up
         auto = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=0.8))
         calls.clear()
         inplace = softq.quantize(copy.deepcopy(model), calib, softq.QuantConfig(input_smoothing=0.8), inplace=True)
@@ -377,7 +378,8 @@ def test_auto_input_smoothing_keeps_the_candidate_closest_to_float_on_held_out_b
     model, where no candidate comes within reach of the 20% gain, not."""
     from softq.quant.config import AUTO_SMOOTHING_ALPHAS
     from softq.quant.io import load, save
-    from softq.quant.quantize import _outputs, output_error, smoothing_report
+    from softq.quant.held_out import _outputs, output_error
+    from softq.quant.quantize import smoothing_report
 
     model = tiny_model("bert")
     with torch.no_grad():  # one FFN channel 100x larger (its output.dense column 100x smaller): a GELU-output outlier
@@ -418,7 +420,7 @@ def test_auto_input_smoothing_needs_a_20_percent_gain() -> None:
     """Smoothing every input costs a Mul at run time where it cannot be folded, so such a candidate must beat no
     smoothing by AUTO_SMOOTHING_MIN_GAIN, and the LayerNorm-folded candidates (free at run time: any gain over
     none will do) outright; the best such candidate wins."""
-    from softq.quant.quantize import pick_smoothing
+    from softq.quant.smoothing_search import pick_smoothing
 
     assert pick_smoothing({None: 1.0, 0.6: 0.85, 0.8: 0.9, 1.0: 1.2}) == (None, False)  # 15% better: not enough
     assert pick_smoothing({None: 1.0, 0.6: 0.79, 0.8: 0.5, 1.0: 1.2}) == (0.8, False)
@@ -448,7 +450,7 @@ def test_auto_input_smoothing_prefers_the_scales_that_fold_into_layernorms(famil
     from softq.export.model_export import build_onnx
     from softq.quant.config import AUTO_SMOOTHING_ALPHAS
     from softq.quant.quantize import smoothing_report
-    from softq.quant.quantizers import QLinear
+    from softq.quant.layers import QLinear
 
     model = tiny_model(family)
     with torch.no_grad():
@@ -490,7 +492,7 @@ def test_auto_input_smoothing_without_a_search_gates_or_leaves_a_single_example_
     along them and searched."""
     from softq.quant.config import AUTO_SMOOTHING_ALPHA
     from softq.quant.quantize import smoothing_report
-    from softq.quant.quantizers import QLinear
+    from softq.quant.layers import QLinear
 
     calib = [tiny_inputs("bert", seed=s) for s in range(3)]
     cfg = softq.QuantConfig(observer="percentile")

@@ -138,7 +138,8 @@ def test_saved_weights_are_int8_codes_and_load_bit_exact(family, config, dtype, 
     import copy
     import json
 
-    from softq.quant.quantizers import QEmbedding, QLinear, weight_codes
+    from softq.quant.layers import QEmbedding, QLinear
+    from softq.quant.quantizers import weight_codes
 
     calib = [_floats(family, s, dtype) for s in range(2)]
     q = softq.quantize(tiny_model(family).to(dtype), calib, config)

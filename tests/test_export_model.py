@@ -705,7 +705,7 @@ def test_vit_patch_conv_and_position_table_are_int8(quantized, tmp_path):
 
 
 def test_embedding_tables_are_quantized_per_row():
-    from softq.quant.quantizers import QEmbedding
+    from softq.quant.layers import QEmbedding
 
     model = tiny_model("bert")
     qmodel = softq.quantize(model, [tiny_inputs("bert", seed=s) for s in range(2)], softq.QuantConfig())

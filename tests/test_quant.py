@@ -13,7 +13,8 @@ import softq
 from softq.attention import attention_points
 from softq.calib.data import CalibrationDataError
 from softq.models import UnsupportedModelError
-from softq.quant.quantizers import ActQuantizer, QLinear, SoftmaxOutputQuantizer
+from softq.quant.layers import QLinear
+from softq.quant.quantizers import ActQuantizer, SoftmaxOutputQuantizer
 
 FAMILIES = ["gpt2", "opt", "bert", "roberta", "vit", "deit"]
 
@@ -682,7 +683,7 @@ def test_softmax_output_is_validated() -> None:
 
 
 def test_residual_stream_quantized_only_with_the_edge_softmax_by_default() -> None:
-    from softq.quant.quantize import QLayerNorm
+    from softq.quant.layers import QLayerNorm
 
     calib = [tiny_inputs("bert", seed=s) for s in range(2)]
     x = tiny_inputs("bert", seed=5)
@@ -770,7 +771,7 @@ def test_weight_bias_correction_takes_the_rounding_shift_of_each_linear_off_its_
 def test_weight_bias_correction_of_a_weight_only_patch_convolution() -> None:
     """A ViT's patch convolution (weight-only int8 codes): its bias gets the mean shift of the rounded kernel over
     the calibration images and patch positions; switching the weight codes off (sensitivity) drops it too."""
-    from softq.quant.quantizers import BiasShift
+    from softq.quant.layers import BiasShift
     from softq.quant.sensitivity import enable_only
 
     model = tiny_model("vit")
@@ -787,7 +788,7 @@ def test_weight_bias_correction_of_a_weight_only_patch_convolution() -> None:
         before = (mean(conv.weight, conv.parametrizations.bias.original) - target).abs().max().item()
         after = (mean(conv.weight, conv.bias) - target).abs().max().item()
     assert after < 1e-6 and before > 100 * after
-    from softq.quant.quantize import correct_weight_bias
+    from softq.quant.weight_bias import correct_weight_bias
 
     shift = conv.parametrizations.bias[0].shift.clone()
     assert correct_weight_bias(q, calib) == 1 + sum(isinstance(m, QLinear) for m in q.modules())
@@ -891,13 +892,17 @@ def test_auto_searches_free_their_trial_copies() -> None:
     model of 64 MiB or more: smaller ones are left to the collector)."""
     import gc
 
-    from softq.quant.quantizers import QLinear
+    from softq.quant.layers import QLinear
 
+    import softq.quant.copies as copies
     import softq.quant.quantize as qmod
+    import softq.quant.smoothing_search as search
+    import softq.quant.v_fold as v_fold
 
+    copiers = (qmod, search, v_fold)  # the modules that copy the model during quantize
     model, calib = tiny_model("bert"), calib_for("bert", 4)
     live: list[int] = []  # quantized Linears alive as each copy is made
-    copy_of = qmod.independent_copy
+    copy_of = copies.independent_copy
 
     def counting_copy(m):  # noqa: ANN001, ANN202
         live.append(sum(type(o) is QLinear for o in gc.get_objects()))
@@ -905,15 +910,17 @@ def test_auto_searches_free_their_trial_copies() -> None:
 
     gc.collect()
     gc.disable()
-    qmod.independent_copy = counting_copy
-    above, qmod.COLLECT_ABOVE_BYTES = qmod.COLLECT_ABOVE_BYTES, 0  # as for a model of 64 MiB or more
+    for module in copiers:
+        module.independent_copy = counting_copy
+    above, copies.COLLECT_ABOVE_BYTES = copies.COLLECT_ABOVE_BYTES, 0  # as for a model of 64 MiB or more
     try:
         qmodel = softq.quantize(model, calib, softq.QuantConfig(input_smoothing="auto", smoothing_into_v="auto"))
         mine = {id(m) for m in qmodel.modules()}
         stray = [o for o in gc.get_objects() if type(o) is QLinear and id(o) not in mine]
     finally:
-        qmod.independent_copy = copy_of
-        qmod.COLLECT_ABOVE_BYTES = above
+        for module in copiers:
+            module.independent_copy = copy_of
+        copies.COLLECT_ABOVE_BYTES = above
         gc.enable()
     per_model = sum(isinstance(m, QLinear) for m in qmodel.modules())
     assert len(qmodel.softq_smoothing_errors) >= 4 and not stray, len(stray)  # candidates were tried, none is left
@@ -925,7 +932,7 @@ def test_uncached_weights_is_per_thread() -> None:
     thread made this thread's inference recompute its weights, and two overlapping calls left it off for good."""
     import threading
 
-    from softq.quant.quantizers import _caching, uncached_weights
+    from softq.quant.weight_cache import _caching, uncached_weights
 
     inside, release = threading.Event(), threading.Event()
 
@@ -952,25 +959,31 @@ def test_quantize_keeps_no_dequantized_weights_while_calibrating() -> None:
     calibrating now; the quantized model makes its cache when it is first run."""
     import gc
 
-    from softq.quant.quantizers import QLinear
+    from softq.quant.layers import QLinear
 
+    import softq.quant.copies as copies
     import softq.quant.quantize as qmod
+    import softq.quant.smoothing_search as search
+    import softq.quant.v_fold as v_fold
 
+    copiers = (qmod, search, v_fold)  # the modules that copy the model during quantize
     model, calib = tiny_model("bert"), calib_for("bert", 4)
     before = {id(o) for o in gc.get_objects() if type(o) is QLinear}
     cached: list[int] = []  # quantized Linears holding a dequantized weight as each copy is made
-    copy_of = qmod.independent_copy
+    copy_of = copies.independent_copy
 
     def counting_copy(m):  # noqa: ANN001, ANN202
         cached.append(sum(type(o) is QLinear and id(o) not in before and o._cache is not None
                           for o in gc.get_objects()))
         return copy_of(m)
 
-    qmod.independent_copy = counting_copy
+    for module in copiers:
+        module.independent_copy = counting_copy
     try:
         qmodel = softq.quantize(model, calib, softq.QuantConfig(input_smoothing="auto", smoothing_into_v="auto"))
     finally:
-        qmod.independent_copy = copy_of
+        for module in copiers:
+            module.independent_copy = copy_of
     assert len(cached) >= 4 and max(cached) == 0, cached
     assert all(m._cache is None for m in qmodel.modules() if isinstance(m, QLinear))
     with torch.no_grad():

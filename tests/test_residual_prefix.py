@@ -15,8 +15,9 @@ from conftest import assert_cached_decoding_matches, tiny_inputs, tiny_model
 
 import softq
 from softq.calib.smoothquant import smooth_inputs
-from softq.quant.quantize import QLayerNorm, residual_prefix
-from softq.quant.quantizers import ActQuantizer, QEmbedding, QLinear, dequantized_weight
+from softq.quant.layers import QEmbedding, QLayerNorm, QLinear
+from softq.quant.points import residual_prefix
+from softq.quant.quantizers import ActQuantizer, dequantized_weight
 
 # the residual stream quantized (the default only with the edge softmax): what prefix scales are for
 RQ = functools.partial(softq.QuantConfig, quantize_residual=True)
@@ -281,7 +282,7 @@ def test_softmax_input_range_comes_from_the_keys_a_row_can_see() -> None:
 def test_sensitivity_ranking_leaves_the_prefix_rows_quantized() -> None:
     """enable_only set every quantizer's mode, the prefix rows too, which follow their quantizer's mode: a row never
     chosen on its own was left float, so after a ranking "restored" the model its prefix tokens went unquantized."""
-    from softq.quant.quantize import act_quantizers
+    from softq.quant.points import act_quantizers
     from softq.quant.sensitivity import sensitivity
 
     model = fresh_deit()
