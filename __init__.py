@@ -18,11 +18,14 @@ from typing import Any
 
 __version__ = "0.1.0"
 PARTS = ("calib", "quant", "export", "mpc", "softmax", "attention", "hf", "models", "workloads")
-__all__ = ["QuantConfig", "quantize", "configure_attention", "__version__", *PARTS]
+__all__ = ["QuantConfig", "quantize", "save", "load", "to_onnx", "configure_attention", "__version__", *PARTS]
 
 _LAZY = {
     "QuantConfig": "softq.quant.config",
     "quantize": "softq.quant.quantize",
+    "save": "softq.quant.io",
+    "load": "softq.quant.io",
+    "to_onnx": "softq.export.model_export",
     "configure_attention": "softq.attention",
 }
 
