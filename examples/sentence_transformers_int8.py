@@ -39,7 +39,7 @@ path = softq.to_onnx(qst, path, ["an example sentence"], overwrite=True)  # exam
 enc = st.tokenizer(sentences[:8], padding=True, truncation=True, max_length=st.max_seq_length, return_tensors="np")
 feeds = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 hidden, embedding = runtimes.runner(path, "onnxruntime")(feeds)  # outputs: last_hidden_state, sentence_embedding
-onnx_cos = torch.nn.functional.cosine_similarity(torch.from_numpy(embedding), int8[:8])
+onnx = torch.from_numpy(embedding)
+to_int8, to_fp32 = (torch.nn.functional.cosine_similarity(onnx, ref[:8]).min() for ref in (int8, fp32))
 print(f"wrote {path} ({Path(path).stat().st_size / 1e6:.1f} MB); onnxruntime embedding cosine to "
-      f"INT8 .encode: min {onnx_cos.min():.6f}, to FP32: min "
-      f"{torch.nn.functional.cosine_similarity(torch.from_numpy(embedding), fp32[:8]).min():.4f}")
+      f"INT8 .encode: min {to_int8:.6f}, to FP32: min {to_fp32:.4f}")
