@@ -1,13 +1,15 @@
 """softq: make softmax-sensitive transformers quantizable, exportable and private-inference-ready.
 
-The one-verb API::
+The API is a verb and a config::
 
     import softq
-    qmodel = softq.quantize(model, calib_data, config=softq.QuantConfig())
+    qmodel = softq.quantize(model, calib_data, softq.QuantConfig())
+    softq.save(qmodel, "qdir")                      # softq.load("qdir") rebuilds it
+    softq.to_onnx(qmodel, "model.onnx", calib_data[0])
 
-Its parts are attributes too, imported on first use: ``softq.calib``, ``softq.quant``,
-``softq.export`` (``softq.export.to_onnx``), ``softq.mpc`` (``softq.mpc.run``), and the shared
-modules ``softq.softmax``, ``softq.attention``, ``softq.hf``, ``softq.models``, ``softq.evaluation``.
+Its parts are attributes too, imported on first use: ``softq.calib``, ``softq.quant``, ``softq.export``,
+``softq.mpc`` (``softq.mpc.run``), and the shared modules ``softq.softmax``, ``softq.attention``, ``softq.hf``,
+``softq.models``, ``softq.evaluation``.
 Heavy dependencies (torch, transformers, Brevitas) load on first use, so
 ``softq --help`` stays instant.
 """
@@ -18,11 +20,15 @@ from typing import Any
 
 __version__ = "0.1.0"
 PARTS = ("calib", "quant", "export", "mpc", "softmax", "attention", "hf", "models", "evaluation")
-__all__ = ["QuantConfig", "quantize", "configure_attention", "__version__", *PARTS]
+__all__ = ["QuantConfig", "quantize", "save", "load", "to_onnx", "configure_attention", "__version__",
+           "calib", "quant", "export", "mpc"]
 
 _LAZY = {
     "QuantConfig": "softq.quant.config",
     "quantize": "softq.quant.quantize",
+    "save": "softq.quant.io",
+    "load": "softq.quant.io",
+    "to_onnx": "softq.export.model_export",
     "configure_attention": "softq.attention",
 }
 
