@@ -69,6 +69,7 @@ from softq.export.cores import ALL_FORMS, FORMS_FOR, check_exportable_ops, check
 from softq.export.errors import ExportError
 from softq.export.functions import MARKER_DOMAIN, STATE, TORCH_OPSET
 from softq.export.prepare import as_float32, export_copy
+from softq.export.verify import ExportCheck
 from softq.export.wrappers import example_feeds, unwrap_sentence_transformer, wrap_for_export
 from softq.models import is_causal, max_tokens
 
@@ -132,6 +133,14 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
                weight_storage: str = "int8", embeddings: str | None = None, pooling: str | None = None,
                normalize: bool = False, linears: str = "integer") -> onnx.ModelProto:
     """The checked ONNX model of a softq-quantized model (not written anywhere)."""
+    return _build_checked(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling,
+                          normalize, linears)[0]
+
+
+def _build_checked(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_outputs: bool,
+                   weight_storage: str, embeddings: str | None, pooling: str | None, normalize: bool,
+                   linears: str) -> tuple[onnx.ModelProto, ExportCheck | None]:
+    """:func:`build_onnx`, and what the written file must reproduce (:class:`ExportCheck`)."""
     from softq.quant import is_quantized
 
     if softmax is not None and softmax not in ALL_FORMS:
@@ -187,8 +196,9 @@ def _quantization_off(qmodel: nn.Module) -> list[str]:
 
 
 def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_outputs: bool, weight_storage: str,
-           embeddings: str | None, pooling: str | None, normalize: bool, linears: str) -> onnx.ModelProto:
-    """:func:`build_onnx` after its argument checks."""
+           embeddings: str | None, pooling: str | None, normalize: bool, linears: str
+           ) -> tuple[onnx.ModelProto, ExportCheck | None]:
+    """:func:`build_onnx` after its argument checks, with the quantized torch model's outputs on the example."""
     model, layers = export_copy(qmodel, weight_storage, embeddings)
     representations = list(dict.fromkeys(info["representation"] for info in layers.values()))
     softmax = softmax or FORMS_FOR[representations[0]][0]
@@ -213,6 +223,8 @@ def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_ou
             "file); 'int' and 'qdq' mask exactly", UserWarning, stacklevel=2,
         )
     shapes = _run_once(wrapper, feeds, "the quantized model")
+    # QLinearSoftmax has no mask input: the 'ort' file is exact on unpadded examples only (warned above)
+    check = ExportCheck.of(qmodel, feeds, pooling, normalize, unpadded_only=softmax == "ort")
     onnx_model = _trace(wrapper, feeds, names, outputs, shapes)
     onnx_utils.unshare_int_initializers(onnx_model)
     onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
@@ -229,7 +241,7 @@ def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_ou
         entry = onnx_model.metadata_props.add()
         entry.key, entry.value = INT64_CORE_KEY, "true"
     onnx.checker.check_model(onnx_model, full_check=True)
-    return onnx_model
+    return onnx_model, check
 
 
 def build_onnx_float(model: nn.Module, example_inputs: Any, pooling: str | None = None,
@@ -294,8 +306,12 @@ def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> 
 def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | None = None, overwrite: bool = False,
             probs_outputs: bool = False, weight_storage: str = "int8", embeddings: str | None = None,
             pooling: str | None = None, normalize: bool = False, linears: str = "integer",
-            names: str = "short") -> str:
+            names: str = "short", verify: bool = True) -> str:
     """Export a softq-quantized model to ONNX with an integer softmax; returns the path written.
+
+    The file checks itself before it replaces anything at ``path``: onnxruntime runs it on ``example_inputs`` and
+    each output must be within ``EXPORT_TOLERANCE`` (relative L2 error over the valid tokens) of the quantized
+    torch model's, else :class:`ExportError` names the output and nothing is written (``verify=False`` skips it).
 
     ``softmax``: the form of the attention core, by the model's
     ``softmax_output``.  ``row``/``row_exact`` (default): ``"fast"`` (default;
@@ -364,11 +380,11 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     if names not in ("short", "full"):
         raise ValueError(f"names must be 'short' or 'full', got {names!r}")
     onnx_utils.check_writable(path, overwrite)  # fail before the (slow) export
-    model = build_onnx(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling, normalize,
-                       linears)
+    model, check = _build_checked(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling,
+                                  normalize, linears)
     if names == "short":
         model, _ = onnx_utils.compact_names(model)
-    return str(onnx_utils.save_atomic(model, path, overwrite))
+    return str(onnx_utils.save_atomic(model, path, overwrite, verify=check.verify if verify and check else None))
 
 
 def to_onnx_float(model: nn.Module, path: str, example_inputs: Any, overwrite: bool = False,

@@ -12,7 +12,7 @@ import hashlib
 import os
 import tempfile
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -45,11 +45,13 @@ def check_writable(path: str | os.PathLike, overwrite: bool) -> Path:
     return path
 
 
-def save_atomic(model: onnx.ModelProto, path: str | os.PathLike, overwrite: bool = False) -> Path:
+def save_atomic(model: onnx.ModelProto, path: str | os.PathLike, overwrite: bool = False,
+                verify: Callable[[str], None] | None = None) -> Path:
     """Write ``model`` to ``path`` via a checked temporary file in the same directory.
 
     Raises ``FileExistsError`` if ``path`` exists and ``overwrite`` is false, and
-    ``onnx.checker.ValidationError`` (nothing written) if the model fails the full check.
+    ``onnx.checker.ValidationError`` (nothing written) if the model fails the full check.  ``verify``, given the
+    temporary file's path, may raise too (the export's self-check); nothing is written then either.
     """
     path = check_writable(path, overwrite)
     try:
@@ -60,6 +62,8 @@ def save_atomic(model: onnx.ModelProto, path: str | os.PathLike, overwrite: bool
     try:
         onnx.save_model(model, tmp)
         onnx.checker.check_model(tmp, full_check=True)
+        if verify is not None:
+            verify(tmp)
         if path.exists() and not overwrite:  # appeared while we were writing
             raise FileExistsError(f"{path} appeared during export; pass overwrite=True to replace it")
         default_mode(tmp)
