@@ -71,6 +71,12 @@ def test_report_cli_prints_tables_and_writes_plot(tmp_path, capsys) -> None:
     assert "already exists; pass --overwrite" in capsys.readouterr().err and png.read_bytes() == before
 
 
+def test_reference_cli_refuses_a_context_of_zero(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["quantize", "lm", "--context", "0"])
+    assert exit_.value.code == 2 and "expected a positive" in capsys.readouterr().err
+
+
 def test_quantize_cli_steps_selects_another_cached_model(tmp_path_factory, capsys) -> None:
     cache = tmp_path_factory.getbasetemp() / "softq-cache"
     assert main(["quantize", "lm", "--size", "tiny", "--steps", "7", "--eval-limit", "1"]) == 0

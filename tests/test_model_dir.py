@@ -682,7 +682,7 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(folder, tmp_path, capsys, 
 
 @pytest.mark.parametrize("argv", [
     ["quantize", "DIR", "--max-length", "0"], ["quantize", "DIR", "--calib-size", "-3"],
-    ["quantize", "DIR", "--eval-limit", "0"], ["quantize", "lm", "--context", "0"],
+    ["quantize", "DIR", "--eval-limit", "0"],
     ["export", "DIR", "--max-length", "-1", "-o", "x.onnx"], ["mpc", "run", "--model", "vit", "--timeout", "0"],
 ])
 def test_cli_numbers_that_cannot_be_meant_are_usage_errors(argv, capsys) -> None:
