@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "sentence-transformers files, else mean pooling)")
     h = p.add_argument_group("when MODEL is a Hugging Face model directory (quantized here first)")
     h.add_argument("--calib", type=Path, default=None, metavar="FILE",
-                   help="calibration texts, one per line or JSONL with 'text' (default: Python documentation paragraphs and short everyday English, softq.hf.calibration_texts)")
+                   help="calibration texts, one per line or JSONL with 'text' (default: Python documentation paragraphs and short everyday English, softq.corpora.calibration_texts)")
     h.add_argument("--max-length", type=positive_int, default=QUANTIZE_DEFAULTS["max_length"], help="tokens per calibration text (default 128, or the model's positions if fewer)")
     g = p.add_argument_group("when MODEL is a reference workload")
     g.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None)
@@ -119,10 +119,10 @@ def load_quantized(args: argparse.Namespace):  # noqa: ANN201
             raise ValueError(f"{' and '.join(given)} apply when MODEL is quantized here; {path} is already quantized "
                              "(its settings are in its quant_config.json: re-quantize with softq quantize to change them)")
         return load(path)
-    from softq import hf
+    from softq import corpora, hf
     from softq.workloads.tasks import model_dir_task
 
-    calib = hf.read_text_file(args.calib, "--calib file") if args.calib is not None else None
+    calib = corpora.read_text_file(args.calib, "--calib file") if args.calib is not None else None
     task = model_dir_task(hf.load_model_dir(path, max_length=args.max_length, default_length=128), calib, [],
                           **calib_size_kwargs(args))
     return softq.quantize(task.model, task.calib, config)

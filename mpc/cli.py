@@ -197,7 +197,7 @@ def _run_text(args: argparse.Namespace) -> int:
     """``softq mpc run --model DIR [--student DIR] --text FILE``: encrypted sentence embeddings of a text model."""
     import torch
 
-    from softq import hf
+    from softq import corpora, hf
     from softq.mpc.runner import run
     from softq.mpc.surrogates import SurrogateSpec
 
@@ -212,7 +212,7 @@ def _run_text(args: argparse.Namespace) -> int:
         softmax, gelu = spec.softmax, spec.gelu
     else:
         softmax, gelu = _per_layer(args.softmax), _per_layer(args.gelu)
-    texts = hf.read_text_file(args.text, "--text file")[:args.samples]
+    texts = corpora.read_text_file(args.text, "--text file")[:args.samples]
     inputs = target.tokenize(texts, max_length=args.seq_len)
     result = run(target.model, inputs, softmax=softmax, gelu=gelu, world_size=args.world_size,
                  provider=args.provider, timeout=args.timeout, truncation=args.truncation,
@@ -286,17 +286,6 @@ def _party(args: argparse.Namespace) -> int:
     return exit_skipping_teardown(0)
 
 
-def text_windows(paragraphs: list[str], window: int) -> list[str]:
-    """Texts of at most ``window`` words: each paragraph cut into consecutive windows (a last piece of fewer
-    than 8 words is dropped unless it is the whole paragraph)."""
-    out = []
-    for paragraph in paragraphs:
-        words = paragraph.split()
-        out += [" ".join(words[i:i + window]) for i in range(0, len(words), window)
-                if len(words[i:i + window]) >= min(8, len(words))]
-    return out
-
-
 def _distill_dir(args: argparse.Namespace) -> int:
     """``softq mpc distill --model DIR --text FILE``: a surrogate student of a text model, no labels needed.
 
@@ -313,7 +302,7 @@ def _distill_dir(args: argparse.Namespace) -> int:
 
     import torch
 
-    from softq import hf
+    from softq import corpora
     from softq.mpc.distill import distill
     from softq.mpc.surrogates import configure_surrogates
 
@@ -328,9 +317,9 @@ def _distill_dir(args: argparse.Namespace) -> int:
     if getattr(loaded.model.config, "softq_mpc_surrogates", None):
         raise ValueError(f"{args.model} is already a surrogate student; distill from the model it came from")
     init, init_meta = _init_student(args.init, loaded.model) if args.init else (None, {})
-    lines = hf.read_text_file(args.text, "--text file")
+    lines = corpora.read_text_file(args.text, "--text file")
     if args.eval_text:
-        held, train = hf.read_text_file(args.eval_text, "--eval-text file"), lines
+        held, train = corpora.read_text_file(args.eval_text, "--eval-text file"), lines
     else:
         if len(lines) < 2:
             raise ValueError(f"{args.text}: one line; give at least 2 (every 10th is held out) or --eval-text")
@@ -341,10 +330,10 @@ def _distill_dir(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.text}: no training line is left outside the held-out text")
     steps = (args.steps1, args.steps2)
     if args.recombine:  # the same words in new contexts: the lever that helped most on a small corpus
-        windows = hf.recombined_windows(train, args.window, max(1, sum(steps)) * args.batch_size, exclude=held,
+        windows = corpora.recombined_windows(train, args.window, max(1, sum(steps)) * args.batch_size, exclude=held,
                                         seed=args.seed)
     else:
-        windows = text_windows(train, args.window)
+        windows = corpora.text_windows(train, args.window)
     batches = loaded.batches(windows, batch_size=args.batch_size, max_length=args.seq_len)
     random.Random(args.seed).shuffle(batches)
     evals = loaded.batches(held, batch_size=32, max_length=args.seq_len)

@@ -163,11 +163,11 @@ def _task(args: argparse.Namespace):
             raise ValueError("--calib/--eval take text files for a model directory, not the reference workloads")
         return reference_task(args.model, context=args.context, eval_limit=args.eval_limit, seed=args.seed,
                               size=args.size, steps=args.steps, **calib_size_kwargs(args))
-    from softq import hf
+    from softq import corpora, hf
 
     # Read the texts before loading the model: a bad file fails in a second, not after the load.
-    calib = hf.read_text_file(args.calib, "--calib file") if args.calib is not None else None
-    evaluation = hf.read_text_file(args.eval, "--eval file") if args.eval is not None else None
+    calib = corpora.read_text_file(args.calib, "--calib file") if args.calib is not None else None
+    evaluation = corpora.read_text_file(args.eval, "--eval file") if args.eval is not None else None
     loaded = hf.load_model_dir(args.model, max_length=args.max_length, default_length=128)
     return model_dir_task(loaded, calib, evaluation, eval_limit=args.eval_limit if args.eval_limit is not None else 128,
                           **calib_size_kwargs(args))
