@@ -56,13 +56,13 @@ def model_dir_task(
 
     Headless encoders are compared on their sentence embedding (the directory's
     sentence-transformers pooling, else mean pooling), models with a head on their
-    logits (per example).  Calibration texts default to :func:`softq.hf.calibration_texts`
+    logits (per example).  Calibration texts default to :func:`softq.corpora.calibration_texts`
     (Python documentation paragraphs and short everyday English; ``calib_size``: that many,
     else all 132; of given texts the first ``calib_size``, else 64), the evaluation texts to
-    paragraphs disjoint from the calibration ones (``softq.hf.text_split``).
+    paragraphs disjoint from the calibration ones (``softq.corpora.text_split``).
     The loss used by the sensitivity ranking is ``1 - mean cosine``.
     """
-    from softq import hf
+    from softq import corpora
 
     if not loaded.is_text:
         raise ValueError(f"{loaded.path}: softq's model-directory commands take text models; "
@@ -70,8 +70,8 @@ def model_dir_task(
     if calib_size is not None and (not isinstance(calib_size, int) or calib_size < 1):
         raise ValueError(f"calib_size must be a positive integer, got {calib_size!r}")
     calib_texts = (calib_texts[:calib_size if calib_size is not None else CALIB_FILE_TEXTS] if calib_texts is not None
-                   else hf.calibration_texts(calib_size))
-    eval_texts = eval_texts if eval_texts is not None else hf.text_split("eval", eval_limit)
+                   else corpora.calibration_texts(calib_size))
+    eval_texts = eval_texts if eval_texts is not None else corpora.text_split("eval", eval_limit)
     calib = loaded.batches(calib_texts, batch_size)
     eval_inputs = loaded.batches(eval_texts, batch_size)
     if not is_headless(loaded.model):  # a head without one logits output (question answering...): before any work

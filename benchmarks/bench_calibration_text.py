@@ -4,9 +4,9 @@ softq's model-directory default was Python-documentation paragraphs only (long t
 tokens).  Calibrated on them, short everyday text ("thanks!", "ok") read further from FP32 than onnxruntime's
 ``quantize_dynamic`` does.  This benchmark quantizes the model (default ``QuantConfig()``) on
 
-* ``pydoc paragraphs``: 64 ``calib`` paragraphs (``softq.hf.text_split``), the old default;
+* ``pydoc paragraphs``: 64 ``calib`` paragraphs (``softq.corpora.text_split``), the old default;
 * ``everyday``: the 100 short everyday texts of ``softq.calib.texts.EVERYDAY_TEXTS``;
-* ``default``: ``softq.hf.calibration_texts()``, 32 paragraphs and the 100 everyday texts (what
+* ``default``: ``softq.corpora.calibration_texts()``, 32 paragraphs and the 100 everyday texts (what
   ``softq quantize DIR`` / ``softq export DIR`` use without ``--calib``);
 
 and evaluates each on two held-out sets: the ``eval`` paragraphs (disjoint from the calibration ones, 128 tokens)
@@ -34,7 +34,7 @@ from bench_minilm import NAMES, onnx_embed  # noqa: E402
 from benchutil import command_line, write_atomic  # noqa: E402
 
 import softq  # noqa: E402
-from softq import hf  # noqa: E402
+from softq import corpora, hf  # noqa: E402
 from softq.calib.texts import EVERYDAY_EVAL_TEXTS, EVERYDAY_TEXTS  # noqa: E402
 from softq.export import to_onnx, to_onnx_float  # noqa: E402
 from softq.export.onnx_utils import session  # noqa: E402
@@ -54,12 +54,12 @@ def main() -> int:
     torch.set_num_threads(1)
     start = time.time()
     loaded = hf.load_minilm(max_length=args.max_length)
-    evals = {"eval paragraphs": loaded.batches(hf.text_split("eval"), 16),
+    evals = {"eval paragraphs": loaded.batches(corpora.text_split("eval"), 16),
              "everyday (held out)": loaded.batches(list(EVERYDAY_EVAL_TEXTS), 16)}
     refs = {name: loaded.encode(batches) for name, batches in evals.items()}
-    calibs = {"pydoc paragraphs (64, the old default)": hf.text_split("calib", 64),
+    calibs = {"pydoc paragraphs (64, the old default)": corpora.text_split("calib", 64),
               "everyday (100)": list(EVERYDAY_TEXTS),
-              f"default: calibration_texts() ({len(hf.calibration_texts())})": hf.calibration_texts()}
+              f"default: calibration_texts() ({len(corpora.calibration_texts())})": corpora.calibration_texts()}
     rows: list[tuple[str, dict[str, torch.Tensor], str]] = []
     example = loaded.batches(["an example"], 1)[0]
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
@@ -79,7 +79,7 @@ def main() -> int:
         to_onnx_float(loaded.model, str(fp), example, pooling="mean", normalize=True)
         dyn, sta = Path(tmp) / "dyn.onnx", Path(tmp) / "static.onnx"
         quantize_dynamic(str(fp), str(dyn), per_channel=True, weight_type=QuantType.QInt8)
-        quantize_static(str(fp), str(sta), CalibReader(loaded.batches(hf.calibration_texts(), 16), NAMES),
+        quantize_static(str(fp), str(sta), CalibReader(loaded.batches(corpora.calibration_texts(), 16), NAMES),
                         quant_format=QuantFormat.QDQ, per_channel=True)
         for name, path in (("ORT quantize_dynamic (per-channel int8)", dyn),
                            ("ORT quantize_static (QDQ, per-channel; calibrated on the default texts)", sta)):
@@ -94,7 +94,7 @@ def main() -> int:
              f"{args.max_length} tokens. softq: `softq.quantize(model, calib, QuantConfig())` in torch, and the default "
              "calibration's INT8 ONNX file in onnxruntime (1 thread, all optimisations). Columns: cosine of each text's "
              "embedding to FP32's over the held-out set (mean, min) and the mean cosine distance 1 - cos; "
-             f"{len(hf.text_split('eval'))} `eval` paragraphs of Python's documentation (disjoint from every "
+             f"{len(corpora.text_split('eval'))} `eval` paragraphs of Python's documentation (disjoint from every "
              f"calibration paragraph), and the {len(EVERYDAY_EVAL_TEXTS)} everyday texts of "
              "`softq.calib.texts.EVERYDAY_EVAL_TEXTS` (1-13 words, written apart from the calibration texts and "
              "never calibrated on).", "",

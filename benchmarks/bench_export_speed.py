@@ -71,13 +71,13 @@ class Bench:
             self.eval = [self._random_text(8, 100 + seed) for seed in range(4)]
             self.metric = "mean cosine to FP32 (mean-pooled hidden states)"
         elif name == "minilm":
-            from softq import hf
+            from softq import corpora, hf
 
             loaded = hf.load_minilm()
             self.loaded = loaded
             self.model = loaded.model
-            self.calib = loaded.batches(hf.text_split("calib", 16 * args.calib_batches), 16)
-            self.eval = loaded.batches(hf.text_split("eval", 128), 32)
+            self.calib = loaded.batches(corpora.text_split("calib", 16 * args.calib_batches), 16)
+            self.eval = loaded.batches(corpora.text_split("eval", 128), 32)
             self.pooling = (loaded.pooling or "mean", loaded.normalize)
             self.metric = "mean cosine to FP32 (sentence embedding)"
         else:

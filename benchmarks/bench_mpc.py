@@ -350,14 +350,14 @@ def _distill_texts(window: int, source: str = "prose", held_out_texts: int = 64)
     """Distillation text, cut into windows of ``window`` words, none from the ``eval`` split: the
     ``pydoc_data.topics`` paragraphs outside it, either prose only (>= 100 characters: the calibration paragraphs,
     short and long ones) or ``all`` blocks (also code listings and tables); or ``docstrings``: the prose paragraphs
-    of installed code's docstrings (:func:`softq.hf.docstring_paragraphs`), none sharing 12 words with ``eval``;
+    of installed code's docstrings (:func:`softq.corpora.docstring_paragraphs`), none sharing 12 words with ``eval``;
     or ``mixed``: the pydoc prose and the docstrings; or ``recombined``: ``RECOMBINED_WINDOWS`` windows of random
     sentences of the pydoc prose (new contexts for the same words), leaving out every sentence found in ``eval``;
     or ``recombined-wide``: the same from all pydoc prose except the first ``held_out_texts`` ``eval`` paragraphs (what
     the benchmark evaluates on), leaving out every sentence found in those (twice the words of ``recombined``)."""
     from pydoc_data.topics import topics
 
-    from softq.hf import docstring_paragraphs, pydoc_paragraphs, recombined_windows, text_split
+    from softq.corpora import docstring_paragraphs, pydoc_paragraphs, recombined_windows, text_split
 
     held_out = set(text_split("eval", held_out_texts if source == "recombined-wide" else None))
     if source in ("prose", "recombined", "recombined-wide"):
@@ -476,7 +476,8 @@ def _loss_trace(losses: list[float], points: int = 5) -> str:
 
 def bench_minilm_distill(args: argparse.Namespace) -> None:
     """MPCFormer distillation of MiniLM to 2Quad + Quad on pydoc text (no labels), then cost vs the exact path."""
-    from softq.hf import load_minilm, text_split
+    from softq.corpora import text_split
+    from softq.hf import load_minilm
     from softq.mpc import run
     from workloads.mpc_demo import embedding_errors, minilm_task
     from softq.mpc.distill import NORM_BATCHES

@@ -49,7 +49,7 @@ from bench_quant import command_line, write_atomic  # noqa: E402
 from benchutil import seed_list  # noqa: E402
 
 import softq  # noqa: E402
-from softq import hf  # noqa: E402
+from softq import corpora, hf  # noqa: E402
 from softq.calib import diagnostics  # noqa: E402
 from softq.calib.outlier_finetune import OutlierFinetuneConfig, finetune_outliers, gate_values  # noqa: E402
 
@@ -59,7 +59,7 @@ def evaluate(loaded: hf.HFModel, model: torch.nn.Module, data: dict, method: str
     cos = lambda a, b: torch.nn.functional.cosine_similarity(a.float(), b.float())  # noqa: E731
     emb = loaded.encode(data["ev"], model)
     r = {"fp_cos": cos(emb, data["ref"]).mean().item(), "fp_cos_min": cos(emb, data["ref"]).min().item(),
-         "fp_recall": hf.recall_at_1(loaded.encode(data["qb"], model), loaded.encode(data["cb"], model))}
+         "fp_recall": corpora.recall_at_1(loaded.encode(data["qb"], model), loaded.encode(data["cb"], model))}
     diag = diagnostics.collect(model, data["ev"])
     r["layers"] = [{"ln_inf": s.ln_input_inf_norm, "ln_kurt": s.ln_input_kurtosis, "ffn_inf": s.ffn_inf_norm,
                     "dims": s.outlier_dims} for s in diag.layers]
@@ -80,7 +80,7 @@ def evaluate(loaded: hf.HFModel, model: torch.nn.Module, data: dict, method: str
     r["q_cos"] = cos(qemb, data["ref"]).mean().item()
     r["q_cos_min"] = cos(qemb, data["ref"]).min().item()
     r["q_cos_self"] = cos(qemb, emb).mean().item()  # quantization error alone: W8A8 vs this model's own FP32
-    r["q_recall"] = hf.recall_at_1(loaded.encode(data["qb"], qmodel), loaded.encode(data["cb"], qmodel))
+    r["q_recall"] = corpora.recall_at_1(loaded.encode(data["qb"], qmodel), loaded.encode(data["cb"], qmodel))
     r["gates"] = gate_values(model, data["ev"][:2])
     r["tokens"] = token_outliers(model, data["ev"], loaded.tokenizer.sep_token_id)
     r["cls_constant_cos"] = constant_cls_cosine(loaded, model, data, emb)
@@ -207,7 +207,7 @@ def main() -> int:
     parser.add_argument("--calib-size", type=int, default=64, help="W8A8 calibration paragraphs")
     parser.add_argument("--text", choices=("calib", "recombined"), default="calib",
                         help="training text: the calib paragraphs (default) or 20000 windows of 48 words of their "
-                             "sentences recombined at random (softq.hf.recombined_windows; no sentence of an eval "
+                             "sentences recombined at random (softq.corpora.recombined_windows; no sentence of an eval "
                              "paragraph), which helped the MPC distillation generalise (docs/results/mpc.md)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--checkpoint-dir", type=Path, default=Path(os.environ.get("SOFTQ_CACHE", Path.home() / ".cache" / "softq")) / "outlier_finetune")
@@ -220,13 +220,13 @@ def main() -> int:
 
     loaded = hf.load_minilm(128)
     original = loaded.model
-    train_texts = hf.text_split("calib")
+    train_texts = corpora.text_split("calib")
     if args.text == "recombined":
-        train_texts = hf.recombined_windows(train_texts, 48, 20000, exclude=hf.text_split("eval"))
-    texts = hf.text_split("eval", args.eval_limit)
-    first, second = hf.halves(texts)
+        train_texts = corpora.recombined_windows(train_texts, 48, 20000, exclude=corpora.text_split("eval"))
+    texts = corpora.text_split("eval", args.eval_limit)
+    first, second = corpora.halves(texts)
     data = {"ev": loaded.batches(texts, 32), "qb": loaded.batches(first, 32), "cb": loaded.batches(second, 32),
-            "calib": loaded.batches(hf.text_split("calib", args.calib_size), 16)}
+            "calib": loaded.batches(corpora.text_split("calib", args.calib_size), 16)}
     data["ref"] = loaded.encode(data["ev"])
 
     def config(method: str, seed: int, penalty: float) -> OutlierFinetuneConfig:

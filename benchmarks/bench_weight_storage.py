@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchutil import cpu_description, interleaved  # noqa: E402
 
 import softq  # noqa: E402
-from softq import hf  # noqa: E402
+from softq import corpora, hf  # noqa: E402
 from softq.export.model_export import to_onnx  # noqa: E402
 from softq.quant.layers import QLinear  # noqa: E402
 
@@ -101,8 +101,8 @@ def main() -> None:
     torch.set_num_threads(1)
     start = time.perf_counter()
     loaded = hf.load_minilm()
-    calib = loaded.batches(hf.text_split("calib", 64), 16)
-    evals = loaded.batches(hf.text_split("eval", args.eval), 32)
+    calib = loaded.batches(corpora.text_split("calib", 64), 16)
+    evals = loaded.batches(corpora.text_split("eval", args.eval), 32)
     ref = loaded.encode(evals).numpy()
     pool = {"pooling": loaded.pooling or "mean", "normalize": loaded.normalize}
     example = {k: evals[0][k][:2] for k in ("input_ids", "attention_mask")}

@@ -44,7 +44,7 @@ def minilm_step(out_dir: Path, texts: int) -> None:
     import numpy as np
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from softq import hf
+    from softq import corpora, hf
     from softq.export import to_onnx, to_onnx_float
     from softq.export.onnx_utils import session
 
@@ -54,9 +54,9 @@ def minilm_step(out_dir: Path, texts: int) -> None:
     from softq.calib.texts import EVERYDAY_EVAL_TEXTS
 
     loaded = hf.load_minilm(max_length=128)
-    calib_texts = hf.calibration_texts()  # what `softq quantize DIR` calibrates on by default
+    calib_texts = corpora.calibration_texts()  # what `softq quantize DIR` calibrates on by default
     calib = loaded.batches(calib_texts, 16)
-    evaluations = {f"{texts} other documentation paragraphs": loaded.batches(hf.text_split("eval", texts), 32),
+    evaluations = {f"{texts} other documentation paragraphs": loaded.batches(corpora.text_split("eval", texts), 32),
                    f"{len(EVERYDAY_EVAL_TEXTS)} held-out everyday texts": loaded.batches(list(EVERYDAY_EVAL_TEXTS), 40)}
     config = softq.QuantConfig()
     start = time.time()

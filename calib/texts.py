@@ -1,9 +1,9 @@
 """Everyday English for calibrating text models: greetings, short queries, questions, messages, reviews, news and
 instructions, from one word to a paragraph, written for softq (no dataset download).
 
-Python's documentation (:func:`softq.hf.pydoc_paragraphs`) alone is long technical prose: calibrated on it,
+Python's documentation (:func:`softq.corpora.pydoc_paragraphs`) alone is long technical prose: calibrated on it,
 all-MiniLM-L6-v2's INT8 embeddings of short everyday text ("thanks!", "ok") were further from FP32 than
-onnxruntime's ``quantize_dynamic`` (docs/results/calibration_text.md).  :func:`softq.hf.calibration_texts`, the
+onnxruntime's ``quantize_dynamic`` (docs/results/calibration_text.md).  :func:`softq.corpora.calibration_texts`, the
 model-directory default, mixes both.
 """
 

@@ -13,7 +13,7 @@ import copy
 import torch
 
 import softq.mpc
-from softq import hf
+from softq import corpora, hf
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--model", help="headless text encoder folder (default: the bundled all-MiniLM-L6-v2)")
@@ -29,7 +29,7 @@ loaded = hf.load_model_dir(args.model or hf.minilm_dir(), max_length=args.seq_le
 model = loaded.model
 if loaded.pooling is not None and getattr(model, "pooler", None) is not None:
     model.pooler = None  # a sentence encoder never reads BERT's pooler: no dense layer and tanh to pay for under MPC
-texts = (hf.read_text_file(args.text, "--text file") if args.text else hf.text_split("eval"))[:args.texts]
+texts = (corpora.read_text_file(args.text, "--text file") if args.text else corpora.text_split("eval"))[:args.texts]
 inputs = loaded.tokenize(texts)  # input_ids, attention_mask (token_type_ids): what the client secret-shares
 
 result = softq.mpc.run(model, inputs, softmax=args.softmax, gelu=args.gelu, timeout=600)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import softq
-from softq import hf
+from softq import corpora, hf
 from softq.export import runtimes
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -24,7 +24,7 @@ parser.add_argument("--texts", type=int, default=132, help="calibration texts (d
 args = parser.parse_args()
 
 loaded = hf.load_model_dir(args.model or hf.minilm_dir())
-calib = loaded.batches(hf.calibration_texts(args.texts), batch_size=16)
+calib = loaded.batches(corpora.calibration_texts(args.texts), batch_size=16)
 qmodel = softq.quantize(loaded.model, calib, softq.QuantConfig())
 
 path = args.out or str(Path(tempfile.mkdtemp()) / "model_int8.onnx")
@@ -33,7 +33,7 @@ path = args.out or str(Path(tempfile.mkdtemp()) / "model_int8.onnx")
 path = softq.to_onnx(qmodel, path, calib[0], overwrite=True, pooling=loaded.pooling, normalize=loaded.normalize)
 print(f"wrote {path} ({Path(path).stat().st_size / 1e6:.1f} MB)")
 
-batch = loaded.tokenize(hf.text_split("eval", 8))  # padded: the file masks pad keys as the torch model does
+batch = loaded.tokenize(corpora.text_split("eval", 8))  # padded: the file masks pad keys as the torch model does
 with torch.no_grad():
     out = qmodel(**batch)
 mask = batch["attention_mask"]

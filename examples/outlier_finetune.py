@@ -13,7 +13,7 @@ import argparse
 import torch
 
 import softq
-from softq import hf
+from softq import corpora, hf
 from softq.calib.diagnostics import collect
 from softq.calib.outlier_finetune import OutlierFinetuneConfig, finetune_outliers
 
@@ -26,10 +26,10 @@ args = parser.parse_args()
 
 loaded = hf.load_model_dir(args.model or hf.minilm_dir())
 config = OutlierFinetuneConfig(steps=args.steps, lr=args.lr)  # constant [CLS] sink, penalty above |x| = 16
-result = finetune_outliers(loaded.model, loaded.tokenizer, hf.text_split("calib"), config)  # unlabeled texts
+result = finetune_outliers(loaded.model, loaded.tokenizer, corpora.text_split("calib"), config)  # unlabeled texts
 
-calib = loaded.batches(hf.calibration_texts(args.texts), batch_size=16)
-held_out = loaded.batches(hf.text_split("eval", 64), batch_size=32)  # other texts than training and calibration
+calib = loaded.batches(corpora.calibration_texts(args.texts), batch_size=16)
+held_out = loaded.batches(corpora.text_split("eval", 64), batch_size=32)  # other texts than training and calibration
 reference = loaded.encode(held_out)  # the ORIGINAL model in FP32
 # one 8-bit scale for the whole residual stream, [CLS] included, no input smoothing (docs/results/outlier_finetune*.md;
 # softq's default keeps the residual stream float, or gives [CLS] and outlier dimensions scales of their own)

@@ -12,7 +12,7 @@ import tempfile
 import torch
 
 import softq
-from softq import hf
+from softq import corpora, hf
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--model", help="Hugging Face model folder (default: the bundled all-MiniLM-L6-v2)")
@@ -22,8 +22,8 @@ args = parser.parse_args()
 
 folder = args.model or hf.minilm_dir()
 loaded = hf.load_model_dir(folder)  # the model (class from config.json), its tokenizer, its sentence pooling
-calib = loaded.batches(hf.calibration_texts(args.texts), batch_size=16)  # a list of tokenized model inputs
-held_out = loaded.batches(hf.text_split("eval", 64), batch_size=32)  # other texts than the calibration ones
+calib = loaded.batches(corpora.calibration_texts(args.texts), batch_size=16)  # a list of tokenized model inputs
+held_out = loaded.batches(corpora.text_split("eval", 64), batch_size=32)  # other texts than the calibration ones
 
 qmodel = softq.quantize(loaded.model, calib, softq.QuantConfig())  # a quantized copy; the float model is untouched
 out = softq.save(qmodel, args.out or tempfile.mkdtemp(), overwrite=True, sidecars_from=folder)  # + tokenizer files

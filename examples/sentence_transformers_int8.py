@@ -14,7 +14,7 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 import softq
-from softq import hf
+from softq import corpora, hf
 from softq.export import runtimes
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -24,9 +24,9 @@ parser.add_argument("--texts", type=int, default=132, help="calibration texts (d
 args = parser.parse_args()
 
 st = SentenceTransformer(str(args.model or hf.minilm_dir()), device="cpu")
-qst = softq.quantize(st, hf.calibration_texts(args.texts))  # texts are tokenized as st tokenizes them
+qst = softq.quantize(st, corpora.calibration_texts(args.texts))  # texts are tokenized as st tokenizes them
 
-sentences = hf.text_split("eval", 64)  # held out: other texts than the calibration ones
+sentences = corpora.text_split("eval", 64)  # held out: other texts than the calibration ones
 fp32 = st.encode(sentences, convert_to_tensor=True)
 int8 = qst.encode(sentences, convert_to_tensor=True)
 cos = torch.nn.functional.cosine_similarity(int8, fp32)

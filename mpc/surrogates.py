@@ -400,5 +400,22 @@ def configure_surrogates(
     return spec
 
 
+def surrogate_choice(choice: Any) -> Any:
+    """A surrogate choice as ``softq mpc --softmax/--gelu`` spell it, for :func:`configure_surrogates`:
+    ``"native"`` is None (the model's own function), ``"a,b"`` one name per layer; any other value as it is."""
+    if choice is None or choice == "native":
+        return None
+    return choice.split(",") if isinstance(choice, str) and "," in choice else choice
+
+
+def restore_surrogates(model: nn.Module) -> nn.Module:
+    """Switch a student back to the surrogates its config records (``softq_mpc_surrogates``), if any."""
+    spec = getattr(model.config, "softq_mpc_surrogates", None)
+    if spec:
+        spec = SurrogateSpec.from_json(spec)
+        configure_surrogates(model, softmax=spec.softmax, gelu=spec.gelu, softmax_params=spec.softmax_params)
+    return model
+
+
 def attention_layer_names(model: nn.Module) -> list[str]:
     return [name for name, _ in attention_modules(model)]

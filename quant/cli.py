@@ -151,13 +151,13 @@ def _config(args: argparse.Namespace):
 def load_task(args: argparse.Namespace):  # noqa: ANN201 - a softq.evaluation.Task
     """The model directory named on the command line, with its calibration texts and (for commands with
     ``--eval``) its evaluation texts."""
-    from softq import hf
+    from softq import corpora, hf
     from softq.evaluation import model_dir_task
 
     # Read the texts before loading the model: a bad file fails in a second, not after the load.
-    calib = hf.read_text_file(args.calib, "--calib file") if args.calib is not None else None
+    calib = corpora.read_text_file(args.calib, "--calib file") if args.calib is not None else None
     evaluates = hasattr(args, "eval")  # softq export only quantizes: no evaluation texts to tokenize
-    evaluation = hf.read_text_file(args.eval, "--eval file") if evaluates and args.eval is not None else None
+    evaluation = corpora.read_text_file(args.eval, "--eval file") if evaluates and args.eval is not None else None
     loaded = hf.load_model_dir(args.model, max_length=args.max_length, default_length=128)
     limit = args.eval_limit if getattr(args, "eval_limit", None) is not None else 128
     return model_dir_task(loaded, calib, evaluation if evaluates else [], eval_limit=limit, **calib_size_kwargs(args))

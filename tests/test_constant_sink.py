@@ -139,11 +139,11 @@ def test_minilm_cls_is_a_constant_sink() -> None:
     pytest.importorskip("all_minilm_l6_v2")
     import copy
 
-    from softq import hf
+    from softq import corpora, hf
 
     loaded = hf.load_minilm(64)
-    calib = [loaded.tokenize(hf.text_split("calib", 16), 64)]
-    batch = loaded.tokenize(hf.text_split("eval", 8), 64)
+    calib = [loaded.tokenize(corpora.text_split("calib", 16), 64)]
+    batch = loaded.tokenize(corpora.text_split("eval", 8), 64)
     model = copy.deepcopy(loaded.model)
     configure_attention(model, constant_sink=True)
     init_constant_sinks(model, calib)

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 import softq
-from softq import hf
+from softq import corpora, hf
 from softq.calib import diagnostics
 from softq.calib.data import CalibrationDataError
 from softq.cli import main
@@ -223,12 +223,12 @@ def test_mpc_and_configure_attention_given_a_sentence_transformer(folder) -> Non
 
 
 def test_pydoc_splits_are_disjoint_and_retrieval_scores_itself() -> None:
-    calib, evaluation = hf.text_split("calib"), hf.text_split("eval")
+    calib, evaluation = corpora.text_split("calib"), corpora.text_split("eval")
     assert len(calib) > 50 and len(evaluation) > 200 and not set(calib) & set(evaluation)
-    first, second = hf.halves(evaluation[:3])
+    first, second = corpora.halves(evaluation[:3])
     assert [f"{a} {b}" for a, b in zip(first, second)] == evaluation[:3]
     emb = torch.eye(4)
-    assert hf.recall_at_1(emb, emb) == 1.0 and hf.recall_at_1(emb, emb.flip(0)) == 0.0
+    assert corpora.recall_at_1(emb, emb) == 1.0 and corpora.recall_at_1(emb, emb.flip(0)) == 0.0
 
 
 @pytest.mark.parametrize("make, message", [
@@ -386,14 +386,14 @@ def test_bad_calibration_files(tmp_path, content, message) -> None:
     path = tmp_path / "calib.txt"
     path.write_bytes(content)
     with pytest.raises(hf.ModelDirError, match=message):
-        hf.read_text_file(path)
+        corpora.read_text_file(path)
 
 
 def test_calibration_file_lines_and_jsonl(tmp_path) -> None:
     (tmp_path / "a.txt").write_text("first text\n\n second text \n")
     (tmp_path / "b.jsonl").write_text('{"text": "one"}\n{"text": "two", "id": 3}\n')
-    assert hf.read_text_file(tmp_path / "a.txt") == ["first text", "second text"]
-    assert hf.read_text_file(tmp_path / "b.jsonl") == ["one", "two"]
+    assert corpora.read_text_file(tmp_path / "a.txt") == ["first text", "second text"]
+    assert corpora.read_text_file(tmp_path / "b.jsonl") == ["one", "two"]
 
 
 # -- residual-stream outliers: per-embedding-group quantization ------------------------------------
@@ -699,8 +699,8 @@ def test_cli_numbers_that_cannot_be_meant_are_usage_errors(argv, capsys) -> None
 def test_minilm_default_config_keeps_embeddings(tmp_path) -> None:
     pytest.importorskip("all_minilm_l6_v2")
     loaded = hf.load_minilm(max_length=64)
-    calib = loaded.batches(hf.text_split("calib", 16), 8)
-    evaluation = loaded.batches(hf.text_split("eval", 16), 8)
+    calib = loaded.batches(corpora.text_split("calib", 16), 8)
+    evaluation = loaded.batches(corpora.text_split("eval", 16), 8)
     qmodel = softq.quantize(loaded.model, calib, softq.QuantConfig())
     cos = torch.nn.functional.cosine_similarity(loaded.encode(evaluation, qmodel), loaded.encode(evaluation))
     assert cos.mean() > 0.99 and cos.min() > 0.97
@@ -715,7 +715,7 @@ def test_minilm_default_calibration_holds_on_everyday_text() -> None:
     from softq.calib.texts import EVERYDAY_EVAL_TEXTS
 
     loaded = hf.load_minilm(max_length=64)
-    qmodel = softq.quantize(loaded.model, loaded.batches(hf.calibration_texts(), 16), softq.QuantConfig())
+    qmodel = softq.quantize(loaded.model, loaded.batches(corpora.calibration_texts(), 16), softq.QuantConfig())
     evaluation = loaded.batches(list(EVERYDAY_EVAL_TEXTS), 20)
     cos = torch.nn.functional.cosine_similarity(loaded.encode(evaluation, qmodel), loaded.encode(evaluation))
     assert cos.mean() > 0.995 and cos.min() > 0.97, (cos.mean(), cos.min())
@@ -724,12 +724,12 @@ def test_minilm_default_calibration_holds_on_everyday_text() -> None:
 def test_calibration_texts_mix_both_sources_in_proportion() -> None:
     from softq.calib.texts import EVERYDAY_EVAL_TEXTS, EVERYDAY_TEXTS
 
-    paragraphs = hf.text_split("calib")
-    texts = hf.calibration_texts()
-    assert texts == paragraphs[:hf.DEFAULT_CALIB_PARAGRAPHS] + list(EVERYDAY_TEXTS)
-    few = hf.calibration_texts(33)  # 32 : 100 -> 8 paragraphs, 25 everyday texts
+    paragraphs = corpora.text_split("calib")
+    texts = corpora.calibration_texts()
+    assert texts == paragraphs[:corpora.DEFAULT_CALIB_PARAGRAPHS] + list(EVERYDAY_TEXTS)
+    few = corpora.calibration_texts(33)  # 32 : 100 -> 8 paragraphs, 25 everyday texts
     assert few == paragraphs[:8] + list(EVERYDAY_TEXTS[:25])
-    assert not set(texts) & (set(EVERYDAY_EVAL_TEXTS) | set(hf.text_split("eval")))  # held-out sets stay held out
+    assert not set(texts) & (set(EVERYDAY_EVAL_TEXTS) | set(corpora.text_split("eval")))  # held-out sets stay held out
 
 
 def test_model_dir_task_calibrates_on_the_built_in_texts_or_64_of_a_file(folder) -> None:
@@ -737,7 +737,7 @@ def test_model_dir_task_calibrates_on_the_built_in_texts_or_64_of_a_file(folder)
 
     loaded = hf.load_model_dir(folder)
     rows = lambda task: sum(len(b["input_ids"]) for b in task.calib)  # noqa: E731
-    assert rows(model_dir_task(loaded, eval_texts=["x"])) == len(hf.calibration_texts())
+    assert rows(model_dir_task(loaded, eval_texts=["x"])) == len(corpora.calibration_texts())
     assert rows(model_dir_task(loaded, texts(100, 1), ["x"])) == 64
     assert rows(model_dir_task(loaded, texts(100, 1), ["x"], calib_size=10)) == 10
     assert rows(model_dir_task(loaded, eval_texts=["x"], calib_size=10)) == 10
@@ -805,18 +805,18 @@ def _docstring_package(root: Path, name: str, eval_text: str) -> None:
 
 
 def test_docstring_corpus_is_deterministic_prose_without_eval_overlap(tmp_path, monkeypatch) -> None:
-    eval_text = hf.text_split("eval", 1)[0]
+    eval_text = corpora.text_split("eval", 1)[0]
     _docstring_package(tmp_path, "softq_docs_fixture", eval_text)
     monkeypatch.syspath_prepend(str(tmp_path))
-    texts = hf.docstring_paragraphs(["softq_docs_fixture"])
-    assert texts == hf.docstring_paragraphs(["softq_docs_fixture"])
+    texts = corpora.docstring_paragraphs(["softq_docs_fixture"])
+    assert texts == corpora.docstring_paragraphs(["softq_docs_fixture"])
     # files in sorted order (softq_docs_fixture/__init__.py first, then sub/good.py); mod.py has a syntax error
     assert [t.split()[0] for t in texts] == ["This", "Caching"]
     # with the syntax error fixed, the eval paragraph appears, unless it is excluded (also from within a longer text)
     mod = tmp_path / "softq_docs_fixture" / "sub" / "mod.py"
     mod.write_text(mod.read_text().replace("def g(:", "def g():"))
-    assert eval_text in hf.docstring_paragraphs(["softq_docs_fixture"])
-    clean = hf.docstring_paragraphs(["softq_docs_fixture"], exclude=["Intro words. " + eval_text + " More."])
+    assert eval_text in corpora.docstring_paragraphs(["softq_docs_fixture"])
+    clean = corpora.docstring_paragraphs(["softq_docs_fixture"], exclude=["Intro words. " + eval_text + " More."])
     assert [t.split()[0] for t in clean] == ["This", "Caching", "Things"]
     assert not any(">>>" in t for t in clean)
 
@@ -826,20 +826,20 @@ def test_docstring_corpus_refuses_empty_results_and_unknown_packages(tmp_path, m
     (tmp_path / "softq_no_docs" / "__init__.py").write_text("X = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match="no prose docstring paragraphs"):
-        hf.docstring_paragraphs(["softq_no_docs"])
+        corpora.docstring_paragraphs(["softq_no_docs"])
     with pytest.raises(ValueError, match="not an installed package"):
-        hf.docstring_paragraphs(["softq_no_such_package_xyz"])
+        corpora.docstring_paragraphs(["softq_no_such_package_xyz"])
     with pytest.raises(ValueError, match="at least one package"):
-        hf.docstring_paragraphs([])
+        corpora.docstring_paragraphs([])
 
 
 def test_recombined_windows_are_deterministic_new_contexts_without_excluded_sentences() -> None:
     paragraphs = ["Alpha beta gamma delta. Epsilon zeta eta theta iota. Short one.",
                   "Kappa lambda mu nu xi. Omicron pi rho sigma tau upsilon."]
     excluded = ["An eval paragraph holds Omicron pi rho sigma tau upsilon. and more."]
-    texts = hf.recombined_windows(paragraphs, window=7, count=50, exclude=excluded, seed=3)
-    assert texts == hf.recombined_windows(paragraphs, window=7, count=50, exclude=excluded, seed=3)
-    assert texts != hf.recombined_windows(paragraphs, window=7, count=50, exclude=excluded, seed=4)
+    texts = corpora.recombined_windows(paragraphs, window=7, count=50, exclude=excluded, seed=3)
+    assert texts == corpora.recombined_windows(paragraphs, window=7, count=50, exclude=excluded, seed=3)
+    assert texts != corpora.recombined_windows(paragraphs, window=7, count=50, exclude=excluded, seed=4)
     assert len(texts) == 50 and all(len(t.split()) == 7 for t in texts)
     words = " ".join(texts).split()
     assert "Omicron" not in words and "Short" not in words  # the excluded sentence, the 2-word sentence
@@ -847,6 +847,6 @@ def test_recombined_windows_are_deterministic_new_contexts_without_excluded_sent
     # new contexts: sentences of different paragraphs meet in one window
     assert any("Kappa" in t and ("Alpha" in t or "Epsilon" in t) for t in texts)
     with pytest.raises(ValueError, match="no sentence of 4 or more words"):
-        hf.recombined_windows(["Too short. Also."], window=7, count=3)
+        corpora.recombined_windows(["Too short. Also."], window=7, count=3)
     with pytest.raises(ValueError, match="window >= 1 and count >= 1"):
-        hf.recombined_windows(paragraphs, window=0, count=3)
+        corpora.recombined_windows(paragraphs, window=0, count=3)

@@ -243,7 +243,8 @@ def test_owner_refuses_on_its_calibration_inputs_and_every_party_stops(tmp_path)
 
 def test_minilm_gelu_range_is_recorded_and_accepted():
     pytest.importorskip("all_minilm_l6_v2")
-    from softq.hf import load_minilm, text_split
+    from softq.corpora import text_split
+    from softq.hf import load_minilm
 
     hm = load_minilm()
     inputs = hm.tokenize(text_split("eval", 2), max_length=32)

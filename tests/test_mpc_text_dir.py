@@ -61,7 +61,7 @@ def distilled(tmp_path_factory):
 def test_distilled_student_is_a_model_directory_with_its_surrogates(distilled, capsys):
     root, teacher, corpus, student = distilled
     from softq.hf import sentence_pooling
-    from softq.mpc.cli import load_text_model
+    from softq.mpc.text import load_text_model
 
     meta = json.loads((student / "softq_student.json").read_text())
     # held out: every 10th line, never trained on; the distilled student is closer to the teacher there
@@ -97,7 +97,7 @@ def test_distillation_continues_from_a_student_directory(distilled, tmp_path):
     assert meta["init"] == str(student) and meta["earlier_steps"] == [first["steps"]] and meta["fit"] is False
     assert meta["steps"] == [0, 20] and meta["cosine_after"] != meta["cosine_before"]
     assert (student / "model.safetensors").read_bytes() == weights_before
-    from softq.mpc.cli import load_text_model
+    from softq.mpc.text import load_text_model
 
     spec = json.loads(load_text_model(out).model.config.softq_mpc_surrogates)
     assert spec["softmax"] == ["2quad", "2quad"] and spec["gelu"] == ["quad", "quad"]
@@ -116,7 +116,7 @@ def test_encrypted_student_from_a_text_file(distilled, capsys, tmp_path):
     assert summary["texts"] == 2 and summary["rounds"] > 0 and summary["bytes"] > 0
     assert summary["max_abs_error"] < 2e-2 and summary["min_cosine_to_plaintext"] > 0.9999
     # the reported cosine to the teacher is the plaintext student's, up to fixed point
-    from softq.mpc.cli import load_text_model
+    from softq.mpc.text import load_text_model
 
     t, st = load_text_model(teacher, 16), load_text_model(student, 16)
     batch = [st.tokenize(texts.read_text().splitlines(), max_length=16)]
@@ -142,7 +142,7 @@ def test_encrypted_model_from_a_text_file_reports_the_encryption_error(distilled
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["max_abs_error"] < 2e-2 and summary["min_cosine_to_plaintext"] > 0.9999
     assert "with the same surrogates (softmax 2quad, GELU quad)" in out
-    from softq.mpc.cli import load_text_model
+    from softq.mpc.text import load_text_model
     from softq.mpc.surrogates import configure_surrogates
 
     t = load_text_model(teacher, 16)

@@ -184,10 +184,10 @@ def test_bad_inputs(tokenizer) -> None:
 
 def test_minilm_gated_conversion_preserves_embeddings() -> None:
     pytest.importorskip("all_minilm_l6_v2")
-    from softq import hf
+    from softq import corpora, hf
 
     loaded = hf.load_minilm(64)
-    batch = loaded.tokenize(hf.text_split("eval", 4), 64)
+    batch = loaded.tokenize(corpora.text_split("eval", 4), 64)
     student = make_student(loaded.model, OutlierFinetuneConfig(method="gated", pi_init=0.5, constant_sink=False))
     before, after = loaded.encode([batch]), loaded.encode([batch], student)
     assert torch.nn.functional.cosine_similarity(before, after).min() > 0.99999

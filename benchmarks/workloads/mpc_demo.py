@@ -56,7 +56,8 @@ def minilm_task(sentences: int = 2, seq_len: int = 32) -> tuple[torch.nn.Module,
     """all-MiniLM-L6-v2 without its (unused) pooler, and ``sentences`` pydoc paragraphs cut to ``seq_len`` tokens."""
     import transformers
 
-    from softq.hf import load_minilm, minilm_dir, text_split
+    from softq.corpora import text_split
+    from softq.hf import load_minilm, minilm_dir
 
     hm = load_minilm()
     verbosity = transformers.logging.get_verbosity()
