@@ -8,8 +8,8 @@ and only the client sees the output.  softq exports the model with
 :mod:`softq.mpc.surrogates`.
 
 What the ``softq mpc`` commands do is one function each: :func:`embed_texts` (encrypted sentence embeddings
-of a text model directory), :func:`run_reference` / :func:`run_model_dir` (a reference model; a model directory
-on saved inputs), :func:`distill_dir` / :func:`distill_reference` (a surrogate student, written as a directory).
+of a text model directory), :func:`run_model_dir` (a model directory on saved inputs), :func:`distill_dir` (a
+surrogate student, written as a directory).
 
 Importing this package is cheap: CrypTen is only loaded (through the torch
 compatibility shim) when a function that needs it is used.
@@ -35,13 +35,10 @@ __all__ = [
     "embed_texts",
     "EncryptedEmbeddings",
     "load_text_model",
-    "run_reference",
     "run_model_dir",
     "EncryptedRun",
     "distill_dir",
-    "distill_reference",
     "DistilledStudent",
-    "load_student",
 ]
 
 _LAZY = {
@@ -56,13 +53,10 @@ _LAZY = {
     "embed_texts": "softq.mpc.text",
     "EncryptedEmbeddings": "softq.mpc.text",
     "load_text_model": "softq.mpc.text",
-    "run_reference": "softq.mpc.inference",
     "run_model_dir": "softq.mpc.inference",
     "EncryptedRun": "softq.mpc.inference",
     "distill_dir": "softq.mpc.students",
-    "distill_reference": "softq.mpc.students",
     "DistilledStudent": "softq.mpc.students",
-    "load_student": "softq.mpc.students",
 }
 
 

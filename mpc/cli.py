@@ -34,21 +34,15 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)
-    if args.model in ("lm", "vit"):
-        from softq.mpc.inference import run_reference
-
-        done = run_reference(args.model, student=args.student, samples=args.samples, seq_len=args.seq_len,
-                             **_run_options(args))
-    elif args.text:
+    if args.text:
         return _run_text(args)
-    else:
-        from softq.mpc.inference import as_model_dir, run_model_dir
+    from softq.mpc.inference import as_model_dir, run_model_dir
 
-        as_model_dir(args.student or args.model)  # a missing directory is named before a missing --inputs
-        if not args.inputs:
-            raise ValueError("a model directory needs --inputs (a torch.save'd dict of input tensors) or, for a text "
-                             "model, --text FILE")
-        done = run_model_dir(args.model, args.inputs, student=args.student, **_run_options(args))
+    as_model_dir(args.student or args.model)  # a missing directory is named before a missing --inputs
+    if not args.inputs:
+        raise ValueError("a model directory needs --inputs (a torch.save'd dict of input tensors) or, for a text "
+                         "model, --text FILE")
+    done = run_model_dir(args.model, args.inputs, student=args.student, **_run_options(args))
     result, summary = done.result, done.summary
     print(result.report.table("kind"))
     print()
@@ -111,33 +105,22 @@ def _party(args: argparse.Namespace) -> int:
 
 
 def _distill(args: argparse.Namespace) -> int:
-    from softq.mpc.students import check_output_dir, distill_dir, distill_reference
+    from softq.mpc.students import check_output_dir, distill_dir
 
-    check_output_dir(args.out, args.overwrite)  # before any work, whatever --model is
-    common = dict(softmax=args.softmax, gelu=args.gelu, steps=(args.steps1, args.steps2), batch_size=args.batch_size,
-                  seq_len=args.seq_len, seed=args.seed, fit=args.fit, lr=args.lr, hidden_weight=args.hidden_weight,
-                  normalize_hidden=args.normalize_hidden, overwrite=args.overwrite)
-    if args.model not in ("lm", "vit"):
-        student = distill_dir(args.model, args.text, args.out, eval_text=args.eval_text, init=args.init,
-                              window=args.window, recombine=args.recombine, **common)
-        _print_fit(student.history)
-        before, after = student.cosine_before, student.cosine_after
-        print(f"embedding cosine to the teacher on {student.meta['held_out_texts']} held-out texts: "
-              f"{f'the student from {args.init}' if args.init else 'surrogates not distilled'} mean "
-              f"{float(before.mean()):.4f} (min {float(before.min()):.4f}); distilled mean {float(after.mean()):.4f} "
-              f"(min {float(after.min()):.4f})")
-        print(f"student saved to {args.out}; run it with: softq mpc run --model {args.model} --student {args.out} "
-              f"--text FILE")
-        return 0
-    for flag, value in (("--text", args.text), ("--eval-text", args.eval_text), ("--init", args.init)):
-        if value:
-            raise ValueError(f"{flag} is for a model directory; the reference {args.model} distils on its own data")
-    student = distill_reference(args.model, args.out, samples=args.samples, **common)
+    check_output_dir(args.out, args.overwrite)  # before any work
+    student = distill_dir(args.model, args.text, args.out, eval_text=args.eval_text, init=args.init,
+                          window=args.window, recombine=args.recombine, softmax=args.softmax, gelu=args.gelu,
+                          steps=(args.steps1, args.steps2), batch_size=args.batch_size, seq_len=args.seq_len,
+                          seed=args.seed, fit=args.fit, lr=args.lr, hidden_weight=args.hidden_weight,
+                          normalize_hidden=args.normalize_hidden, overwrite=args.overwrite)
     _print_fit(student.history)
-    meta = student.meta
-    print(f"{args.model} plaintext accuracy on {args.samples} held-out samples: teacher {meta['teacher_accuracy']:.2f}%, "
-          f"surrogates before distillation {meta['before']:.2f}%, after {meta['after']:.2f}%")
-    print(f"student saved to {args.out}; run it with: softq mpc run --model {args.model} --student {args.out}")
+    before, after = student.cosine_before, student.cosine_after
+    print(f"embedding cosine to the teacher on {student.meta['held_out_texts']} held-out texts: "
+          f"{f'the student from {args.init}' if args.init else 'surrogates not distilled'} mean "
+          f"{float(before.mean()):.4f} (min {float(before.min()):.4f}); distilled mean {float(after.mean()):.4f} "
+          f"(min {float(after.min()):.4f})")
+    print(f"student saved to {args.out}; run it with: softq mpc run --model {args.model} --student {args.out} "
+          f"--text FILE")
     return 0
 
 
@@ -158,15 +141,14 @@ def register(subparsers: Any) -> None:
     mpc.set_defaults(handler=lambda args: (mpc.print_help(), 2)[1])
 
     r = sub.add_parser("run", help="encrypted inference with every party in its own process on loopback")
-    r.add_argument("--model", required=True, help="lm, vit (the reference models) or a model directory")
+    r.add_argument("--model", required=True, help="a Hugging Face model directory")
     r.add_argument("--inputs", help="torch.save'd dict of inputs (for a model directory)")
     r.add_argument("--student", help="a distilled student from `softq mpc distill` (uses its surrogates)")
     r.add_argument("--text", help="a text model directory: encrypt the embeddings of these texts (one per line, or "
                                   "JSONL with 'text'); reports the error to the plaintext model (and, with --student, "
                                   "the cosine to --model's embeddings)")
-    r.add_argument("--samples", type=int, default=32,
-                   help="held-out images / text windows (reference models); the first N texts of --text")
-    r.add_argument("--seq-len", type=int, default=64, help="text window length (lm) / tokens per text (--text)")
+    r.add_argument("--samples", type=int, default=32, help="the first N texts of --text")
+    r.add_argument("--seq-len", type=int, default=64, help="tokens per text (--text)")
     _add_surrogate_args(r)
     r.add_argument("--world-size", type=int, default=2, help="number of parties (processes)")
     r.add_argument("--provider", choices=("TFP", "TTP"), default="TFP",
@@ -187,39 +169,33 @@ def register(subparsers: Any) -> None:
     p.set_defaults(handler=_party)
 
     d = sub.add_parser("distill", help="MPCFormer two-stage distillation of a surrogate student")
-    d.add_argument("--model", required=True,
-                   help="lm or vit (the reference models) or a Hugging Face text-model directory (with --text)")
+    d.add_argument("--model", required=True, help="a Hugging Face text-model directory (the teacher)")
     _add_surrogate_args(d)
     d.add_argument("--steps1", type=int, default=300, help="stage 1 steps (hidden states + attention maps, MSE)")
     d.add_argument("--steps2", type=int, default=300,
                    help="stage 2 steps (logits: soft cross-entropy; a headless encoder: 1 - cosine of its embeddings)")
     d.add_argument("--batch-size", type=int, default=16)
-    d.add_argument("--samples", type=int, default=360, help="held-out samples for the before/after accuracy")
     d.add_argument("--seq-len", type=int, default=64)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--fit", action=argparse.BooleanOptionalAction, default=None,
                    help="fit Quad GELU per channel and 2Quad per head to the teacher's activations first "
-                        "(exact weight rewrites, same encrypted cost; default on for a model directory, off for "
-                        "lm/vit, whose fitted students leave the encrypted division's range: docs/results/mpc.md)")
-    d.add_argument("--text", help="model directory: distillation text, one paragraph per line (or JSONL with 'text'); "
+                        "(exact weight rewrites, same encrypted cost; default on)")
+    d.add_argument("--text", help="distillation text, one paragraph per line (or JSONL with 'text'); "
                                   "every 10th line is held out for the before/after cosine")
-    d.add_argument("--eval-text", help="model directory: held-out texts instead of every 10th line of --text")
-    d.add_argument("--window", type=int, default=48, help="model directory: words per training window")
+    d.add_argument("--eval-text", help="held-out texts instead of every 10th line of --text")
+    d.add_argument("--window", type=int, default=48, help="words per training window")
     d.add_argument("--recombine", action=argparse.BooleanOptionalAction, default=True,
-                   help="model directory: train on windows of random sentences of --text (default; new contexts for "
+                   help="train on windows of random sentences of --text (default; new contexts for "
                         "the same words) instead of its consecutive windows")
     d.add_argument("--lr", type=float, default=None,
-                   help="stage-1 learning rate, stage 2 half of it (default: 2e-4 / 1e-4 for a model directory, "
-                        "1e-3 / 3e-4 for lm/vit)")
+                   help="stage-1 learning rate, stage 2 half of it (default: 2e-4 / 1e-4)")
     d.add_argument("--hidden-weight", type=float, default=None,
-                   help="stage 2 also minimises this multiple of the hidden-state MSE (default 0.5 for a model "
-                        "directory, 0 for lm/vit)")
+                   help="stage 2 also minimises this multiple of the hidden-state MSE (default 0.5)")
     d.add_argument("--normalize-hidden", action=argparse.BooleanOptionalAction, default=None,
                    help="weigh each hidden-state channel of the MSE terms by 1 / the teacher's standard deviation "
-                        "(default on for a model directory: better on all-MiniLM-L6-v2, docs/results/mpc.md; off for "
-                        "lm/vit, where it has not been measured)")
+                        "(default on: better on all-MiniLM-L6-v2, docs/results/mpc.md)")
     d.add_argument("--init", metavar="DIR",
-                   help="model directory: continue distilling this student (written by `softq mpc distill` from "
+                   help="continue distilling this student (written by `softq mpc distill` from "
                         "--model; its surrogates are kept, --softmax/--gelu/--fit do not apply), e.g. --steps1 0 "
                         "--steps2 1200 for more stage-2 steps (how the 0.98 MiniLM student was trained: docs/results/mpc.md)")
     d.add_argument("--out", required=True, help="directory for the student")

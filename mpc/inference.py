@@ -1,15 +1,12 @@
-"""Encrypted inference of a reference model, or of a model directory on saved inputs, as ``softq mpc run`` does it.
+"""Encrypted inference of a model directory on saved inputs, as ``softq mpc run --inputs`` does it.
 
-:func:`run_reference` runs ``lm`` / ``vit`` (or a student of one) encrypted on held-out data and compares it with
-the same model in plaintext (accuracy, logit error, argmax agreement); :func:`run_model_dir` runs a model
-directory (softq's ``save_model`` or Hugging Face ``save_pretrained``) on a ``torch.save``'d dict of inputs, which
-are checked against the model before any party starts.  A text model's sentence embeddings are
-:func:`softq.mpc.text.embed_texts`'s.
+:func:`run_model_dir` runs a Hugging Face ``save_pretrained`` directory (or a student of it) on a ``torch.save``'d
+dict of inputs, which are checked against the model before any party starts.  A text model's sentence embeddings
+are :func:`softq.mpc.text.embed_texts`'s.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,15 +16,15 @@ import torch
 
 from softq._files import error_line
 from softq.mpc.runner import MPCResult, run
-from softq.mpc.students import has_surrogates, load_student
-from softq.mpc.surrogates import SurrogateSpec, configure_surrogates, surrogate_choice
+from softq.mpc.surrogates import SurrogateSpec, surrogate_choice
 from softq.mpc.text import drop_unused_pooler
 
 
 @dataclass
 class EncryptedRun:
     """An encrypted run and the figures ``softq mpc run --json`` prints: ``rounds``, ``bytes``, ``wall_seconds``; a
-    reference task adds ``encrypted_accuracy``, ``plaintext_accuracy``, ``max_abs_error``, ``argmax_agreement``."""
+    task with labels (the benchmarks' reference models) adds ``encrypted_accuracy``, ``plaintext_accuracy``,
+    ``max_abs_error``, ``argmax_agreement``."""
 
     result: MPCResult
     summary: dict[str, Any]
@@ -35,20 +32,19 @@ class EncryptedRun:
 
 
 def as_model_dir(model: str | os.PathLike) -> Path:
-    """``model`` as a model directory, or one line saying it is neither a reference model nor a directory."""
+    """``model`` as a model directory, or one line saying it is not one."""
     path = Path(model)
     if not path.is_dir():
-        raise FileNotFoundError(f"{model} is neither 'lm', 'vit' nor a model directory")
+        raise FileNotFoundError(f"{model} is not a model directory")
     return path
 
 
 def load_any_model(model: str | os.PathLike) -> Any:
-    """A model directory (softq save_model or Hugging Face save_pretrained)."""
+    """A Hugging Face ``save_pretrained`` directory (a student of ``softq mpc distill`` included)."""
     path = as_model_dir(model)
-    if (path / "weights.pt").is_file():
-        from softq.workloads import load_model
-
-        return load_student(path) if has_surrogates(path) else load_model(path)
+    if (path / "weights.pt").is_file() and not (path / "model.safetensors").is_file():
+        raise ValueError(f"{path} holds a state dict (weights.pt) with no Hugging Face weights: load the model in "
+                         "Python and pass it to softq.mpc.run, or save it with save_pretrained")
     import transformers
 
     from softq.hf import quiet_transformers
@@ -104,43 +100,12 @@ def _summary(result: MPCResult) -> dict[str, Any]:
     return {"rounds": result.report.rounds, "bytes": result.report.bytes, "wall_seconds": result.wall_seconds}
 
 
-def run_reference(name: str, *, student: str | os.PathLike | None = None, samples: int = 32, seq_len: int = 64,
-                  softmax: Any = "2quad", gelu: Any = "quad", **run_options: Any) -> EncryptedRun:
-    """The reference model ``name`` (``lm`` or ``vit``; ``student``: a student of it written by
-    :func:`softq.mpc.distill_reference`, with its own surrogates) run encrypted on ``samples`` held-out images or
-    text windows of ``seq_len`` characters, and measured against the same model and surrogates in plaintext.
-
-    ``softmax`` / ``gelu``: as for :func:`softq.mpc.run`, or spelt as the command line spells them (``"native"``,
-    comma lists); ``run_options`` go to :func:`softq.mpc.run`.
-    """
-    from softq.workloads.tasks import mpc_task
-
-    task = mpc_task(name, n=samples, seq_len=seq_len)
-    model, inputs = task.model, task.inputs
-    if student:
-        model = load_student(student)
-    result, softmax, gelu = _run(model, inputs, bool(student), softmax, gelu, run_options)
-    summary = _summary(result)
-    ref = copy.deepcopy(model)
-    if not student:
-        configure_surrogates(ref, softmax=softmax, gelu=gelu)
-    with torch.no_grad():
-        plain = ref(**inputs).logits
-    enc = result.logits
-    summary.update(
-        encrypted_accuracy=task.accuracy(enc), plaintext_accuracy=task.accuracy(plain),
-        max_abs_error=float((enc - plain).abs().max()),
-        argmax_agreement=100.0 * float((enc.argmax(-1) == plain.argmax(-1)).float().mean()),
-    )
-    return EncryptedRun(result, summary, task.name)
-
-
 def run_model_dir(model: str | os.PathLike, inputs: str | os.PathLike, *, student: str | os.PathLike | None = None,
                   softmax: Any = "2quad", gelu: Any = "quad", **run_options: Any) -> EncryptedRun:
     """The model directory ``model`` (or ``student``, a student of it written by ``softq mpc distill``, with its
     own surrogates) run encrypted on ``inputs``, a ``torch.save``'d dict of input tensors (e.g. a tokenizer's
     output), which is read and checked against the model (main input present, ids in the vocabulary, shapes it
-    takes) before any party starts.  ``softmax`` / ``gelu`` and ``run_options`` as for :func:`run_reference`.
+    takes) before any party starts.  ``softmax`` / ``gelu``: as for :func:`softq.mpc.run`, or spelt as the command line spells them (``"native"``, comma lists); ``run_options`` go to :func:`softq.mpc.run`.
     """
     path = as_model_dir(student or model)
     batch = read_inputs(inputs)  # a bad file fails before the model loads

@@ -1,10 +1,9 @@
 """Surrogate students: distil one, write it as a model directory, load it back, distil it further.
 
-What ``softq mpc distill`` does, as functions: :func:`distill_dir` distils a Hugging Face text encoder's
-directory on a text file, no labels needed (the teacher's own embeddings are the targets); :func:`distill_reference`
-distils the reference ``lm`` / ``vit`` on their own data.  A student's config records its surrogates
-(``softq_mpc_surrogates``), so loading it (:func:`load_student`, :func:`softq.mpc.text.load_text_model`) gives back
-the model that was measured; a model directory's student also holds ``softq_student.json``, how it was made.
+What ``softq mpc distill`` does, as a function: :func:`distill_dir` distils a Hugging Face text encoder's
+directory on a text file, no labels needed (the teacher's own embeddings are the targets).  A student's config
+records its surrogates (``softq_mpc_surrogates``), so loading it (:func:`softq.mpc.text.load_text_model`) gives back
+the model that was measured; it also holds ``softq_student.json``, how it was made.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from torch import nn
 
 from softq import corpora
 from softq.mpc.distill import DistillHistory, distill
-from softq.mpc.surrogates import configure_surrogates, restore_surrogates, surrogate_choice
+from softq.mpc.surrogates import configure_surrogates, surrogate_choice
 from softq.mpc.text import load_text_model
 
 
@@ -55,13 +54,6 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
 def has_surrogates(path: str | os.PathLike) -> bool:
     """Whether the model directory's config records surrogates (a student's does)."""
     return "softq_mpc_surrogates" in json.loads((Path(path) / "config.json").read_text())
-
-
-def load_student(path: str | os.PathLike) -> Any:
-    """Load a distilled student saved by ``softq mpc distill`` with its surrogates restored."""
-    from softq.workloads import load_model
-
-    return restore_surrogates(load_model(path))
 
 
 def init_student(path: str | os.PathLike, teacher: Any) -> tuple[Any, dict[str, Any]]:
@@ -183,42 +175,3 @@ def distill_dir(model: str | os.PathLike, text: str | os.PathLike, out: str | os
             "cosine_after_min": float(after.min())}
     path = save_student_dir(student, out, model, meta)
     return DistilledStudent(path, student, meta, history, before, after)
-
-
-def distill_reference(name: str, out: str | os.PathLike, *, softmax: Any = "2quad", gelu: Any = "quad",
-                      steps: tuple[int, int] = (300, 300), batch_size: int = 16, samples: int = 360, seq_len: int = 64,
-                      lr: float | None = None, hidden_weight: float | None = None, fit: bool | None = None,
-                      normalize_hidden: bool | None = None, seed: int = 0, overwrite: bool = False,
-                      progress: bool = True) -> DistilledStudent:
-    """A surrogate student of the reference model ``name`` (``lm`` or ``vit``), distilled on its own training data
-    and written to ``out`` (refused if it exists, unless ``overwrite``) with ``softq.workloads.save_model``.
-
-    The teacher's, the undistilled surrogates' and the student's plaintext accuracy on ``samples`` held-out
-    samples are in the returned ``meta`` (``teacher_accuracy``, ``before``, ``after``).  ``lr``: stage 1's
-    learning rate, stage 2 half of it (default 1e-3 / 3e-4); ``hidden_weight``, ``fit`` and ``normalize_hidden``
-    are off unless given (see :func:`softq.mpc.distill.distill`).
-    """
-    check_output_dir(out, overwrite)
-    from softq.workloads import save_model
-    from softq.workloads.tasks import mpc_task
-
-    torch.manual_seed(seed)
-    task = mpc_task(name, n=samples, seq_len=seq_len)
-    lrs = (1e-3, 3e-4) if lr is None else (lr, lr / 2)
-    student, history = distill(task.model, task.train_batches(batch_size, seed),
-                               softmax=surrogate_choice(softmax), gelu=surrogate_choice(gelu),
-                               steps=tuple(steps), fit=bool(fit), lr=lrs,
-                               stage2_hidden_weight=hidden_weight or 0.0,
-                               normalize_hidden=bool(normalize_hidden), progress=progress)
-    with torch.no_grad():
-        before_model = copy.deepcopy(task.model)
-        configure_surrogates(before_model, softmax=surrogate_choice(softmax), gelu=surrogate_choice(gelu))
-        teacher_acc = task.accuracy(task.model(**task.inputs).logits)
-        before = task.accuracy(before_model(**task.inputs).logits)
-        after = task.accuracy(student(**task.inputs).logits)
-    meta = {"kind": f"mpc-student-{task.name}", "softmax": softmax, "gelu": gelu,
-            "steps": list(steps), "fit": fit, "teacher_accuracy": teacher_acc,
-            "before": before, "after": after, "stage1_final_loss": history.stage1[-1:] or None,
-            "stage2_final_loss": history.stage2[-1:] or None}
-    save_model(student, out, task.tokenizer, meta)
-    return DistilledStudent(Path(out), student, meta, history)
