@@ -500,7 +500,7 @@ def test_cli_reports_bad_model_clearly(capsys):
     from softq.cli import main
 
     assert main(["mpc", "run", "--model", "/nonexistent/model"]) == 1
-    assert "neither 'lm', 'vit' nor a model directory" in capsys.readouterr().err
+    assert "/nonexistent/model is not a model directory" in capsys.readouterr().err
 
 
 def test_ttp_provider_runs_with_a_separate_dealer_process():

@@ -166,10 +166,10 @@ def test_bad_text_distillation_input_gets_one_line(distilled, capsys, tmp_path):
         (["--model", str(teacher), "--text", str(one), "--out", str(tmp_path / "s")], "at least 2"),
         (["--model", str(teacher), "--text", str(corpus), "--window", "0", "--out", str(tmp_path / "s")], "--window"),
         (["--model", str(student), "--text", str(corpus), "--out", str(tmp_path / "s")], "already a surrogate student"),
-        (["--model", "lm", "--text", str(corpus), "--out", str(tmp_path / "s")], "--text is for a model directory"),
+        (["--model", "lm", "--text", str(corpus), "--out", str(tmp_path / "s")], "lm is not a directory"),
         (["--model", str(teacher), "--text", str(corpus), "--init", str(teacher), "--out", str(tmp_path / "s")],
          "not a student written by softq mpc distill"),
-        (["--model", "lm", "--init", str(student), "--out", str(tmp_path / "s")], "--init is for a model directory"),
+        (["--model", "lm", "--init", str(student), "--out", str(tmp_path / "s")], "lm is not a directory"),
     ]
     for argv, expected in cases:
         capsys.readouterr()
