@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, argparse.Argum
                         "sentence-transformers files, else mean pooling)")
     h = p.add_argument_group("when MODEL is a Hugging Face model directory (quantized here first)")
     h.add_argument("--calib", type=Path, default=None, metavar="FILE",
-                   help="calibration texts, one per line or JSONL with 'text' (default: Python documentation paragraphs and short everyday English, softq.hf.calibration_texts)")
+                   help="calibration texts, one per line or JSONL with 'text' (default: Python documentation paragraphs and short everyday English, softq.corpora.calibration_texts)")
     h.add_argument("--max-length", type=positive_int, default=QUANTIZE_DEFAULTS["max_length"], help="tokens per calibration text (default 128, or the model's positions if fewer)")
     h.add_argument("--bias-correction", choices=["tensor", "head", "head_row"], default=None,
                    help="softmax bias correction when MODEL is quantized here (edge and row_exact codes)")

@@ -130,7 +130,7 @@ class WeightDQFn(torch.autograd.Function):
 
 
 class WeightOnlyFn(torch.autograd.Function):
-    """A weight-only parameter (:class:`softq.quant.quantizers.WeightOnly`): ``Mul(Cast(int8 codes), scales)``.
+    """A weight-only parameter (:class:`softq.quant.layers.WeightOnly`): ``Mul(Cast(int8 codes), scales)``.
 
     All of it constant, so runtimes fold it to a float tensor when they load the file (no cost per
     run); not a DequantizeLinear, which onnxruntime keeps in the graph and runs every time."""

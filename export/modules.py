@@ -105,7 +105,7 @@ class ExportLinear(nn.Module):
 class ExportEmbedding(nn.Module):
     """Weight-only int8 embedding table (symmetric, one scale per row): int8 codes and float scales, both gathered.
 
-    From a :class:`softq.quant.quantizers.QEmbedding` (``QuantConfig.embedding_bits``, the
+    From a :class:`softq.quant.layers.QEmbedding` (``QuantConfig.embedding_bits``, the
     default): its own codes and scales, so ONNX computes what the torch model does.  From a
     float ``nn.Embedding`` (``embeddings="int8"`` on a model quantized with
     ``embedding_bits=None``): 8-bit codes made here, which the torch model does not use.

@@ -457,7 +457,7 @@ class SoftmaxOutputQuantizer(ProbsQuantizer):
         bidirectional row sees the whole sequence: its per-row beta holds for sequences of the calibrated length,
         alone or padded, every other row takes the per-head beta (calibrated on several lengths, it is per-head:
         :meth:`finish_bias_measurement`).  The ONNX export computes the same
-        (``softq.export.model_export._beta_nodes``).
+        (``softq.export.cores._beta_nodes``).
         """
         if self.beta.numel() == 0:
             return None
