@@ -10,8 +10,8 @@ Stages, each on a 2-layer model of hidden size 32 with random weights, on inputs
 * onnxruntime / tract / OpenVINO: ``softq.to_onnx`` traced on one shape, run on another (batch 3, 13 tokens, the
   last text padded); relative error to the quantized torch model at most 2e-2;
 * MPC: the exact path (softmax, erf GELU) under CrypTen, 2 parties; relative error to plaintext at most 1e-2;
-* variants: clipped softmax, gated attention and softpick configured, quantized and exported, onnxruntime within
-  2e-2 of torch.
+* attention variants: gated attention, clipped softmax and softpick configured, quantized (within the quantize
+  bound of the float variant) and exported (onnxruntime within the runtime bound), or the export's refusal.
 """
 
 from __future__ import annotations
@@ -80,6 +80,18 @@ def refused() -> dict[str, callable]:
     }
 
 
+def built(build) -> torch.nn.Module:
+    """A fresh model in eval mode.  Fresh ViT / DeiT class and distillation tokens are (near) zero, which no
+    trained model has (LayerNorm then blows up any rounding of those rows): they get a trained-like spread."""
+    torch.manual_seed(0)
+    model = build().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("cls_token", "distillation_token")):
+                param.normal_()
+    return model
+
+
 def inputs(model: torch.nn.Module, seed: int, batch: int, seq: int, pad: bool) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     if model.main_input_name == "pixel_values":
@@ -136,27 +148,38 @@ def mpc_error(model: torch.nn.Module) -> float:
     return rel(got.float().numpy(), output(model, x))
 
 
-def variants_ok(build, workdir: Path) -> tuple[bool, str]:
-    failed = []
-    for name, kwargs in (("clipped", dict(softmax="clipped", alpha=0.5)), ("gated", dict(gated=True)),
+def variants(build, workdir: Path) -> str:
+    """Each attention variant configured on the family: quantized (error to the float variant within the quantize
+    bound) and exported (onnxruntime within the runtime bound), or what stops it."""
+    cells = {}
+    for name, kwargs in (("gated", dict(gated=True)), ("clipped", dict(softmax="clipped", alpha=0.5)),
                          ("softpick", dict(softmax="softpick"))):
-        torch.manual_seed(0)
-        model = build().eval()
+        model = built(build)
         try:
             softq.configure_attention(model, **kwargs)
             calib = [inputs(model, s, 2, 20, pad=True) for s in range(3)]
+            held = inputs(model, 50, 3, 13, pad=True)
             qmodel = softq.quantize(model, calib, softq.QuantConfig())
-            err = onnx_errors(qmodel, model, workdir / f"{name}.onnx", calib, ("onnxruntime",))["onnxruntime"]
-            if not err <= ONNX_BOUND:
-                failed.append(f"{name} {err:.1e}")
+            err = rel(output(qmodel, held), output(model, held))
         except Exception as exc:  # noqa: BLE001 - a table cell says what failed
-            failed.append(f"{name}: {str(exc).splitlines()[0][:60]}")
-    return not failed, ", ".join(failed)
+            cells[name] = f"**no**: {str(exc).splitlines()[0][:60]}"
+            continue
+        if not err <= QUANT_BOUND:
+            cells[name] = f"**no** ({err:.1e})"
+            continue
+        try:
+            onnx_err = onnx_errors(qmodel, model, workdir / f"{name}.onnx", calib, ("onnxruntime",))["onnxruntime"]
+            cells[name] = "quantize, ONNX" if onnx_err <= ONNX_BOUND else f"quantize; ONNX **{onnx_err:.1e}**"
+        except ValueError:  # the export refuses the variant in one line
+            cells[name] = "quantize (export refused)"
+    grouped: dict[str, list[str]] = {}
+    for name, cell in cells.items():
+        grouped.setdefault(cell, []).append(name)
+    return "; ".join(f"{', '.join(names)}: {cell}" for cell, names in grouped.items())
 
 
 def run_family(name: str, build, workdir: Path, mpc: bool) -> list[str]:
-    torch.manual_seed(0)
-    model = build().eval()
+    model = built(build)
     calib = [inputs(model, s, 2, 20, pad=True) for s in range(3)]
     held = inputs(model, 50, 3, 13, pad=True)
     qmodel = softq.quantize(model, calib, softq.QuantConfig())
@@ -177,8 +200,7 @@ def run_family(name: str, build, workdir: Path, mpc: bool) -> list[str]:
             cells.append(f"**no**: {str(exc).splitlines()[0][:80]}")
     else:
         cells.append("not run")
-    ok, why = variants_ok(build, workdir)
-    cells.append("yes" if ok else f"**no**: {why}")
+    cells.append(variants(build, workdir))
     return cells
 
 
@@ -201,9 +223,10 @@ def matrix(mpc: bool) -> str:
             start = time.time()
             rows.append("| " + " | ".join(run_family(name, build, Path(tmp), mpc)) + " |")
             print(f"{name}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
-    lines = [*rows, "", "Refused, each in one line:", "", "| family | what softq says |", "|---|---|"]
+    lines = [*rows, "", "Refused, each in one line (which also lists the supported families):", "",
+             "| family | what softq says |", "|---|---|"]
     for name, build in refused().items():
-        lines.append(f"| {name} | {refusal(build).replace('|', '/')} |")
+        lines.append(f"| {name} | {refusal(build).split(';')[0].replace('|', '/')} |")
     return "\n".join(lines)
 
 
