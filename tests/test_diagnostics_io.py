@@ -471,9 +471,26 @@ def test_save_replaces_a_file_and_is_not_blocked_by_a_leftover(tmp_path) -> None
         io.save(q, tmp_path / "q" / "model.pt" / "inner")
 
 
+def test_the_package_never_imports_the_benchmarks() -> None:
+    """The reference workloads and benchmark helpers live in benchmarks/, outside the installed package: no module
+    of softq may import them, not even inside a function (a wheel has no benchmarks/)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(softq.__file__).parent
+    offenders = []
+    for path in sorted([*root.glob("*.py"), *(p for part in softq.PARTS[:4] for p in (root / part).glob("*.py"))]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names
+                          if n.split(".")[0] in ("workloads", "benchutil", "reference", "benchmarks")
+                          or n.startswith("softq.workloads")]
+    assert offenders == []
+
+
 @pytest.mark.parametrize("package, forbidden", [
     ("calib", ("quant",)),  # quant builds on calib (observers, SmoothQuant, data checks): no cycle
-    ("workloads", ("quant", "export", "mpc", "calib")),  # the reference data, models and tasks sit below all four
 ])
 def test_layering_no_upward_imports(package: str, forbidden: tuple[str, ...]) -> None:
     """A lower package never imports a higher one, not even inside a function."""

@@ -169,7 +169,7 @@ def test_bad_text_distillation_input_gets_one_line(distilled, capsys, tmp_path):
         (["--model", "lm", "--text", str(corpus), "--out", str(tmp_path / "s")], "lm is not a directory"),
         (["--model", str(teacher), "--text", str(corpus), "--init", str(teacher), "--out", str(tmp_path / "s")],
          "not a student written by softq mpc distill"),
-        (["--model", "lm", "--init", str(student), "--out", str(tmp_path / "s")], "lm is not a directory"),
+        (["--model", "lm", "--init", str(student), "--out", str(tmp_path / "s")], "needs --text FILE"),
     ]
     for argv, expected in cases:
         capsys.readouterr()
