@@ -23,7 +23,7 @@ demo: setup
 	$(PY) benchmarks/demo.py
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2  # one worker per core (pytest-xdist)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

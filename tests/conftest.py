@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import transformers
 # The benchmarks' reference workloads (a character LM, a digits ViT) are not part of the installed package: tests
 # of them import ``workloads`` from benchmarks/, as the benchmark scripts do.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-torch.set_num_threads(2)
+# With pytest-xdist's workers (one per core) each worker takes one thread; alone, the run takes both cores.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(scope="module")
