@@ -25,8 +25,9 @@ def python_blocks(text: str) -> list[str]:
 def test_readme_python_blocks_run_verbatim(tmp_path) -> None:
     blocks = python_blocks(README)
     assert len(blocks) >= 3 and "softq.quantize" in blocks[0] and "softq.to_onnx" in blocks[0]
+    encrypted = importlib.util.find_spec("crypten") is not None  # the mpc extra; without it, the quickstart alone
     script = tmp_path / "readme.py"
-    script.write_text("\n".join(blocks))
+    script.write_text("\n".join(blocks if encrypted else blocks[:1]))
     env = {**os.environ, "TQDM_DISABLE": "1"}
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=900,
                          env=env)
@@ -34,8 +35,9 @@ def test_readme_python_blocks_run_verbatim(tmp_path) -> None:
     cosine = float(re.search(r"INT8 ONNX vs FP32 cosine: ([0-9.]+)", out.stdout).group(1))
     assert cosine > 0.99, out.stdout  # the quickstart's file computes the model
     assert (tmp_path / "minilm-int8.onnx").is_file() and (tmp_path / "minilm-int8" / "model.pt").is_file()
-    private = float(re.search(r"cosine to plaintext: ([0-9.]+)", out.stdout).group(1))
-    assert private > 0.9999 and re.search(r"TOTAL\s+\d+", out.stdout), out.stdout  # the encrypted block ran
+    if encrypted:
+        private = float(re.search(r"cosine to plaintext: ([0-9.]+)", out.stdout).group(1))
+        assert private > 0.9999 and re.search(r"TOTAL\s+\d+", out.stdout), out.stdout  # the encrypted block ran
 
 
 def test_readme_is_a_short_page_without_history() -> None:
