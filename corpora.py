@@ -8,7 +8,6 @@ separate choices:
   documentation paragraphs and :data:`softq.calib.texts.EVERYDAY_TEXTS`);
 * :func:`text_split`: disjoint ``calib`` / ``eval`` paragraphs of Python's documentation (:func:`pydoc_paragraphs`);
 * :func:`docstring_paragraphs`, :func:`recombined_windows`, :func:`text_windows`: distillation text;
-* :func:`halves` and :func:`recall_at_1`: half-paragraph retrieval, the benchmarks' and tests' metric;
 * :func:`read_text_file`: a user's text file (``--calib``, ``--eval``, ``--text``), one text per line or JSONL.
 """
 
@@ -19,8 +18,6 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import torch
-from torch import nn
 
 from softq.hf import ModelDirError
 
@@ -196,25 +193,6 @@ def calibration_texts(n: int | None = None) -> list[str]:
         k = round(n * len(paragraphs) / (len(paragraphs) + len(everyday)))
         paragraphs, everyday = paragraphs[:k], everyday[:n - k]
     return paragraphs + everyday  # by source: batches of like lengths, little padding
-
-
-def halves(texts: Sequence[str]) -> tuple[list[str], list[str]]:
-    """First and second half (by words) of each paragraph: the queries and the corpus of retrieval."""
-    first, second = [], []
-    for text in texts:
-        words = text.split()
-        mid = len(words) // 2
-        first.append(" ".join(words[:mid]))
-        second.append(" ".join(words[mid:]))
-    return first, second
-
-
-def recall_at_1(queries: torch.Tensor, corpus: torch.Tensor) -> float:
-    """Fraction of queries whose most cosine-similar corpus entry is their own other half."""
-    q = nn.functional.normalize(queries.float(), dim=-1)
-    c = nn.functional.normalize(corpus.float(), dim=-1)
-    hits = (q @ c.T).argmax(dim=1) == torch.arange(len(q))
-    return hits.float().mean().item()
 
 
 def read_text_file(path: str | os.PathLike, what: str = "calibration file") -> list[str]:

@@ -44,6 +44,7 @@ from benchutil import interleaved_medians as interleaved  # noqa: E402
 
 import softq  # noqa: E402
 from softq import corpora, hf  # noqa: E402
+from workloads import retrieval  # noqa: E402
 from softq.export import to_onnx, to_onnx_float  # noqa: E402
 from softq.export.onnx_utils import session  # noqa: E402
 from softq.quant.quantize import smoothing_report  # noqa: E402
@@ -58,7 +59,7 @@ def onnx_embed(sess: ort.InferenceSession, batches: list[dict[str, torch.Tensor]
 
 def scores(emb: torch.Tensor, ref: torch.Tensor, queries: torch.Tensor, corpus: torch.Tensor) -> dict[str, float]:
     cos = torch.nn.functional.cosine_similarity(emb.float(), ref.float())
-    return {"cos_mean": cos.mean().item(), "cos_min": cos.min().item(), "recall": corpora.recall_at_1(queries, corpus)}
+    return {"cos_mean": cos.mean().item(), "cos_min": cos.min().item(), "recall": retrieval.recall_at_1(queries, corpus)}
 
 
 def main() -> int:
@@ -84,7 +85,7 @@ def main() -> int:
     model = loaded.model
     calib = loaded.batches(corpora.text_split("calib", args.calib_size), 16)
     texts = corpora.text_split("eval", args.eval_limit)
-    first, second = corpora.halves(texts)
+    first, second = retrieval.halves(texts)
     ev, qb, cb = (loaded.batches(t, 32) for t in (texts, first, second))
     ref = loaded.encode(ev)
     rows: list[tuple[str, dict[str, float]]] = [("FP32 (torch)", scores(ref, ref, loaded.encode(qb), loaded.encode(cb)))]

@@ -50,6 +50,7 @@ from benchutil import seed_list  # noqa: E402
 
 import softq  # noqa: E402
 from softq import corpora, hf  # noqa: E402
+from workloads import retrieval  # noqa: E402
 from softq.calib import diagnostics  # noqa: E402
 from softq.calib.outlier_finetune import OutlierFinetuneConfig, finetune_outliers, gate_values  # noqa: E402
 
@@ -59,7 +60,7 @@ def evaluate(loaded: hf.HFModel, model: torch.nn.Module, data: dict, method: str
     cos = lambda a, b: torch.nn.functional.cosine_similarity(a.float(), b.float())  # noqa: E731
     emb = loaded.encode(data["ev"], model)
     r = {"fp_cos": cos(emb, data["ref"]).mean().item(), "fp_cos_min": cos(emb, data["ref"]).min().item(),
-         "fp_recall": corpora.recall_at_1(loaded.encode(data["qb"], model), loaded.encode(data["cb"], model))}
+         "fp_recall": retrieval.recall_at_1(loaded.encode(data["qb"], model), loaded.encode(data["cb"], model))}
     diag = diagnostics.collect(model, data["ev"])
     r["layers"] = [{"ln_inf": s.ln_input_inf_norm, "ln_kurt": s.ln_input_kurtosis, "ffn_inf": s.ffn_inf_norm,
                     "dims": s.outlier_dims} for s in diag.layers]
@@ -80,7 +81,7 @@ def evaluate(loaded: hf.HFModel, model: torch.nn.Module, data: dict, method: str
     r["q_cos"] = cos(qemb, data["ref"]).mean().item()
     r["q_cos_min"] = cos(qemb, data["ref"]).min().item()
     r["q_cos_self"] = cos(qemb, emb).mean().item()  # quantization error alone: W8A8 vs this model's own FP32
-    r["q_recall"] = corpora.recall_at_1(loaded.encode(data["qb"], qmodel), loaded.encode(data["cb"], qmodel))
+    r["q_recall"] = retrieval.recall_at_1(loaded.encode(data["qb"], qmodel), loaded.encode(data["cb"], qmodel))
     r["gates"] = gate_values(model, data["ev"][:2])
     r["tokens"] = token_outliers(model, data["ev"], loaded.tokenizer.sep_token_id)
     r["cls_constant_cos"] = constant_cls_cosine(loaded, model, data, emb)
@@ -224,7 +225,7 @@ def main() -> int:
     if args.text == "recombined":
         train_texts = corpora.recombined_windows(train_texts, 48, 20000, exclude=corpora.text_split("eval"))
     texts = corpora.text_split("eval", args.eval_limit)
-    first, second = corpora.halves(texts)
+    first, second = retrieval.halves(texts)
     data = {"ev": loaded.batches(texts, 32), "qb": loaded.batches(first, 32), "cb": loaded.batches(second, 32),
             "calib": loaded.batches(corpora.text_split("calib", args.calib_size), 16)}
     data["ref"] = loaded.encode(data["ev"])

@@ -223,12 +223,14 @@ def test_mpc_and_configure_attention_given_a_sentence_transformer(folder) -> Non
 
 
 def test_pydoc_splits_are_disjoint_and_retrieval_scores_itself() -> None:
+    from workloads import retrieval
+
     calib, evaluation = corpora.text_split("calib"), corpora.text_split("eval")
     assert len(calib) > 50 and len(evaluation) > 200 and not set(calib) & set(evaluation)
-    first, second = corpora.halves(evaluation[:3])
+    first, second = retrieval.halves(evaluation[:3])
     assert [f"{a} {b}" for a, b in zip(first, second)] == evaluation[:3]
     emb = torch.eye(4)
-    assert corpora.recall_at_1(emb, emb) == 1.0 and corpora.recall_at_1(emb, emb.flip(0)) == 0.0
+    assert retrieval.recall_at_1(emb, emb) == 1.0 and retrieval.recall_at_1(emb, emb.flip(0)) == 0.0
 
 
 @pytest.mark.parametrize("make, message", [
