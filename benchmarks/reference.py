@@ -34,9 +34,14 @@ def _reference_task(args: argparse.Namespace):  # noqa: ANN202 - a softq.evaluat
 
 def _as_reference(parser: argparse.ArgumentParser) -> None:
     """Make a softq subcommand read MODEL as a reference workload name."""
-    for action in parser._actions:  # the positional MODEL of softq's parsers
+    helps = {"model": "reference workload: " + " or ".join(TASKS),
+             "calib_size": "calibration windows (lm) or images (vit) (default 16)",
+             "eval_limit": "evaluate on at most this many held-out windows or images"}
+    for action in parser._actions:  # softq's own arguments, read here as the reference workloads' (private API)
+        if action.dest in helps:
+            action.help = helps[action.dest]
         if action.dest == "model":
-            action.choices, action.help = TASKS, "reference workload: " + " or ".join(TASKS)
+            action.choices = TASKS
     g = parser.add_argument_group("reference workloads")
     g.add_argument("--seed", type=int, default=0, help="which cached reference model (training seed)")
     g.add_argument("--steps", type=positive_int, default=None,
