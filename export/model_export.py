@@ -134,13 +134,14 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
                normalize: bool = False, linears: str = "integer") -> onnx.ModelProto:
     """The checked ONNX model of a softq-quantized model (not written anywhere)."""
     return _build_checked(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling,
-                          normalize, linears)[0]
+                          normalize, linears, verify=False)[0]
 
 
 def _build_checked(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_outputs: bool,
                    weight_storage: str, embeddings: str | None, pooling: str | None, normalize: bool,
-                   linears: str) -> tuple[onnx.ModelProto, ExportCheck | None]:
-    """:func:`build_onnx`, and what the written file must reproduce (:class:`ExportCheck`)."""
+                   linears: str, verify: bool = True) -> tuple[onnx.ModelProto, ExportCheck | None]:
+    """:func:`build_onnx`, and with ``verify`` what the written file must reproduce (:class:`ExportCheck`, one
+    forward of the quantized model on the example; None without ``verify``)."""
     from softq.quant import is_quantized
 
     if softmax is not None and softmax not in ALL_FORMS:
@@ -178,7 +179,7 @@ def _build_checked(qmodel: nn.Module, example_inputs: Any, softmax: str | None, 
                           "linears='integer' or 'qdq'")
     try:
         return _build(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling, normalize,
-                      linears)
+                      linears, verify)
     finally:
         STATE.clear()
 
@@ -196,7 +197,7 @@ def _quantization_off(qmodel: nn.Module) -> list[str]:
 
 
 def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_outputs: bool, weight_storage: str,
-           embeddings: str | None, pooling: str | None, normalize: bool, linears: str
+           embeddings: str | None, pooling: str | None, normalize: bool, linears: str, verify: bool
            ) -> tuple[onnx.ModelProto, ExportCheck | None]:
     """:func:`build_onnx` after its argument checks, with the quantized torch model's outputs on the example."""
     model, layers = export_copy(qmodel, weight_storage, embeddings)
@@ -224,7 +225,7 @@ def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_ou
         )
     shapes = _run_once(wrapper, feeds, "the quantized model")
     # QLinearSoftmax has no mask input: the 'ort' file is exact on unpadded examples only (warned above)
-    check = ExportCheck.of(qmodel, feeds, pooling, normalize, unpadded_only=softmax == "ort")
+    check = ExportCheck.of(qmodel, feeds, pooling, normalize, unpadded_only=softmax == "ort") if verify else None
     onnx_model = _trace(wrapper, feeds, names, outputs, shapes)
     onnx_utils.unshare_int_initializers(onnx_model)
     onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
@@ -381,10 +382,10 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
         raise ValueError(f"names must be 'short' or 'full', got {names!r}")
     onnx_utils.check_writable(path, overwrite)  # fail before the (slow) export
     model, check = _build_checked(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling,
-                                  normalize, linears)
+                                  normalize, linears, verify)
     if names == "short":
         model, _ = onnx_utils.compact_names(model)
-    return str(onnx_utils.save_atomic(model, path, overwrite, verify=check.verify if verify and check else None))
+    return str(onnx_utils.save_atomic(model, path, overwrite, verify=check.verify if check else None))
 
 
 def to_onnx_float(model: nn.Module, path: str, example_inputs: Any, overwrite: bool = False,
