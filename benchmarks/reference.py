@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from softq.cli import positive_int, run_handler
+from softq.cli import calib_size_kwargs, positive_int, run_handler
 from softq.export import cli as export_cli
 from softq.quant import cli as quant_cli
 from workloads import train_cli
@@ -23,7 +23,6 @@ from workloads.tasks import TASKS
 
 
 def _reference_task(args: argparse.Namespace):  # noqa: ANN202 - a softq.evaluation.Task
-    from softq.cli import calib_size_kwargs
     from workloads.tasks import reference_task
 
     if getattr(args, "calib", None) is not None or getattr(args, "eval", None) is not None:
