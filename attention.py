@@ -157,17 +157,68 @@ class AttentionPoints(nn.Module):
         return f"softmax={self.softmax_name}, params={self.softmax_params}"
 
 
+def _sliced(attention_mask: torch.Tensor, key_len: int) -> torch.Tensor:
+    # Slice only a longer mask: an exported graph (no cache, mask as long as the keys) then reads
+    # the mask once instead of slicing it again in every layer from that layer's key shape,
+    # so the layers share one valid tensor (onnx_utils.dedupe merges the equal comparisons).
+    return attention_mask if attention_mask.shape[-1] == key_len else attention_mask[..., :key_len]
+
+
 def valid_from_mask(attention_mask: torch.Tensor | None, key_len: int) -> torch.Tensor | None:
     """0/1 float mask of attendable keys from a Hugging Face attention mask (additive or boolean)."""
     if attention_mask is None:
         return None
-    # Slice only a longer mask: an exported graph (no cache, mask as long as the keys) then reads
-    # the mask once instead of slicing it again in every layer from that layer's key shape,
-    # so the layers share one valid tensor (onnx_utils.dedupe merges the equal comparisons).
-    mask = attention_mask if attention_mask.shape[-1] == key_len else attention_mask[..., :key_len]
+    mask = _sliced(attention_mask, key_len)
     if mask.dtype == torch.bool:
         return mask.to(torch.float32)
     return (mask > torch.finfo(mask.dtype).min / 2).to(torch.float32)
+
+
+def mask_bias(module: nn.Module, attention_mask: torch.Tensor | None, key_len: int) -> torch.Tensor | None:
+    """The additive position bias a family carries in its float mask (T5's relative buckets, MPNet's), zero at masked
+    keys; None where the mask holds only 0 and the dtype's minimum.  Whether a module's mask carries one is found
+    on its first call and kept on the module (``softq_mask_bias``), so an exported graph computes the bias only for
+    the families that have one."""
+    if attention_mask is None or attention_mask.dtype == torch.bool:
+        return None
+    carries = getattr(module, "softq_mask_bias", None)
+    mask = _sliced(attention_mask, key_len)
+    if carries is None:
+        if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
+            return None  # (set by every eager forward before an export traces)
+        carries = bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any())
+        module.softq_mask_bias = carries
+    if not carries:
+        return None
+    return torch.where(mask > torch.finfo(mask.dtype).min / 2, mask, torch.zeros((), dtype=mask.dtype))
+
+
+class _Recording:
+    modules: list[nn.Module] | None = None
+
+
+@contextmanager
+def recording(modules: list[nn.Module]) -> Iterator[None]:
+    """Append every module that calls softq's attention function to ``modules`` (``softq.models.discover``)."""
+    before = _Recording.modules
+    _Recording.modules = modules
+    try:
+        yield
+    finally:
+        _Recording.modules = before
+
+
+def _extra_column(scores: torch.Tensor, valid: torch.Tensor | None, sinks: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scores and valid mask with the learned sink logits (``s_aux``, one per head) as a last key column that every
+    row may attend to: it joins the row's max and sum, and no value reads it."""
+    b, h, q, _ = scores.shape
+    column = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(b, h, q, 1)
+    scores = torch.cat((scores, column), dim=-1)
+    if valid is not None:
+        valid = valid.expand(*scores.shape[:-1], valid.shape[-1]) if valid.dim() == 4 else valid.expand(q, -1)
+        valid = torch.cat((valid, torch.ones(*valid.shape[:-1], 1, dtype=valid.dtype, device=valid.device)), dim=-1)
+    return scores, valid
 
 
 def attention_inputs(
@@ -205,10 +256,21 @@ def softq_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention with softq's softmax variant and quantization points; [b, s, h, d] out."""
+    """Attention with softq's softmax variant and quantization points; [b, s, h, d] out.
+
+    Takes everything the interface passes: grouped K/V heads, any ``scaling`` (Gemma's
+    ``query_pre_attn_scalar``, T5's 1.0), sliding-window and local masks, an additive position
+    bias carried in the mask (T5, MPNet), logit soft-capping (``softcap``: ``tanh(s / cap) * cap``
+    before the softmax) and learned sink logits (``s_aux``: an extra column of the softmax no
+    value reads).  RoPE and q/k norms are applied by the module before the call."""
+    if _Recording.modules is not None:
+        _Recording.modules.append(module)
     points: AttentionPoints | None = getattr(module, "softq", None)
+    bias = mask_bias(module, attention_mask, key.shape[-2])
     key, value, valid, scaling = attention_inputs(module, query, key, value, attention_mask, scaling)
     if points is not None and points.prefix_rows and valid is not None:
         _check_prefix_rows(valid, points.prefix_rows)
@@ -216,19 +278,29 @@ def softq_attention(
         if valid is not None:
             _check_prefix_rows(valid, 1, SINK_PADDING)
         key, value = points.sink(key, value)
+    plain = bias is None and softcap is None and s_aux is None
 
-    if points is not None and points.fast_training and module.training and _points_are_identity(points):
+    if plain and points is not None and points.fast_training and module.training and _points_are_identity(points):
         return _fast_training_attention(points, query, key, value, valid, scaling, dropout)
-    if points is not None and not module.training and _observing_only(points):
+    if plain and points is not None and not module.training and _observing_only(points):
         return _observing_attention(points, query, key, value, valid, scaling)
+    q, k = (query, key) if points is None else (points.q(query), points.k(key))
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scaling)  # matmul's grad needs no output
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    keys = scores.shape[-1]
+    if s_aux is not None:
+        scores, valid = _extra_column(scores, valid, s_aux)
     if points is None:
-        scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
         probs = get_softmax("softmax")(scores, valid)
     else:
-        scores = torch.matmul(points.q(query), points.k(key).transpose(-1, -2)).mul_(scaling)  # matmul's grad needs no output
         scores = _scores_point(points, scores, valid)
         probs = get_softmax(points.softmax_name)(scores, valid, **points.softmax_params)
         probs = points.probs(probs, valid)
+    if s_aux is not None:
+        probs = probs[..., :keys]
     weights = nn.functional.dropout(probs, p=dropout, training=module.training)
     if points is None:
         out = torch.matmul(weights, value)
@@ -429,6 +501,7 @@ def configure_attention(
     ``constant_sink=True`` attaches a :class:`ConstantSink` (zeros: start it with
     :func:`init_constant_sinks`).  A ``sentence_transformers.SentenceTransformer``: its Hugging Face model.
     """
+    from softq.families import set_implementation
     from softq.hf import is_sentence_transformer
 
     if is_sentence_transformer(model):
@@ -461,7 +534,7 @@ def configure_attention(
             points.gate = AttentionGate(points.num_heads, _head_dim(module), gate_pi_init).to(ref.device, ref.dtype)
             module.register_forward_pre_hook(_stash_hidden, with_kwargs=True)
         points_list.append(points)
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    set_implementation(model, ATTN_IMPLEMENTATION)
     first = points_list[0]
     model.config.softq_softmax = first.softmax_name
     model.config.softq_softmax_params = dict(first.softmax_params)

@@ -172,7 +172,7 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None, defau
     """
     import transformers
 
-    from softq.models import model_family
+    from softq.models import check_class
 
     path = Path(path)
     if not path.is_dir():
@@ -183,12 +183,15 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None, defau
         config = transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as err:
         raise ModelDirError(f"{path}/config.json cannot be read as a Hugging Face config: {error_line(err)}") from None
-    probe = type("Probe", (), {"config": config})()
-    model_family(probe)  # unsupported family: one clear line before loading any weight
     arch = (getattr(config, "architectures", None) or [None])[0]
     model_class = getattr(transformers, arch, None) if arch else None
     if model_class is None:
         model_class = transformers.AutoModel
+    concrete = model_class
+    if model_class is transformers.AutoModel:
+        with contextlib.suppress(KeyError, ValueError):
+            concrete = transformers.AutoModel._model_mapping[type(config)]
+    check_class(concrete, config)  # a family softq cannot see into: one line before loading any weight
     if (path / "weights.pt").is_file() and not (path / "model.safetensors").is_file():
         raise ModelDirError(f"{path} holds a state dict (weights.pt) with no Hugging Face weights: load the model "
                             "in Python, save it with save_pretrained, and pass that directory")

@@ -1,41 +1,31 @@
-"""Which Hugging Face model families softq supports, and where their attention lives.
+"""Where a Hugging Face model's attention lives, discovered from the model itself.
 
-softq never edits or copies Hugging Face model code.  It only needs to know, per
-family, which module class calls ``ALL_ATTENTION_FUNCTIONS`` (so it can attach
-per-layer state there) -- everything else is found generically.
+softq never edits or copies Hugging Face model code, and keeps no table of class names.
+Every family that computes attention through ``ALL_ATTENTION_FUNCTIONS`` calls the
+function with the calling module as its first argument, so one forward with softq's
+function installed finds every attention module of any family (:func:`discover`).
+Per-family code is kept only where that call cannot see something: RoBERTa's
+positions (:func:`max_tokens`) and the families that compute attention in their own
+forward (``softq.families``).  A model with no interface call is refused in one line
+that names its attention class.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
 
-# model_type -> class names of the module that calls the attention interface.
-# Names moved between transformers releases (ViT's ``ViTSelfAttention`` became
-# ``ViTAttention`` in 5.x), so both are listed and the innermost match wins.
-ATTENTION_CLASSES: dict[str, tuple[str, ...]] = {
-    "bert": ("BertSelfAttention",),
-    "roberta": ("RobertaSelfAttention",),
-    "opt": ("OPTAttention",),
-    "gpt2": ("GPT2Attention",),
-    "vit": ("ViTSelfAttention", "ViTAttention"),
-    "deit": ("DeiTSelfAttention", "DeiTAttention"),
-    "xlm-roberta": ("XLMRobertaSelfAttention",),
-    "camembert": ("CamembertSelfAttention",),
-    "electra": ("ElectraSelfAttention",),
-    "distilbert": ("DistilBertSelfAttention",),
-}
-# model_type -> the family softq treats it as: the same layers and positions under other class names
-# (XLM-RoBERTa and CamemBERT are RoBERTa; ELECTRA is BERT, with a Linear from its embedding size where that differs)
+# model_type -> the family softq treats it as where that matters (RoBERTa's position table starts after its padding
+# index: XLM-RoBERTa and CamemBERT share it; ELECTRA is BERT with a projection from its embedding size)
 FAMILY_OF: dict[str, str] = {"xlm-roberta": "roberta", "camembert": "roberta", "electra": "bert"}
-SUPPORTED_FAMILIES = tuple(ATTENTION_CLASSES)
-CAUSAL_FAMILIES = ("gpt2", "opt")  # decoders: every attention row is masked past its own position
+_NAMES = "_softq_attention_names"  # discovered attention module names, cached on the model instance
 
 
 class UnsupportedModelError(ValueError):
-    """The model is not one of the Hugging Face families softq knows."""
+    """The model cannot be handled by softq; the message names the feature that stops it."""
 
 
 def is_headless(model: nn.Module) -> bool:
@@ -81,27 +71,23 @@ def family_of(model_type: str | None) -> str | None:
 
 
 def model_type(model: nn.Module) -> str:
-    """The Hugging Face ``model_type`` of ``model``, checked against the supported list."""
-    config = getattr(model, "config", None)
-    family = getattr(config, "model_type", None)
-    if family not in ATTENTION_CLASSES:
-        what = f"model_type '{family}'" if family else f"a {type(model).__name__} without a Hugging Face config"
-        raise UnsupportedModelError(
-            f"softq does not support {what}; supported Hugging Face families: {', '.join(SUPPORTED_FAMILIES)}"
-        )
-    return family
+    """The Hugging Face ``model_type`` of ``model``, once its attention has been found (:func:`discover`)."""
+    discover(model)
+    return model.config.model_type
 
 
 def model_family(model: nn.Module) -> str:
-    """The family softq treats ``model`` as: its checked ``model_type``, RoBERTa for XLM-RoBERTa and CamemBERT,
-    BERT for ELECTRA (:data:`FAMILY_OF`)."""
+    """The family softq treats ``model`` as: its ``model_type``, RoBERTa for XLM-RoBERTa and CamemBERT, BERT for
+    ELECTRA; raises :class:`UnsupportedModelError` where softq cannot find the model's attention."""
     return family_of(model_type(model))
 
 
 def is_causal(model: nn.Module) -> bool:
-    """Whether the model's self-attention is causal: GPT-2 and OPT, and BERT / RoBERTa built as decoders
-    (``is_decoder=True``: ``BertLMHeadModel``, ``RobertaForCausalLM``), which decode with a KV cache too."""
-    return model_family(model) in CAUSAL_FAMILIES or bool(getattr(model.config, "is_decoder", False))
+    """Whether the model's self-attention is causal, read from its attention modules' ``is_causal`` (every decoder
+    family sets it; BERT and RoBERTa set it from ``is_decoder``), or from ``is_decoder`` in the config."""
+    if bool(getattr(getattr(model, "config", None), "is_decoder", False)):
+        return True
+    return any(bool(getattr(m, "is_causal", False)) for _, m in attention_modules(model))
 
 
 def has_cross_attention(model: nn.Module) -> bool:
@@ -110,30 +96,142 @@ def has_cross_attention(model: nn.Module) -> bool:
     return bool(getattr(getattr(model, "config", None), "add_cross_attention", False))
 
 
-def attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) of every attention module that calls the attention interface, in order."""
-    wanted = ATTENTION_CLASSES[model_type(model)]
+def probe_inputs(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A small input of the model's main kind (8 tokens, a blank image, silent audio features) for :func:`discover`."""
+    config = model.config
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+    main = getattr(model, "main_input_name", "input_ids")
+    if main == "input_ids":
+        vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", 8)
+        length = min(8, max_tokens(config) or 8)
+        ids = (torch.arange(length, device=device) % max(int(vocab) - 1, 1) + 1)[None]
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if getattr(config, "is_encoder_decoder", False):
+            batch["decoder_input_ids"] = ids[:, :2]
+        return batch
+    if main == "pixel_values":
+        height, width = image_size(config) or (224, 224)
+        channels = int(getattr(config, "num_channels", 3))
+        return {"pixel_values": torch.zeros(1, channels, height, width, device=device, dtype=dtype)}
+    if main == "input_features":  # a speech encoder reads a fixed number of frames: two per position after its convs
+        frames = 2 * int(getattr(config, "max_source_positions", 1500))
+        return {"input_features": torch.zeros(1, int(config.num_mel_bins), frames, device=device, dtype=dtype)}
+    raise UnsupportedModelError(f"softq cannot build an input for {type(model).__name__}'s main input "
+                                f"'{main}' to find its attention; pass a calibration batch first")
 
-    def matches(module: nn.Module) -> bool:
-        return type(module).__name__ in wanted
 
-    found = False
-    for name, module in model.named_modules():
-        if matches(module) and not any(matches(m) for m in list(module.modules())[1:]):
-            found = True
-            yield name, module
+def _attention_class_names(model: nn.Module) -> list[str]:
+    """Class names that look like attention, for the message refusing a model whose attention softq cannot see."""
+    names = [type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__]
+    return sorted(set(names), key=names.index)
+
+
+def discover(model: nn.Module, batch: Mapping[str, torch.Tensor] | None = None) -> tuple[str, ...]:
+    """Names of the modules that call the attention interface, in call order, found by running ``model`` once
+    (on ``batch``, else :func:`probe_inputs`) with softq's attention function recording its callers.
+
+    Cached on the model; modules softq has already configured are taken as they are.  Raises
+    :class:`UnsupportedModelError` naming the feature that stops softq: no Hugging Face config, a family that
+    computes attention in its own forward, or attention modules that never run."""
+    from softq import attention as A
+    from softq.families import adapt
+
+    cached = model.__dict__.get(_NAMES)
+    modules = dict(model.named_modules())
+    if cached is not None and all(n in modules for n in cached):
+        return cached
+    configured = tuple(n for n, m in modules.items() if isinstance(getattr(m, "softq", None), A.AttentionPoints))
+    if configured:
+        model.__dict__[_NAMES] = configured
+        return configured
+    from softq.hf import is_sentence_transformer
+
+    if is_sentence_transformer(model):
+        raise UnsupportedModelError("softq takes the SentenceTransformer's Hugging Face model here: pass "
+                                    "st[0].auto_model")
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise UnsupportedModelError(f"softq takes Hugging Face models (transformers PreTrainedModel); a "
+                                    f"{type(model).__name__} has no Hugging Face config")
+    from softq.families import set_implementation
+
+    if not adapt(model) and not type(model)._can_set_attn_implementation():
+        raise _no_interface(model)
+    seen: list[nn.Module] = []
+    before = config._attn_implementation
+    was_training = model.training
+    try:
+        set_implementation(model, A.ATTN_IMPLEMENTATION)
+        model.eval()
+        with A.recording(seen), torch.no_grad():
+            model(**dict(batch if batch is not None else probe_inputs(model)), **_no_cache(model))
+    except UnsupportedModelError:
+        raise
+    except Exception as err:  # noqa: BLE001 -- any failure of the probe forward is reported in one line
+        raise UnsupportedModelError(f"softq could not run {type(model).__name__} once to find its attention "
+                                    f"modules: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+    finally:
+        model.train(was_training)
+        if before != A.ATTN_IMPLEMENTATION:
+            with contextlib.suppress(Exception):
+                set_implementation(model, before)
+    names = {id(m): n for n, m in modules.items()}
+    found = tuple(dict.fromkeys(names[id(m)] for m in seen if id(m) in names))
     if not found:
-        raise UnsupportedModelError(f"no {' or '.join(wanted)} module found in {type(model).__name__}")
+        raise _no_interface(model)
+    model.__dict__[_NAMES] = found
+    return found
+
+
+def check_class(model_class: type, config: object) -> None:
+    """Refuse, before any weight is loaded, a model class whose family computes attention in its own forward
+    (transformers' own test of its source for an interface call) and that has no adapter in ``softq.families``."""
+    from softq.families import ADAPTERS
+
+    can_set = getattr(model_class, "_can_set_attn_implementation", None)
+    model_type = getattr(config, "model_type", None)
+    if callable(can_set) and not can_set() and model_type not in ADAPTERS:
+        raise UnsupportedModelError(f"softq does not support model_type '{model_type}': it computes attention in "
+                                    f"its own forward ({model_class.__name__}), not through Hugging Face's "
+                                    "attention interface")
+
+
+def _no_interface(model: nn.Module) -> UnsupportedModelError:
+    classes = _attention_class_names(model)
+    where = f"in {', '.join(classes[:3])}" if classes else "anywhere softq can see"
+    return UnsupportedModelError(
+        f"softq does not support model_type '{getattr(model.config, 'model_type', '?')}': it computes attention in its "
+        f"own forward ({where}), not through Hugging Face's attention interface")
+
+
+def _no_cache(model: nn.Module) -> dict[str, bool]:
+    """``use_cache=False`` where the forward takes it: the probe must leave no cache behind."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if "use_cache" in params else {}
+
+
+def attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) of every attention module that calls the attention interface, in order (:func:`discover`)."""
+    modules = dict(model.named_modules())
+    for name in discover(model):
+        yield name, modules[name]
 
 
 def num_heads(module: nn.Module) -> int:
     """Number of query heads of one attention module (names differ by family)."""
-    for attr in ("num_attention_heads", "num_heads", "n_head"):
+    for attr in ("num_attention_heads", "num_heads", "n_head", "n_heads"):
         value = getattr(module, attr, None)
         if isinstance(value, int):
             return value
     config = getattr(module, "config", None)
-    for attr in ("num_attention_heads", "n_head"):
+    for attr in ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads"):
         value = getattr(config, attr, None)
         if isinstance(value, int):
             return value

@@ -41,7 +41,7 @@ from softq.calib.data import Batch, as_batches, run_batches
 from softq.calib.smoothquant import InputRecorder, post_ln, smooth, smooth_inputs, smoothable_linears
 from softq.hf import (is_sentence_transformer, refuse_save_pretrained, sentence_transformer_batches,
                       sentence_transformer_pooling)
-from softq.models import conv1d_to_linear, model_family
+from softq.models import conv1d_to_linear, discover
 from softq.quant.config import (AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN,
                                 AUTO_SMOOTHING_RATIO, AUTO_SMOOTHING_TIE, QuantConfig)
 from softq.quant.copies import _collect, independent_copy
@@ -87,7 +87,6 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
         raise TypeError(f"model must be a torch.nn.Module, got a {type(model).__name__}")
     if is_quantized(model):
         raise ValueError("the model is already quantized (returned by softq.quantize); pass the float model")
-    model_family(model)  # clear error for unsupported families before any work
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         raise ValueError("the model's weights are on the meta device (no values): load real weights first "
                          "(e.g. from_pretrained without device_map='meta', or model.to_empty() and load_state_dict)")
@@ -96,8 +95,9 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     if unmatched:
         raise ValueError(f"exclude: {', '.join(map(repr, unmatched))} matches no module name of the model "
                          f"(names look like {names[-1]!r})")
-    residual_prefix(model, config)  # and for a prefix a causal LM cannot have
     batches = as_batches(model, calib_data)
+    discover(model, batches[0])  # finds the attention modules, or one line on what stops softq
+    residual_prefix(model, config)  # and for a prefix a causal LM cannot have
     _try_forward(model, batches[0])
     qmodel = model if inplace else independent_copy(model)
     qmodel.eval()

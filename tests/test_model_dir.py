@@ -373,9 +373,11 @@ def test_model_dir_without_tokenizer_or_with_unsupported_family(tmp_path) -> Non
     tiny_bert().save_pretrained(tmp_path / "bare")
     with pytest.raises(hf.ModelDirError, match="has no tokenizer"):
         hf.load_model_dir(tmp_path / "bare")
-    transformers.T5Config(vocab_size=50, d_model=16, num_layers=1, num_heads=2, d_ff=32).save_pretrained(tmp_path / "t5")
-    with pytest.raises(ValueError, match="does not support model_type 't5'; supported"):
-        hf.load_model_dir(tmp_path / "t5")
+    transformers.DebertaV2Config(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=32).save_pretrained(tmp_path / "deberta")
+    with pytest.raises(ValueError, match="does not support model_type 'deberta-v2': it computes attention in its "
+                                         "own forward"):
+        hf.load_model_dir(tmp_path / "deberta")
 
 
 @pytest.mark.parametrize("content, message", [

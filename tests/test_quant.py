@@ -426,12 +426,13 @@ def test_a_model_computing_nan_names_the_point_and_batch() -> None:
         softq.quantize(model, calib_for("bert", 2))
 
 
-def test_unsupported_model_lists_supported_families() -> None:
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+def test_a_family_that_computes_attention_in_its_own_forward_is_refused_in_one_line() -> None:
+    deberta = transformers.DebertaV2Model(transformers.DebertaV2Config(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
-    with pytest.raises(UnsupportedModelError, match="llama.*bert, roberta, opt, gpt2, vit, deit"):
-        softq.quantize(llama, [torch.randint(0, 64, (1, 8))])
-    with pytest.raises(UnsupportedModelError, match="supported Hugging Face families"):
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'deberta-v2': it computes attention in its own "
+                                                    r"forward \(in DebertaV2Attention.*\), not through Hugging Face"):
+        softq.quantize(deberta, [torch.randint(0, 64, (1, 8))])
+    with pytest.raises(UnsupportedModelError, match="a Linear has no Hugging Face config"):
         softq.quantize(torch.nn.Linear(4, 4), [torch.randn(1, 4)])
 
 
