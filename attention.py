@@ -194,12 +194,27 @@ def mask_bias(module: nn.Module, attention_mask: torch.Tensor | None, key_len: i
 
 
 class _Recording:
-    modules: list[nn.Module] | None = None
+    modules: list[tuple[nn.Module, bool]] | None = None
+
+
+def _masks_the_future(module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+                      kwargs: dict[str, Any]) -> bool:
+    """Whether a call is causal: the module says so (``is_causal``, as an attribute or a keyword: CLIP's text
+    encoder passes it), or its mask hides every key after the query's position."""
+    if bool(getattr(module, "is_causal", False)) or bool(kwargs.get("is_causal", False)):
+        return True
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    if attention_mask is None or q_len < 2 or q_len != k_len:
+        return False
+    valid = valid_from_mask(attention_mask, k_len).reshape(-1, q_len, k_len)
+    future = torch.ones(q_len, k_len, dtype=torch.bool, device=valid.device).triu(1)
+    return bool((valid[:, future] == 0).all())
 
 
 @contextmanager
-def recording(modules: list[nn.Module]) -> Iterator[None]:
-    """Append every module that calls softq's attention function to ``modules`` (``softq.models.discover``)."""
+def recording(modules: list[tuple[nn.Module, bool]]) -> Iterator[None]:
+    """Append (module, causal) for every call of softq's attention function to ``modules``
+    (``softq.models.discover``)."""
     before = _Recording.modules
     _Recording.modules = modules
     try:
@@ -268,7 +283,7 @@ def softq_attention(
     before the softmax) and learned sink logits (``s_aux``: an extra column of the softmax no
     value reads).  RoPE and q/k norms are applied by the module before the call."""
     if _Recording.modules is not None:
-        _Recording.modules.append(module)
+        _Recording.modules.append((module, _masks_the_future(module, query, key, attention_mask, kwargs)))
     points: AttentionPoints | None = getattr(module, "softq", None)
     bias = mask_bias(module, attention_mask, key.shape[-2])
     key, value, valid, scaling = attention_inputs(module, query, key, value, attention_mask, scaling)

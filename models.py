@@ -22,6 +22,7 @@ from torch import nn
 # index: XLM-RoBERTa and CamemBERT share it; ELECTRA is BERT with a projection from its embedding size)
 FAMILY_OF: dict[str, str] = {"xlm-roberta": "roberta", "camembert": "roberta", "electra": "bert"}
 _NAMES = "_softq_attention_names"  # discovered attention module names, cached on the model instance
+_CAUSAL = "_softq_causal"  # whether the discovery forward's attention masked the future
 
 
 class UnsupportedModelError(ValueError):
@@ -83,11 +84,14 @@ def model_family(model: nn.Module) -> str:
 
 
 def is_causal(model: nn.Module) -> bool:
-    """Whether the model's self-attention is causal, read from its attention modules' ``is_causal`` (every decoder
-    family sets it; BERT and RoBERTa set it from ``is_decoder``), or from ``is_decoder`` in the config."""
+    """Whether the model's self-attention is causal: ``is_decoder`` in its config, or what :func:`discover` saw
+    (an attention module or call saying ``is_causal``, or a mask hiding every later key)."""
     if bool(getattr(getattr(model, "config", None), "is_decoder", False)):
         return True
-    return any(bool(getattr(m, "is_causal", False)) for _, m in attention_modules(model))
+    modules = list(attention_modules(model))
+    if _CAUSAL in model.__dict__:
+        return bool(model.__dict__[_CAUSAL])
+    return any(bool(getattr(m, "is_causal", False)) for _, m in modules)
 
 
 def has_cross_attention(model: nn.Module) -> bool:
@@ -159,7 +163,7 @@ def discover(model: nn.Module, batch: Mapping[str, torch.Tensor] | None = None) 
 
     if not adapt(model) and not type(model)._can_set_attn_implementation():
         raise _no_interface(model)
-    seen: list[nn.Module] = []
+    seen: list[tuple[nn.Module, bool]] = []
     before = config._attn_implementation
     was_training = model.training
     try:
@@ -178,10 +182,11 @@ def discover(model: nn.Module, batch: Mapping[str, torch.Tensor] | None = None) 
             with contextlib.suppress(Exception):
                 set_implementation(model, before)
     names = {id(m): n for n, m in modules.items()}
-    found = tuple(dict.fromkeys(names[id(m)] for m in seen if id(m) in names))
+    found = tuple(dict.fromkeys(names[id(m)] for m, _ in seen if id(m) in names))
     if not found:
         raise _no_interface(model)
     model.__dict__[_NAMES] = found
+    model.__dict__[_CAUSAL] = any(causal for _, causal in seen)
     return found
 
 
