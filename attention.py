@@ -271,9 +271,9 @@ def softq_attention(
 
     Takes everything the interface passes: grouped K/V heads, any ``scaling`` (Gemma's
     ``query_pre_attn_scalar``, T5's 1.0), sliding-window and local masks, an additive position
-    bias carried in the mask or passed as ``position_bias`` (T5's relative buckets), logit soft-capping (``softcap``: ``tanh(s / cap) * cap``
-    before the softmax) and learned sink logits (``s_aux``: an extra column of the softmax no
-    value reads).  RoPE and q/k norms are applied by the module before the call."""
+    bias carried in the mask or passed as ``position_bias`` (T5's relative buckets), logit
+    soft-capping (``softcap``: ``tanh(s / cap) * cap`` before the softmax) and learned sink
+    logits (``s_aux``: an extra column of the softmax no value reads).  RoPE and q/k norms are applied by the module before the call."""
     if _Recording.modules is not None:
         _Recording.modules.append(module)
         module.softq_head_dim = int(query.shape[-1])  # for gates and sinks where the module names it otherwise
@@ -523,8 +523,8 @@ def _input_widths(model: nn.Module, modules: list[nn.Module]) -> list[int]:
             h.remove()
     missing = [m for m in modules if id(m) not in widths]
     if missing:
-        raise ValueError(f"gated attention reads the attention module's input, but {type(missing[0]).__name__} takes no "
-                         f"[batch, tokens, width] tensor as its first argument")
+        raise ValueError(f"gated attention reads the attention module's input, but {type(missing[0]).__name__} "
+                         "takes no [batch, tokens, width] tensor as its first argument")
     return [widths[id(m)] for m in modules]
 
 
@@ -667,8 +667,8 @@ def _check_fixed_first_token(record: list) -> None:
     spread = float((record[4] - record[3]).abs().max())
     size = float(record[4].abs().max().clamp_min(1e-12))
     if spread > 1e-4 * size:
-        raise ValueError(f"init_constant_sinks: position 0 is not one fixed token in these batches (its first-layer keys "
-                         f"differ between sequences by {spread / size:.2g} of their size), so a constant sink would "
+        raise ValueError("init_constant_sinks: position 0 is not one fixed token in these batches (its first-layer "
+                         f"keys differ between sequences by {spread / size:.2g} of their size), so a constant sink would "
                          "replace real content: start every sequence with the same token (BOS or [CLS]) or leave "
                          "constant_sink off")
 

@@ -128,7 +128,7 @@ def test_gated_conversion_keeps_the_function(name) -> None:
         assert rel(output(model, x), ref) < 1e-5  # softq's attention computes the family's own function
         convert_to_gated(model, 0.3)
         assert rel(output(model, x), ref) < 1e-5
-    assert all(abs(float(torch.sigmoid(p.gate.bias[0])) - 0.3) < 1e-6 for _, p in attention_points(model))
+    assert all(abs(float(torch.sigmoid(p.gate.bias[0].detach())) - 0.3) < 1e-6 for _, p in attention_points(model))
 
 
 def test_constant_sink_is_refused_where_position_zero_is_not_one_token() -> None:
@@ -175,3 +175,33 @@ def test_outlier_finetune_on_modernbert(tokenizer) -> None:  # noqa: F811
     llama = build("llama", vocab=len(tokenizer))
     with pytest.raises(ValueError, match="pooling='cls' reads the first token, which in a causal model sees only"):
         finetune_outliers(llama, tokenizer, TEXTS, OutlierFinetuneConfig(pooling="cls"), progress=False)
+
+
+def test_gated_sink_llama_exports(tmp_path: Path) -> None:
+    """The gates and sinks of a GQA decoder reach the ONNX file: onnxruntime computes what the quantized model does,
+    and not what it does with each gate held at its opening."""
+    import numpy as np
+
+    from softq.export import onnx_utils, to_onnx
+
+    model = build("llama")
+    convert_to_gated(model, 0.3)
+    configure_attention(model, constant_sink=True)
+    init_constant_sinks(model, [inputs(model, seed=2)])
+    with torch.no_grad():
+        for _, p in attention_points(model):
+            p.gate.weight.normal_()  # gates that differ between tokens, so that a file without them shows
+    qmodel = softq.quantize(model, [inputs(model, seed=s) for s in (2, 3, 4)])
+    x = inputs(model)
+    with torch.no_grad():
+        ref = output(qmodel, x).numpy()
+    path = to_onnx(qmodel, tmp_path / "m.onnx", x)
+    got = onnx_utils.run(str(path), {k: v.numpy() for k, v in x.items()}, "all")[0]
+    valid = x["attention_mask"].numpy().astype(bool)
+    error = np.abs(got - ref)[valid].max()
+    assert error < 0.02 * np.abs(ref).max()
+    with torch.no_grad():
+        for _, p in attention_points(qmodel):
+            p.gate.weight.zero_()
+        constant = output(qmodel, x).numpy()
+    assert np.abs(got - constant)[valid].max() > 10 * error
