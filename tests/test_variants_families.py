@@ -205,3 +205,17 @@ def test_gated_sink_llama_exports(tmp_path: Path) -> None:
             p.gate.weight.zero_()
         constant = output(qmodel, x).numpy()
     assert np.abs(got - constant)[valid].max() > 10 * error
+
+
+def test_gate_reads_the_input_under_the_forwards_own_name() -> None:
+    """An attention module called by keyword: its input is the argument its forward names first (``hidden_states``
+    in Llama; MobileBERT's ``query_tensor``, SAM's ``query``)."""
+    from softq.attention import _module_input
+
+    class Attention(torch.nn.Module):
+        def forward(self, query_tensor, attention_mask=None):
+            return query_tensor
+
+    x, mask = torch.ones(1, 2, 8), torch.ones(1, 2)
+    assert _module_input(Attention(), (), {"attention_mask": mask, "query_tensor": x}) is x
+    assert _module_input(Attention(), (x,), {"attention_mask": mask}) is x
