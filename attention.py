@@ -48,11 +48,13 @@ class ProbsTimesV(nn.Module):
 
 
 class AttentionGate(nn.Module):
-    """Gated attention (Bondarenko et al. 2023): ``sigmoid(G(x_h))`` scales each head's output.
+    """Gated attention (Bondarenko et al. 2023): ``sigmoid(G(x_h))`` scales each query head's output.
 
-    ``G`` is one ``Linear(d_head -> 1)`` per head applied to that head's slice of
-    the token's input, shared across tokens.  The bias starts at ``logit(pi_init)``
-    so a fresh gate is open to ``pi_init``; the weights start at zero.
+    ``G`` is one ``Linear(head_dim -> 1)`` per query head applied to that head's slice of
+    the token's input (the attention module's input split into ``num_heads`` equal slices:
+    ``head_dim`` is the input width over the heads, which is the attention head size in
+    BERT-like models but not in Gemma or Qwen3), shared across tokens.  The bias starts at
+    ``logit(pi_init)`` so a fresh gate is open to ``pi_init``; the weights start at zero.
     """
 
     def __init__(self, num_heads: int, head_dim: int, pi_init: float = 0.5) -> None:
@@ -98,7 +100,8 @@ class ConstantSink(nn.Module):
         super().__init__()
         self.key = nn.Parameter(torch.zeros(num_heads, head_dim))
         self.value = nn.Parameter(torch.zeros(num_heads, head_dim))
-        self._record: list | None = None  # [sum of keys, sum of values, rows] while init_constant_sinks runs
+        # [sum of keys, sum of values, rows, smallest keys, largest keys] while init_constant_sinks runs
+        self._record: list | None = None
 
     def forward(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[b, heads, keys, head_dim] keys and values with position 0 replaced by the constants."""
@@ -107,6 +110,9 @@ class ConstantSink(nn.Module):
             rec[0] += key[:, :, 0].detach().double().sum(0).cpu()
             rec[1] += value[:, :, 0].detach().double().sum(0).cpu()
             rec[2] += float(key.shape[0])
+            first = key[:, :, 0].detach().double().cpu()
+            rec[3] = torch.minimum(rec[3], first.amin(0))
+            rec[4] = torch.maximum(rec[4], first.amax(0))
             return key, value
         b = key.shape[0]
         k0 = self.key.to(key.dtype)[None, :, None, :].expand(b, -1, 1, -1)
@@ -273,23 +279,28 @@ def softq_attention(
     dropout: float = 0.0,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
+    position_bias: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with softq's softmax variant and quantization points; [b, s, h, d] out.
 
     Takes everything the interface passes: grouped K/V heads, any ``scaling`` (Gemma's
     ``query_pre_attn_scalar``, T5's 1.0), sliding-window and local masks, an additive position
-    bias carried in the mask (T5, MPNet), logit soft-capping (``softcap``: ``tanh(s / cap) * cap``
-    before the softmax) and learned sink logits (``s_aux``: an extra column of the softmax no
-    value reads).  RoPE and q/k norms are applied by the module before the call."""
+    bias carried in the mask or passed as ``position_bias`` (T5's relative buckets), logit
+    soft-capping (``softcap``: ``tanh(s / cap) * cap`` before the softmax) and learned sink
+    logits (``s_aux``: an extra column of the softmax no value reads).  RoPE and q/k norms are applied by the module before the call."""
     if _Recording.modules is not None:
         _Recording.modules.append((module, _masks_the_future(module, query, key, attention_mask, kwargs)))
+        module.softq_head_dim = int(query.shape[-1])  # for gates and sinks where the module names it otherwise
     points: AttentionPoints | None = getattr(module, "softq", None)
     bias = mask_bias(module, attention_mask, key.shape[-2])
+    if position_bias is not None:
+        bias = position_bias if bias is None else bias + position_bias
     key, value, valid, scaling = attention_inputs(module, query, key, value, attention_mask, scaling)
     if points is not None and points.prefix_rows and valid is not None:
         _check_prefix_rows(valid, points.prefix_rows)
     if points is not None and points.sink is not None:
+        _check_first_key(key, kwargs.get("position_ids"))
         if valid is not None:
             _check_prefix_rows(valid, 1, SINK_PADDING)
         key, value = points.sink(key, value)
@@ -364,9 +375,25 @@ def right_padding_rows(model: nn.Module) -> tuple[int, str]:
     return 0, ""
 
 
+def _check_first_key(key: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+    """Refuse a call whose keys do not start at the sequence's first position, where a constant sink would replace
+    a real token's keys and values: a sliding-window cache that has dropped the first tokens (Mistral's, Gemma 2's
+    local layers while generating past the window)."""
+    if position_ids is None or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return
+    last = int(position_ids.max())
+    if key.shape[-2] < last + 1:
+        raise ValueError(f"the model has a constant attention sink at its first position, but this layer's cache holds "
+                         f"only the last {key.shape[-2]} of {last + 1} positions (a sliding-window cache dropped the "
+                         "first token): keep generation within the sliding window, or configure the model without "
+                         "constant_sink")
+
+
 def _check_prefix_rows(valid: torch.Tensor, rows: int, why: str | None = None) -> None:
-    """Refuse a batch whose special prefix tokens are not its first rows (left padding)."""
-    keys = valid.reshape(-1, valid.shape[-1])
+    """Refuse a batch whose special prefix tokens are not its first rows (left padding).  A key counts as present
+    where any query may attend to it: a sliding window hides the first keys from late queries, padding from all."""
+    keys = valid if valid.dim() == 2 else valid.amax(-2)
+    keys = keys.reshape(-1, keys.shape[-1])
     padded_first = (keys[:, :rows] == 0).any(-1) & (keys[:, rows:] != 0).any(-1)
     if bool(padded_first.any()):
         why = why or prefix_padding(rows)
@@ -468,9 +495,52 @@ def fast_training(model: nn.Module) -> Iterator[None]:
             p.fast_training = flag
 
 
+def _module_input(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The tensor an attention module computes its queries from: its first argument, positional or by the name its
+    forward gives it (``hidden_states`` in most families)."""
+    if args:
+        return args[0]
+    name = getattr(module, "softq_input_name", None)
+    if name is None:
+        import inspect
+
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        name = module.softq_input_name = params[0].name if params else "hidden_states"
+    return kwargs.get(name)
+
+
 def _stash_hidden(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    module.softq._hidden = hidden
+    module.softq._hidden = _module_input(module, args, kwargs)
+
+
+@torch.no_grad()
+def _input_widths(model: nn.Module, modules: list[nn.Module]) -> list[int]:
+    """The last dimension of each attention module's input, seen on one probe forward (``models.probe_inputs``):
+    a gate splits that input into one slice per query head."""
+    from softq.models import _no_cache, probe_inputs
+
+    widths: dict[int, int] = {}
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = _module_input(module, args, kwargs)
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
+            widths.setdefault(id(module), int(hidden.shape[-1]))
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
+    was = model.training
+    model.eval()
+    try:
+        model(**probe_inputs(model), **_no_cache(model))
+    finally:
+        model.train(was)
+        for h in handles:
+            h.remove()
+    missing = [m for m in modules if id(m) not in widths]
+    if missing:
+        raise ValueError(f"gated attention reads the attention module's input, but {type(missing[0]).__name__} "
+                         "takes no [batch, tokens, width] tensor as its first argument")
+    return [widths[id(m)] for m in modules]
 
 
 def register() -> None:
@@ -495,7 +565,12 @@ def _variant_for(current: AttentionPoints | None, softmax: str | None,
 
 
 def _head_dim(module: nn.Module) -> int:
-    return int(getattr(module, "head_dim", 0) or getattr(module, "attention_head_size", 0))
+    """The size of one attention head: as the module names it, else as its query arrived on the discovery probe."""
+    for attr in ("head_dim", "attention_head_size", "softq_head_dim"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
 
 
 def configure_attention(
@@ -530,9 +605,16 @@ def configure_attention(
             get_softmax(wanted[0])(torch.zeros(1, 2), None, **wanted[1])
         if gated and (current is None or current.gate is None):
             AttentionGate(1, 1, gate_pi_init)  # checks pi_init
-        if (gated or constant_sink) and not _head_dim(module):
-            what = "gated attention" if gated else "a constant sink"
-            raise ValueError(f"cannot tell the head size of {type(module).__name__} for {what}")
+        if constant_sink and not _head_dim(module):
+            raise ValueError(f"cannot tell the head size of {type(module).__name__} for a constant sink")
+    new_gates = [m for m in modules if gated and (getattr(m, "softq", None) is None or m.softq.gate is None)]
+    slices: dict[int, int] = {}
+    for module, width in zip(new_gates, _input_widths(model, new_gates) if new_gates else []):
+        heads = num_heads(module)
+        if width % heads:
+            raise ValueError(f"gated attention gives each of the {heads} query heads of {type(module).__name__} an "
+                             f"equal slice of its input, but the input width {width} is not a multiple of {heads}")
+        slices[id(module)] = width // heads
     points_list: list[AttentionPoints] = []
     for module in modules:
         points = getattr(module, "softq", None)
@@ -546,7 +628,7 @@ def configure_attention(
         if constant_sink and points.sink is None:
             points.sink = ConstantSink(points.num_heads, _head_dim(module)).to(ref.device, ref.dtype)
         if gated and points.gate is None:
-            points.gate = AttentionGate(points.num_heads, _head_dim(module), gate_pi_init).to(ref.device, ref.dtype)
+            points.gate = AttentionGate(points.num_heads, slices[id(module)], gate_pi_init).to(ref.device, ref.dtype)
             module.register_forward_pre_hook(_stash_hidden, with_kwargs=True)
         points_list.append(points)
     set_implementation(model, ATTN_IMPLEMENTATION)
@@ -573,13 +655,15 @@ def init_constant_sinks(model: nn.Module, batches: Iterable[torch.Tensor | Mappi
     was = model.training
     model.eval()
     for s in sinks:
-        s._record = [torch.zeros(s.key.shape, dtype=torch.float64), torch.zeros(s.value.shape, dtype=torch.float64), 0.0]
+        zeros = torch.zeros(s.key.shape, dtype=torch.float64)
+        s._record = [zeros, torch.zeros(s.value.shape, dtype=torch.float64), 0.0, zeros + math.inf, zeros - math.inf]
     try:
         for batch in batches:
             model(**batch)
         rows = int(sinks[0]._record[2])
         if rows == 0:
             raise ValueError("init_constant_sinks got no batches")
+        _check_fixed_first_token(sinks[0]._record)
         for s in sinks:
             s.key.copy_((s._record[0] / s._record[2]).to(s.key.dtype))
             s.value.copy_((s._record[1] / s._record[2]).to(s.value.dtype))
@@ -588,6 +672,20 @@ def init_constant_sinks(model: nn.Module, batches: Iterable[torch.Tensor | Mappi
             s._record = None
         model.train(was)
     return rows
+
+
+def _check_fixed_first_token(record: list) -> None:
+    """Refuse batches whose first position is not one fixed token ([CLS], BOS, a class embedding).  The first
+    attention layer's keys at position 0 depend only on that token (and position 0), so they are the same in every
+    sequence exactly when it is; where they differ, a constant sink would replace real content (a text's first
+    word, an audio frame)."""
+    spread = float((record[4] - record[3]).abs().max())
+    size = float(record[4].abs().max().clamp_min(1e-12))
+    if spread > 1e-4 * size:
+        raise ValueError("init_constant_sinks: position 0 is not one fixed token in these batches (its first-layer "
+                         f"keys differ between sequences by {spread / size:.2g} of their size), so a constant sink would "
+                         "replace real content: start every sequence with the same token (BOS or [CLS]) or leave "
+                         "constant_sink off")
 
 
 def configure_from_config(model: nn.Module) -> list[AttentionPoints] | None:

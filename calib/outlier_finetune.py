@@ -1,4 +1,4 @@
-"""Remove the activation outliers of a *pretrained* encoder by a short distillation fine-tune (issue 13).
+"""Remove the activation outliers of a *pretrained* text model by a short distillation fine-tune (issue 13).
 
 Bondarenko et al. (2023) stop outliers from forming when a model is trained from
 scratch with clipped softmax or gated attention.  A pretrained model already has
@@ -18,10 +18,16 @@ stream.  This module fine-tunes such a model against its original self:
 * the loss, on unlabeled text, is
   ``embed_weight * (1 - cos(student embedding, teacher embedding))``
   ``+ hidden_weight * relative squared error of every block output``
-  ``+ penalty_weight * mean over LayerNorm inputs and FFN outputs of``
+  ``+ penalty_weight * mean over normalisation-layer inputs and FFN outputs of``
   ``sum_{valid tokens, dims} relu(|x| - threshold)^2 / threshold^2 / tokens``:
   the last term is an explicit soft penalty on activations above ``threshold``;
   with ``penalty_weight=0`` the run is pure distillation.
+
+Any text model whose attention softq finds runs here, encoder or decoder (BERT, ModernBERT,
+Llama...): the output projections the gates rescale, the normalisation layers whose inputs the
+penalty reads (LayerNorm, RMSNorm) and the FFN outputs are found on the model itself, not by
+family.  A causal model's embedding is its mean-pooled last hidden state (its first token sees
+only itself, so ``pooling="cls"`` is refused there).
 
 Everything goes through softq's attention interface (``configure_attention``);
 no Hugging Face model code is edited.  Runs are deterministic per ``seed``
@@ -47,11 +53,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from softq.models import FAMILY_OF, family_of
-
 METHODS = ("gated", "clipped", "none")
 POOLINGS = ("mean", "cls")
-FAMILIES = ("bert", "roberta", "distilbert")  # softq.models.family_of: XLM-RoBERTa, CamemBERT, ELECTRA too
 RUN_KIND = "outlier-finetune-1"
 
 
@@ -190,13 +193,14 @@ class OutlierFinetuneResult:
 
 
 def check_model(model: nn.Module) -> None:
-    """An encoder softq can fine-tune here: a BERT-like family whose output has ``last_hidden_state``."""
-    family = getattr(getattr(model, "config", None), "model_type", None)
-    if family_of(family) not in FAMILIES:
-        *rest, last = [t for t, f in FAMILY_OF.items() if f in FAMILIES]
-        aliases = f"{', '.join(rest)} and {last}"
-        raise ValueError(f"finetune_outliers supports {', '.join(FAMILIES)} encoders ({aliases} among them), not "
-                         f"{family or type(model).__name__}")
+    """A text model softq can fine-tune here: one whose attention softq finds (any family through Hugging Face's
+    attention interface, encoder or decoder) and that reads token ids, unconverted."""
+    from softq.models import model_family
+
+    model_family(model)  # a model whose attention softq cannot see: one line naming why
+    main = getattr(model, "main_input_name", "input_ids")
+    if main != "input_ids":
+        raise ValueError(f"finetune_outliers trains on tokenized text, but {type(model).__name__} reads {main}")
     if getattr(model.config, "softq_gated", False):
         raise ValueError("the model already has gated attention; pass the original (ungated) model as the teacher")
     if getattr(model.config, "softq_constant_sink", False):
@@ -274,6 +278,42 @@ def pooled(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> 
     return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)
 
 
+@torch.no_grad()
+def row_normalisers(model: nn.Module, within: Sequence[nn.Module]) -> list[nn.Module]:
+    """The normalisation layers inside ``within`` (LayerNorm, RMSNorm, T5's LayerNorm...), found by what they do on
+    one probe forward: a leaf module whose output keeps its input's shape and does not change when each input row is
+    doubled.  Their inputs are the residual stream where the outliers live."""
+    from softq.models import _no_cache, probe_inputs
+
+    seen: dict[int, tuple[nn.Module, torch.Tensor]] = {}
+
+    def hook(module: nn.Module, inputs: tuple) -> None:
+        x = inputs[0] if len(inputs) == 1 else None
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 2 and x.shape[-1] > 1:
+            seen.setdefault(id(module), (module, x))
+
+    leaves = list(dict.fromkeys(m for block in within for m in block.modules()
+                                if not list(m.children()) and not isinstance(m, (nn.Linear, nn.Dropout))))
+    handles = [m.register_forward_pre_hook(hook) for m in leaves]
+    was = model.training
+    model.eval()
+    try:
+        model(**probe_inputs(model), **_no_cache(model))
+    finally:
+        model.train(was)
+        for h in handles:
+            h.remove()
+    norms = []
+    for module, x in seen.values():
+        x = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(0)).to(x)  # (a blank probe row is
+        out = module.forward(x)  # constant, and a norm's eps then decides its output)
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape or not bool(out.abs().amax() > 0):
+            continue
+        if torch.allclose(module.forward(2 * x), out, rtol=1e-3, atol=1e-5 * float(out.abs().amax())):
+            norms.append(module)
+    return norms
+
+
 class ActivationPenalty:
     """Hooks on every LayerNorm input and FFN output of the transformer blocks; sums the soft penalty.
 
@@ -290,10 +330,10 @@ class ActivationPenalty:
         self.terms: list[torch.Tensor] = []
         self.max_abs = {"ln_input": 0.0, "ffn_output": 0.0}
         self.handles = []
-        for _, block in transformer_blocks(model):
-            for m in block.modules():
-                if isinstance(m, nn.LayerNorm):
-                    self.handles.append(m.register_forward_pre_hook(self._pre_hook))
+        blocks = transformer_blocks(model)
+        for norm in row_normalisers(model, [block for _, block in blocks]):
+            self.handles.append(norm.register_forward_pre_hook(self._pre_hook))
+        for _, block in blocks:
             ffn = _last_linear(block)
             if ffn is not None:
                 self.handles.append(ffn.register_forward_hook(self._post_hook))
@@ -330,10 +370,16 @@ class ActivationPenalty:
         self.handles = []
 
 
+def _last_hidden(output: Any) -> torch.Tensor:
+    last = getattr(output, "last_hidden_state", None)
+    return output.hidden_states[-1] if last is None else last
+
+
 def distill_losses(student_out: Any, teacher_out: Any, mask: torch.Tensor, pooling: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(1 - cos of pooled embeddings, mean over blocks of the relative squared error of the block outputs)."""
-    s_emb = pooled(student_out.last_hidden_state, mask, pooling)
-    t_emb = pooled(teacher_out.last_hidden_state, mask, pooling)
+    """(1 - cos of pooled embeddings, mean over blocks of the relative squared error of the block outputs).  The
+    embedding pools the last hidden state (a model with a head, a causal LM: its last entry of ``hidden_states``)."""
+    s_emb = pooled(_last_hidden(student_out), mask, pooling)
+    t_emb = pooled(_last_hidden(teacher_out), mask, pooling)
     embed = (1.0 - nn.functional.cosine_similarity(s_emb, t_emb, dim=-1)).mean()
     valid = mask.to(s_emb.dtype).unsqueeze(-1)
     errors = []
@@ -430,7 +476,11 @@ def finetune_outliers(
     if resume and checkpoint is None:
         raise ValueError("resume=True needs a checkpoint path")
     check_model(model)
-    from softq.models import max_tokens
+    from softq.models import is_causal, max_tokens
+
+    if config.pooling == "cls" and is_causal(model):
+        raise ValueError("OutlierFinetuneConfig.pooling='cls' reads the first token, which in a causal model sees only "
+                         "itself: use pooling='mean'")
 
     positions = max_tokens(model.config)
     if positions is not None and config.max_length > positions:

@@ -7,7 +7,8 @@ A fresh gate is ``sigmoid(0 . x + logit(pi)) = pi`` for every token, which
 would scale every head's output by ``pi`` and break a trained model.  We keep
 the gate in its responsive range (bias ``logit(pi)``, not a saturated large
 bias whose sigmoid has almost no gradient) and instead divide the columns of
-the following output projection that read head ``h`` by ``pi``.  At conversion
+the following output projection that read head ``h`` by ``pi`` (the Linear that reads the heads' output, found
+on a probe forward: :func:`output_projections`).  At conversion
 ``o_proj(pi * head / pi)`` equals the original exactly (up to float rounding);
 fine-tuning then lets each gate move away from ``pi`` -- e.g. close on no-op
 heads, the behaviour that removes outliers.
@@ -26,24 +27,58 @@ from torch import nn
 from softq._files import default_mode, error_line
 from softq.models import attention_modules
 
-# Attributes holding the projection right after the attention heads, per family
-# (GPT-2 c_proj, OPT out_proj, ViT 5.x o_proj, DistilBERT out_lin).  BERT-like models keep it in the
-# sibling ``output.dense``.
-_OUT_PROJ_NAMES = ("o_proj", "out_proj", "c_proj", "out_lin")
+def _projection_layer(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"  # GPT-2's transposed Linear
 
 
-def output_projection(model: nn.Module, attn_name: str, attn: nn.Module) -> nn.Module:
-    """The layer that consumes the concatenated head outputs of attention module ``attn``."""
-    for name in _OUT_PROJ_NAMES:
-        layer = getattr(attn, name, None)
-        if layer is not None:
-            return layer
-    parent_name = attn_name.rsplit(".", 1)[0] if "." in attn_name else ""
-    parent = model.get_submodule(parent_name)
-    dense = getattr(getattr(parent, "output", None), "dense", None)
-    if dense is None:
-        raise ValueError(f"cannot find the output projection of attention module '{attn_name}'")
-    return dense
+@torch.no_grad()
+def output_projections(model: nn.Module) -> list[nn.Module]:
+    """The layer that consumes the concatenated head outputs of each attention module, in order, found on one probe
+    forward (``softq.models.probe_inputs``): the Linear whose input shares its memory with what softq's attention
+    function returned for that module (every family flattens the [b, s, heads, head_dim] output by a view), inside
+    the module (Llama's ``o_proj``) or after it (BERT's ``output.dense``)."""
+    from softq import attention as A
+    from softq.models import _no_cache, probe_inputs
+
+    modules = [m for _, m in attention_modules(model)]
+    outputs: dict[int, int] = {}  # storage address of an attention output -> index of its module
+    alive: list[torch.Tensor] = []  # (kept so that no later tensor reuses an address)
+    found: dict[int, nn.Module] = {}
+    index = {id(m): i for i, m in enumerate(modules)}
+    function = A.softq_attention
+
+    def recording(module: nn.Module, *args, **kwargs):
+        out = function(module, *args, **kwargs)
+        if id(module) in index:
+            outputs[out[0].untyped_storage().data_ptr()] = index[id(module)]
+            alive.append(out[0])
+        return out
+
+    def reader(layer: nn.Module, inputs: tuple) -> None:
+        if inputs and isinstance(inputs[0], torch.Tensor):
+            i = outputs.get(inputs[0].untyped_storage().data_ptr())
+            if i is not None:
+                found.setdefault(i, layer)
+
+    from transformers import AttentionInterface
+
+    handles = [m.register_forward_pre_hook(reader) for m in model.modules() if _projection_layer(m)]
+    was = model.training
+    model.eval()
+    AttentionInterface.register(A.ATTN_IMPLEMENTATION, recording)
+    try:
+        model(**probe_inputs(model), **_no_cache(model))
+    finally:
+        AttentionInterface.register(A.ATTN_IMPLEMENTATION, function)
+        model.train(was)
+        for h in handles:
+            h.remove()
+    missing = [i for i in range(len(modules)) if i not in found]
+    if missing:
+        names = [n for n, _ in attention_modules(model)]
+        raise ValueError(f"cannot find the output projection of attention module '{names[missing[0]]}': no Linear "
+                         "reads its heads' output")
+    return [found[i] for i in range(len(modules))]
 
 
 def _scale_head_inputs(layer: nn.Module, num_heads: int, factors: torch.Tensor) -> None:
@@ -75,10 +110,12 @@ def convert_to_gated(model: nn.Module, pi_init: float = 0.5) -> nn.Module:
         raise ValueError("the model already has gated attention; convert_to_gated applies to ungated models")
     if not 0.0 < pi_init < 1.0:
         raise ValueError(f"pi_init must be in (0, 1), got {pi_init}")
+    configure_attention(model)
+    projections = output_projections(model)
     points = configure_attention(model, gated=True, gate_pi_init=pi_init)
-    for (name, attn), p in zip(attention_modules(model), points):
+    for projection, p in zip(projections, points):
         gate_open = torch.sigmoid(p.gate.bias.detach())  # = pi_init per head
-        _scale_head_inputs(output_projection(model, name, attn), p.num_heads, 1.0 / gate_open)
+        _scale_head_inputs(projection, p.num_heads, 1.0 / gate_open)
     return model
 
 

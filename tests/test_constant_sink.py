@@ -163,6 +163,7 @@ def test_saved_quantized_sink_model_keeps_its_sinks(tmp_path: Path) -> None:
 
     model = tiny_model("bert")
     x = tiny_inputs("bert")
+    x["input_ids"][:, 0] = 1  # a fixed first token ([CLS]), which a constant sink stands for
     configure_attention(model, constant_sink=True)
     init_constant_sinks(model, [x])
     with torch.no_grad():

@@ -159,9 +159,10 @@ def test_bad_inputs(tokenizer) -> None:
     model = tiny_bert(tokenizer)
     with pytest.raises(ValueError, match="at least one non-empty training text"):
         finetune_outliers(model, tokenizer, ["  "], small_config(), progress=False)
-    gpt2 = transformers.GPT2Model(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4))
-    with pytest.raises(ValueError, match=r"supports bert, roberta, distilbert encoders \(xlm-roberta, camembert and electra among them\), not gpt2"):
-        finetune_outliers(gpt2, tokenizer, TEXTS, small_config(), progress=False)
+    vit = transformers.ViTModel(transformers.ViTConfig(image_size=16, patch_size=4, num_channels=1, hidden_size=32,
+                                                         num_hidden_layers=1, num_attention_heads=4, intermediate_size=64))
+    with pytest.raises(ValueError, match="trains on tokenized text, but ViTModel reads pixel_values"):
+        finetune_outliers(vit, tokenizer, TEXTS, small_config(), progress=False)
     gated = make_student(model, small_config(method="gated"))
     with pytest.raises(ValueError, match="already has gated attention"):
         finetune_outliers(gated, tokenizer, TEXTS, small_config(), progress=False)
