@@ -190,8 +190,8 @@ def mask_bias(module: nn.Module, attention_mask: torch.Tensor | None, key_len: i
     carries = getattr(module, "softq_mask_bias", None)
     mask = _sliced(attention_mask, key_len)
     if carries is None:
-        if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
-            return None  # (set by every eager forward before an export traces)
+        if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling():
+            return None  # (set by every eager forward with a mask before an export traces; none there: no bias)
         carries = bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any())
         module.softq_mask_bias = carries
     if not carries:
