@@ -37,7 +37,7 @@ from torch import nn
 
 from softq.attention import configure_attention
 from softq.mpc.ranges import SAFE_RANGES, RangeConfig, _softmax_internals
-from softq.mpc.surrogates import GELU_CLASSES, SurrogateGELU, layer_index
+from softq.mpc.surrogates import SurrogateGELU, activation_kind, layer_index
 from softq.softmax import get_softmax
 
 SCALE_GRID = tuple(float(x) for x in torch.logspace(-2.0, 1.0, 61))
@@ -108,7 +108,8 @@ def fit_surrogates(student: nn.Module, teacher: nn.Module, batches: Iterable[Map
     if not range_margin >= 1.0:
         raise ValueError(f"range_margin must be >= 1, got {range_margin}")
     s_modules = dict(student.named_modules())
-    quad_paths = {p for p, m in s_modules.items() if isinstance(m, SurrogateGELU) and m.name == "quad"}
+    quad_paths = {p for p, m in s_modules.items() if isinstance(m, SurrogateGELU) and m.name == "quad"
+                  and m.kind == "gelu"}
     two_quad = {}  # layer -> c
     for path, m in s_modules.items():
         points = getattr(m, "softq", None)
@@ -129,7 +130,7 @@ def fit_surrogates(student: nn.Module, teacher: nn.Module, batches: Iterable[Map
             if points is not None and layer_index(path) in two_quad:
                 points_by_layer[layer_index(path)] = points
     t_modules = dict(probe.named_modules())
-    gelu_paths = [p for p in quad_paths if type(t_modules.get(p)).__name__ in GELU_CLASSES]
+    gelu_paths = [p for p in quad_paths if p in t_modules and activation_kind(t_modules[p]) == "gelu"]
     fit.skipped += [f"{p} (no GELU at that path in the teacher)" for p in sorted(quad_paths - set(gelu_paths))]
 
     # where tensors come from: projection outputs by identity (GELU input) and by storage (query views)

@@ -36,7 +36,7 @@ from softq.mpc._crypten_shim import load_crypten
 from softq.mpc.accounting import CommRecorder
 from softq.mpc.approx import ROW_SCALE_LIMIT, accurate_functions, normalize_rows
 from softq.mpc.approx import exp as approx_exp
-from softq.mpc.surrogates import exporting, get_gelu, layer_index, layer_norm
+from softq.mpc.surrogates import exporting, from_op_name, get_gelu, layer_index, layer_norm, silu_exact
 from softq.softmax import get_softmax
 
 SECRET_INPUTS = ("input_ids", "pixel_values", "inputs_embeds")
@@ -122,6 +122,7 @@ def export_model(model: nn.Module, kwargs: Mapping[str, Any]) -> torch.export.Ex
     if is_causal(model):
         model.config.use_cache = False
     with exporting(model), torch.no_grad():
+        model(**kwargs)  # on real tensors first: whether a mask carries a bias is settled there (attention.mask_bias)
         return torch.export.export(model, (), dict(kwargs), strict=False)
 
 
@@ -336,6 +337,24 @@ def _split(x: Any, split_size: Any, dim: int = 0) -> list[Any]:
     return out
 
 
+def _repeat_interleave(x: Any, repeats: Any, dim: int | None = None, *, output_size: Any = None) -> Any:
+    """Grouped-query attention's K/V head repetition: each slice along ``dim`` ``repeats`` times in a row."""
+    if not isinstance(repeats, int) or dim is None:
+        raise ConversionError("repeat_interleave of a secret needs an integer count and a dim")
+    dim = dim % x.dim()
+    shape = list(x.shape)
+    expanded = x.unsqueeze(dim + 1).expand(*shape[: dim + 1], repeats, *shape[dim + 1:])
+    return expanded.reshape(*shape[:dim], shape[dim] * repeats, *shape[dim + 1:])
+
+
+def _chunk(x: Any, chunks: int, dim: int = 0) -> list[Any]:
+    return _split(x, -(-x.shape[dim] // chunks), dim)
+
+
+def _unbind(x: Any, dim: int = 0) -> list[Any]:
+    return [_select(x, dim, i) for i in range(x.shape[dim])]
+
+
 def _index(x: Any, indices: list[Any]) -> Any:
     idx = tuple(slice(None) if i is None else i for i in indices)
     return x[idx]
@@ -364,6 +383,7 @@ HANDLERS: dict[str, tuple[SecretOp, str]] = {
     "relu": (lambda x: x.relu(), "relu"),
     "exp": (lambda x: approx_exp(x), "exp"),
     "gelu": (lambda x, approximate="none": get_gelu("tanh" if approximate == "tanh" else "erf")(x), "gelu:native"),
+    "silu": (silu_exact, "silu:native"),
     "layer_norm": (lambda x, shape, w=None, b=None, eps=1e-5, *rest: layer_norm(x, shape, w, b, eps), "layernorm"),
     "softmax": (_softmax_aten, "softmax:aten"),
     "_softmax": (_softmax_aten, "softmax:aten"),
@@ -387,6 +407,9 @@ HANDLERS: dict[str, tuple[SecretOp, str]] = {
     "cat": (_cat, "shape"),
     "stack": (_stack, "shape"),
     "split": (_split, "shape"),
+    "unbind": (_unbind, "shape"),
+    "chunk": (_chunk, "shape"),
+    "repeat_interleave": (_repeat_interleave, "shape"),
     "split_with_sizes": (_split, "shape"),
     "contiguous": (_identity, "shape"),
     "clone": (lambda x, **kw: x.clone(), "shape"),
@@ -510,8 +533,14 @@ class GraphInterpreter:
                 return get_softmax(spec["name"])(scores, valid, **spec["params"])
         if name == "gelu":
             x, gelu_name = args
-            with self.recorder.op(f"gelu:{gelu_name}", layer):
-                return get_gelu(gelu_name)(x)
+            kind, _, short = gelu_name.rpartition("/")
+            with self.recorder.op(f"{kind or 'gelu'}:{short}", layer):
+                return from_op_name(gelu_name)(x)
+        if name == "rms_norm":
+            from softq.mpc.norms import rms_norm
+
+            with self.recorder.op("rmsnorm", layer):
+                return rms_norm(*args)
         raise ConversionError(f"unknown softq_mpc op {name}")
 
 

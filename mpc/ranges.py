@@ -200,7 +200,8 @@ class RangePass:
                 continue
             layer = _layer_of(node)
             if namespace == "softq_mpc":
-                op = f"{name}:{json.loads(args[2])['name'] if name == 'softmax' else args[1]}"
+                op = {"softmax": lambda: f"softmax:{json.loads(args[2])['name']}", "gelu": lambda: f"gelu:{args[1]}",
+                      "rms_norm": lambda: "rmsnorm"}[name]()
             else:
                 op = HANDLERS.get(name, (None, name))[1]
             for out in tree_flatten(env[node.name])[0]:
@@ -215,6 +216,11 @@ class RangePass:
             spec = json.loads(args[2])
             for quantity, values in _softmax_internals(spec["name"], spec["params"], args[0], args[1]):
                 self._record(layer, op, node, quantity, values)
+        elif namespace == "softq_mpc" and name == "rms_norm":  # LayerNorm's steps without the mean
+            x, weight, eps, offset = args
+            var = x.square().mean(-1, keepdim=True) + eps
+            self._record(layer, op, node, "layernorm variance", var)
+            self._record(layer, op, node, "layernorm output", x * var.rsqrt() * (weight + offset))
         elif name in ("softmax", "_softmax"):
             for quantity, values in _softmax_internals("softmax", {}, args[0].movedim(args[1], -1), None):
                 self._record(layer, op, node, quantity, values)

@@ -34,7 +34,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from softq.attention import AttentionPoints, attention_inputs, configure_attention
+from softq.attention import AttentionPoints, attention_inputs, configure_attention, mask_bias
 from softq.models import attention_modules, model_family
 from softq.softmax import get_softmax
 
@@ -112,11 +112,80 @@ def get_gelu(name: str) -> Callable[[Any], Any]:
         raise ValueError(f"unknown GELU surrogate '{name}'; choose one of {sorted(GELU_VARIANTS)}") from None
 
 
-# Hugging Face / torch activation classes that compute (an approximation of) GELU.
-GELU_CLASSES = frozenset(
-    {"GELUActivation", "NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation",
-     "AccurateGELUActivation", "GELU"}
-)
+# ---------------------------------------------------------------------------
+# SiLU surrogates (Llama, Qwen, Mistral, Phi-3: SwiGLU's gate)
+# ---------------------------------------------------------------------------
+
+
+def silu_exact(x: Any) -> Any:
+    """SiLU ``x sigmoid(x)``.  Under MPC: :func:`softq.mpc.approx.silu` (piecewise, max error ~2.4e-4)."""
+    if _plain(x):
+        return nn.functional.silu(x)
+    from softq.mpc.approx import silu
+
+    return silu(x)
+
+
+SILU_QUAD = (0.125, 0.5, 0.15)  # least squares on [-4, 4] with a2 = 2^-3 and a1 / a2 an integer (max error 0.22)
+
+
+def silu_quad(x: Any) -> Any:
+    """Quad for SiLU ``0.125 x^2 + 0.5 x + 0.15``: one multiplication, needs distillation (as MPCFormer's GELU Quad)."""
+    a2, a1, a0 = SILU_QUAD
+    if not _plain(x):
+        from softq.mpc.approx import quadratic
+
+        return quadratic(x, a2, a1, a0)
+    return x.square() * a2 + x * a1 + a0
+
+
+SILU_VARIANTS: dict[str, Callable[[Any], Any]] = {"silu": silu_exact, "quad": silu_quad, "relu": gelu_relu}
+# activation kind -> its surrogates; ``quad`` and ``relu`` exist for both kinds
+ACTIVATIONS: dict[str, dict[str, Callable[[Any], Any]]] = {"gelu": GELU_VARIANTS, "silu": SILU_VARIANTS}
+
+
+def get_activation(kind: str, name: str) -> Callable[[Any], Any]:
+    """The surrogate ``name`` of a ``kind`` ("gelu" or "silu") activation; one line naming the choices else."""
+    variants = ACTIVATIONS[kind]
+    if name not in variants:
+        raise ValueError(f"'{name}' is not a surrogate of a {kind.upper()} activation; choose one of {sorted(variants)}")
+    return variants[name]
+
+
+def op_name(kind: str, name: str) -> str:
+    """The surrogate as the exported ``softq_mpc::gelu`` node names it: ``quad`` (GELU), ``silu/quad`` (SiLU)."""
+    return name if kind == "gelu" else f"{kind}/{name}"
+
+
+def from_op_name(text: str) -> Callable[[Any], Any]:
+    kind, _, name = text.rpartition("/")
+    return get_activation(kind or "gelu", name)
+
+
+_PROBE = torch.linspace(-6.0, 6.0, 49)
+
+
+def activation_kind(module: nn.Module) -> str | None:
+    """``"gelu"`` or ``"silu"`` when ``module`` computes that activation (found by running it on a probe), else None.
+
+    Only leaf modules with no parameters or buffers are run; a GELU's tanh form and its fast
+    variants count as GELU (within 2e-3); QuickGELU (``x sigmoid(1.702 x)``) is neither."""
+    if isinstance(module, SurrogateGELU):
+        return module.kind
+    if any(True for _ in module.children()) or any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+        return None
+    try:
+        with torch.no_grad():
+            out = module(_PROBE.clone())
+    except Exception:  # another signature: not an activation
+        return None
+    if not isinstance(out, torch.Tensor) or out.shape != _PROBE.shape or not out.is_floating_point():
+        return None
+    if (out - nn.functional.silu(_PROBE)).abs().max() < 1e-4:
+        return "silu"
+    if (out - nn.functional.gelu(_PROBE)).abs().max() < 2e-3:
+        return "gelu"
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -221,7 +290,7 @@ def _(scores: torch.Tensor, valid: torch.Tensor | None, spec: str) -> torch.Tens
 
 @torch.library.custom_op("softq_mpc::gelu", mutates_args=())
 def _gelu_op(x: torch.Tensor, name: str) -> torch.Tensor:
-    return get_gelu(name)(x).clone()
+    return from_op_name(name)(x).clone()
 
 
 @_gelu_op.register_fake
@@ -236,31 +305,35 @@ _EXPORTING = False
 def exporting(model: nn.Module) -> Iterator[None]:
     """Within this block the model's surrogates trace to the ``softq_mpc::*`` custom ops."""
     global _EXPORTING
+    from softq.mpc.norms import swapped
+
     previous_impl = model.config._attn_implementation
     model.set_attn_implementation(MPC_ATTN_IMPLEMENTATION)
     _EXPORTING = True
     try:
-        yield
+        with swapped(model):
+            yield
     finally:
         _EXPORTING = False
         model.set_attn_implementation(previous_impl)
 
 
 class SurrogateGELU(nn.Module):
-    """Replaces a GELU activation module by a named surrogate."""
+    """Replaces a GELU (``kind="gelu"``) or SiLU (``kind="silu"``) activation module by a named surrogate."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, kind: str = "gelu") -> None:
         super().__init__()
-        get_gelu(name)
+        get_activation(kind, name)
         self.name = name
+        self.kind = kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _EXPORTING:
-            return torch.ops.softq_mpc.gelu(x, self.name)
-        return get_gelu(self.name)(x)
+            return torch.ops.softq_mpc.gelu(x, op_name(self.kind, self.name))
+        return get_activation(self.kind, self.name)(x)
 
     def extra_repr(self) -> str:
-        return f"name={self.name}"
+        return f"name={self.name}" if self.kind == "gelu" else f"name={self.name}, kind={self.kind}"
 
 
 def mpc_attention(
@@ -271,13 +344,27 @@ def mpc_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    position_bias: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention as exported for MPC: the softmax variant is one ``softq_mpc::softmax`` node.
 
     The valid mask is derived from the (public) attention mask with plaintext ops,
-    so the graph interpreter keeps it public.
+    so the graph interpreter keeps it public; sliding windows and local attention are
+    such masks.  Grouped K/V heads are repeated (:func:`softq.attention.attention_inputs`);
+    RoPE's tables are functions of the public positions, so rotating q and k costs
+    only local products.  An additive position bias (in the mask, or T5's ``position_bias``: a lookup of
+    the secret bias table at public buckets) is added to the scores.
+    Soft-capping (``tanh``, costly and inaccurate under MPC) and learned sink logits are refused.
     """
+    if softcap is not None:
+        raise ValueError(f"softq.mpc does not run attention logit soft-capping ({type(module).__name__}: "
+                         f"tanh(scores / {softcap:g}) * {softcap:g}); set the config's attn_logit_softcapping to None "
+                         "and distil, or use another model")
+    if s_aux is not None:
+        raise ValueError(f"softq.mpc does not run learned attention sink logits (s_aux of {type(module).__name__})")
     points: AttentionPoints | None = getattr(module, "softq", None)
     if points is None:
         raise RuntimeError("MPC export needs softq attention state; call softq.mpc.configure_surrogates first")
@@ -285,8 +372,13 @@ def mpc_attention(
         isinstance(getattr(points, n), nn.Identity) for n in ("q", "k", "scores", "v")
     ):
         raise ValueError("softq.mpc does not run quantized, gated or constant-sink attention; pass the float model")
+    bias = mask_bias(module, attention_mask, key.shape[-2])
+    if position_bias is not None:
+        bias = position_bias if bias is None else bias + position_bias
     key, value, valid, scaling = attention_inputs(module, query, key, value, attention_mask, scaling)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if bias is not None:
+        scores = scores + bias
     probs = torch.ops.softq_mpc.softmax(scores, valid, softmax_spec(points.softmax_name, points.softmax_params))
     out = torch.matmul(probs, value)
     return out.transpose(1, 2).contiguous(), probs
@@ -374,22 +466,31 @@ def configure_surrogates(
         variant_params = {k: v for k, v in params.items() if k in get_softmax(name).defaults}
         p.set_softmax(name, **variant_params)
     gelu_names = _per_layer(gelu, n_layers, "gelu")
+    known = set(GELU_VARIANTS) | set(SILU_VARIANTS)
     for name in gelu_names:
-        if name is not None:
-            get_gelu(name)
-    used: list[str | None] = [None] * n_layers
+        if name is not None and name not in known:
+            raise ValueError(f"unknown GELU surrogate '{name}'; choose one of {sorted(GELU_VARIANTS)} (GELU models) "
+                             f"or {sorted(SILU_VARIANTS)} (SiLU models)")
+    found = []
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if type(child).__name__ not in GELU_CLASSES and not isinstance(child, SurrogateGELU):
-                continue
             path = f"{parent_name}.{child_name}" if parent_name else child_name
             idx = layer_index(path)
             if idx is None or idx >= n_layers:
                 continue
-            name = gelu_names[idx]
-            if name is None:
-                continue
-            setattr(parent, child_name, SurrogateGELU(name))
+            kind = activation_kind(child)
+            if kind is not None:
+                found.append((parent, child_name, idx, kind))
+    for _, _, idx, kind in found:  # every name checked before any module is replaced
+        name = gelu_names[idx]
+        if name is not None and name not in ACTIVATIONS[kind]:
+            raise ValueError(f"{type(model).__name__}'s activation is {kind.upper()}: '{name}' is not one of its "
+                             f"surrogates; choose one of {sorted(ACTIVATIONS[kind])}")
+    used: list[str | None] = [None] * n_layers
+    for parent, child_name, idx, kind in found:
+        name = gelu_names[idx]
+        if name is not None:
+            setattr(parent, child_name, SurrogateGELU(name, kind))
             used[idx] = name
     spec = SurrogateSpec(
         softmax=softmax_names,
