@@ -132,7 +132,9 @@ def _print_fit(history: Any) -> None:
 def _add_surrogate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--softmax", default="2quad",
                    help="softmax variant: softmax (exact), 2quad, 2relu, relu_len, sigmoid_len; comma list per layer")
-    p.add_argument("--gelu", default="quad", help="GELU surrogate: erf, tanh, quad, relu or native; comma list per layer")
+    p.add_argument("--gelu", default="quad",
+                   help="surrogate of the model's activation: GELU models erf, tanh, quad, relu; SiLU models (Llama, "
+                        "Qwen, Mistral) silu, quad, relu; or native; comma list per layer")
 
 
 def register(subparsers: Any) -> None:

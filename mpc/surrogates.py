@@ -6,6 +6,9 @@ run unchanged on CrypTensors.  This module adds the other non-linearities:
 * GELU: ``erf`` (the exact form) and ``tanh`` (its tanh form), both evaluated under
   MPC by :func:`softq.mpc.approx.gelu` (accurate for any input), ``quad``
   (MPCFormer's ``0.125x^2 + 0.25x + 0.5``, one multiplication) and ``relu``.
+* SiLU (SwiGLU's gate): ``silu`` (:func:`softq.mpc.approx.silu`), ``quad`` and ``relu``.
+  Which activation a module is comes from running it on a probe (:func:`activation_kind`);
+  the ``gelu`` choice applies to whichever the model has.
 * LayerNorm: exact (:func:`layer_norm`; under MPC :func:`softq.mpc.approx.layer_norm`,
   a comparison-selected normaliser and a polynomial inverse square root).
 
