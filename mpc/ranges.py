@@ -149,6 +149,16 @@ def _softmax_internals(name: str, params: Mapping[str, float], scores: torch.Ten
     return out
 
 
+def _custom_kind(name: str, args: Any) -> str:
+    """A ``softq_mpc`` node's op kind as the graph interpreter reports it (``softmax:2quad``, ``silu:quad``, ``rmsnorm``)."""
+    if name == "softmax":
+        return f"softmax:{json.loads(args[2])['name']}"
+    if name == "gelu":
+        kind, _, short = args[1].rpartition("/")
+        return f"{kind or 'gelu'}:{short}"
+    return "rmsnorm" if name == "rms_norm" else name
+
+
 class RangePass:
     """Evaluates an exported graph in plaintext and records the ranges of its secret values."""
 
@@ -200,8 +210,7 @@ class RangePass:
                 continue
             layer = _layer_of(node)
             if namespace == "softq_mpc":
-                op = {"softmax": lambda: f"softmax:{json.loads(args[2])['name']}", "gelu": lambda: f"gelu:{args[1]}",
-                      "rms_norm": lambda: "rmsnorm"}[name]()
+                op = _custom_kind(name, args)
             else:
                 op = HANDLERS.get(name, (None, name))[1]
             for out in tree_flatten(env[node.name])[0]:

@@ -235,3 +235,18 @@ def test_llama_in_two_parties_with_rounds_of_the_new_ops():
     # measured rounds per call: LayerNorm's 21 less the mean's truncation; SiLU as GELU (comparison + depth-4 series)
     assert kinds["rmsnorm"].rounds == 20 * 5 and kinds["silu:native"].rounds == 20 * 2
     assert kinds["silu:native"].bytes > 0 and result.report.rounds < 600
+
+
+def test_range_check_covers_rms_norm():
+    from softq.mpc import RangeError
+    from softq.mpc.ranges import check_model
+
+    model = tiny_llama()
+    configure_surrogates(model, softmax="softmax", gelu=None)
+    records = check_model(model, text_inputs())
+    assert {("rmsnorm", "layernorm variance"), ("rmsnorm", "layernorm output"), ("silu:native", "value")} <= {
+        (r.op, r.quantity) for r in records}
+    with torch.no_grad():  # an RMSNorm output beyond the lazy product's bound (2^13)
+        model.model.layers[0].post_attention_layernorm.weight *= 1e4
+    with pytest.raises(RangeError, match="layer0 rmsnorm .*layernorm output"):
+        check_model(model, text_inputs())
