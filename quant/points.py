@@ -1,6 +1,6 @@
 """The quantization points of a model: inserting them, switching their mode, fixing their ranges.
 
-:func:`prepare` swaps Linear, LayerNorm and embedding layers for the quantized ones
+:func:`prepare` swaps Linear, norm and embedding layers for the quantized ones
 (``layers.py``) and gives every attention layer its Q, K, V, score and softmax-output
 quantizers; ``quantize`` calls it before calibrating and ``softq.quant.load`` to
 rebuild a saved model's structure.  :func:`set_mode` switches every activation point
@@ -18,7 +18,8 @@ from softq.calib.observers import NoCalibrationData
 from softq.hf import refuse_save_pretrained
 from softq.models import conv1d_to_linear, is_causal, model_family
 from softq.quant.config import PREFIX_TOKENS, QuantConfig, softmax_input_span
-from softq.quant.layers import QEmbedding, QLayerNorm, QLinear, quantize_weight_only
+from softq.norms import residual_norms
+from softq.quant.layers import QEmbedding, QLayerNorm, QLinear, QNorm, quantize_weight_only
 from softq.quant.quantizers import ActQuantizer, RowScoresQuantizer, SoftmaxOutputQuantizer
 
 
@@ -41,9 +42,12 @@ def residual_prefix(model: nn.Module, config: QuantConfig) -> int:
 
 
 def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
-    """Swap Linear -> QLinear, LayerNorm -> QLayerNorm and Embedding -> QEmbedding in place; Conv2d weights
-    and a vision encoder's position table get weight-only codes (:func:`quantize_weight_only`)."""
+    """Swap Linear -> QLinear, LayerNorm -> QLayerNorm, any other residual-stream norm (RMSNorm, found by what it
+    computes: ``softq.norms``) -> QNorm and Embedding -> QEmbedding in place; Conv2d weights and a vision encoder's
+    position table get weight-only codes (:func:`quantize_weight_only`)."""
     prefix = residual_prefix(model, config)
+    other_norms = ({id(m) for m, _ in residual_norms(model).values() if not isinstance(m, nn.LayerNorm)}
+                   if config.residual_quantized else set())
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{parent_name}.{child_name}" if parent_name else child_name
@@ -53,6 +57,8 @@ def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
                 setattr(parent, child_name, QLinear(child, config.weight_bits, config.weight_per_channel, _act(config)))
             elif type(child) is nn.LayerNorm and config.residual_quantized:
                 setattr(parent, child_name, QLayerNorm(child, _act(config, config.residual_groups, prefix)))
+            elif id(child) in other_norms:
+                setattr(parent, child_name, QNorm(child, _act(config, config.residual_groups, prefix)))
             elif (type(child) is nn.Embedding and config.embedding_bits is not None
                   and child.num_embeddings >= config.embedding_min_rows):
                 setattr(parent, child_name, QEmbedding(child, config.embedding_bits))
