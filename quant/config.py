@@ -77,8 +77,9 @@ AUTO_SMOOTHING_RATIO = 16.0
 # QuantConfig.embedding_min_rows' default: tables with fewer rows stay float (BERT's token-type table: 2 rows, row 0
 # shared by nearly every token, so its rounding error is one shift of every token rather than noise)
 EMBEDDING_MIN_ROWS = 16
-# residual_prefix: special tokens at the start of every sequence, per encoder family
-PREFIX_TOKENS = {"bert": 1, "roberta": 1, "distilbert": 1, "vit": 1, "deit": 2}
+# residual_prefix: the special tokens a text encoder's tokenizer puts at the start of every sequence, which its
+# weights do not show (vision encoders' learned leading tokens are found by running the model: points.constant_prefix)
+PREFIX_TOKENS = {"bert": 1, "roberta": 1, "distilbert": 1}
 MAX_PREFIX = 8
 
 
