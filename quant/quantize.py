@@ -178,7 +178,7 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     qmodel.softq_v_fold_errors = None
     corrected = False
     if config.smoothing_into_v is True:
-        qmodel.softq_smoothing_into_v = fold_smoothing_into_v(qmodel, batches, config)
+        qmodel.softq_smoothing_into_v = fold_smoothing_into_v(qmodel, batches, config, explicit=True)
     elif config.smoothing_into_v == "auto" and split is not None and alpha is not None:
         qmodel.softq_smoothing_into_v, qmodel.softq_v_fold_errors, corrected = _fold_into_v_if_better(
             qmodel, batches, config, split[1], reference)

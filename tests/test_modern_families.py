@@ -246,3 +246,10 @@ def test_residual_prefix_follows_the_learned_leading_tokens() -> None:
     with pytest.raises(ValueError, match="llama decoder .*KV cache"):
         residual_prefix(build("llama"), softq.QuantConfig(quantize_residual=True, residual_prefix=1))
     assert residual_prefix(build("modernbert"), softq.QuantConfig(quantize_residual=True, residual_prefix=1)) == 1
+
+
+def test_smoothing_into_v_is_refused_where_grouped_query_attention_leaves_nothing_to_fold() -> None:
+    model = build("mistral")  # one key-value head for four query heads
+    with pytest.raises(ValueError, match="grouped-query attention"):
+        softq.quantize(model, [inputs(model, s) for s in range(2)],
+                       softq.QuantConfig(input_smoothing=0.5, smoothing_into_v=True, weight_bias_correction=False))
