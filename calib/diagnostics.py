@@ -6,10 +6,11 @@ Per transformer layer, at the three places outliers live:
     averaged over calibration batches) of the block's output hidden state.  In a
     pre-LN model (GPT-2, OPT, ViT) that is the residual stream itself;
   * ``ln_input_inf_norm`` / ``ln_input_kurtosis``: the same over the inputs of the
-    block's norms (LayerNorm or RMSNorm, found by what they compute: ``softq.norms``).  In a post-LN model (BERT, RoBERTa) the block output has
-    just been normalised (|x| ~ 10 in all-MiniLM-L6-v2) and the outliers sit here,
-    in the residual sum entering the LayerNorm (|x| = 223): this is what a
-    per-tensor 8-bit residual stream has to cover;
+    block's norms (LayerNorm or RMSNorm, found by what they compute: ``softq.norms``).
+    In a post-LN model (BERT, RoBERTa) the block output has just been normalised
+    (|x| ~ 10 in all-MiniLM-L6-v2) and the outliers sit here, in the residual sum
+    entering the LayerNorm (|x| = 223): this is what a per-tensor 8-bit residual
+    stream has to cover;
   * ``ffn_inf_norm``: max |x| of the FFN output (the block's last Linear), the
     source of those residual outliers;
   * ``outlier_dims``: the hidden dimensions with the largest |x| at the
@@ -241,6 +242,10 @@ def collect(model: nn.Module, batches: list[Batch]) -> Diagnostics:
     for i, (block_name, block) in enumerate(transformer_blocks(model)):
         handles.append(block.register_forward_hook(on_block(i)))
         for name, (module, _) in find_norms(block).items():
+            parent_name, _, child = name.rpartition(".")
+            parent = block.get_submodule(parent_name)
+            if child == "norm" and hasattr(parent, "input_act"):  # a quantized norm (QNorm): the input before it
+                module, name = parent, parent_name
             handles.append(module.register_forward_pre_hook(on_ln_input(i, f"{block_name}.{name}")))
         ffn = _last_linear(block)
         if ffn is not None:

@@ -17,8 +17,8 @@ from softq.calib.data import CalibrationDataError
 from softq.calib.observers import NoCalibrationData
 from softq.hf import refuse_save_pretrained
 from softq.models import conv1d_to_linear, is_causal, model_family
-from softq.quant.config import MAX_PREFIX, PREFIX_TOKENS, QuantConfig, softmax_input_span
 from softq.norms import residual_norms
+from softq.quant.config import MAX_PREFIX, PREFIX_TOKENS, QuantConfig, softmax_input_span
 from softq.quant.layers import QEmbedding, QLayerNorm, QLinear, QNorm, quantize_weight_only
 from softq.quant.quantizers import ActQuantizer, RowScoresQuantizer, SoftmaxOutputQuantizer
 

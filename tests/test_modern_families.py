@@ -198,6 +198,9 @@ def test_diagnostics_name_the_norm_input_and_token_of_a_massive_activation() -> 
     assert "input of model.layers.0.input_layernorm, token 0, dim 5" in stats.table()
     quiet = diagnostics.collect(build("llama"), batches)
     assert "massive activations" not in quiet.table()
+    _, qmodel = quantized("llama", smoothquant_alpha=0.5, quantize_residual=True, input_smoothing=None)
+    peak = diagnostics.collect(qmodel, batches).layers[1].peak  # the QNorm's input, before its quantizer
+    assert peak.norm.startswith("model.layers.1.") and peak.norm.endswith("layernorm")
 
 
 def _decode(qmodel: torch.nn.Module, ids: torch.Tensor, prefix: int) -> torch.Tensor:
