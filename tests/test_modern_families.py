@@ -165,14 +165,20 @@ def test_smoothquant_and_quantized_residual_stream_save_and_load_bit_exact(name:
     assert torch.equal(output(load(tmp_path / "q"), x), got)
 
 
-def test_input_smoothing_reaches_the_gated_mlp_down_projection() -> None:
-    """The input of SwiGLU's down_proj (act(gate) * up, read by no norm) gets a smoothing of its own."""
-    model = build("llama")
+@pytest.mark.parametrize("name, down", [("llama", "model.layers.{}.mlp.down_proj"),
+                                        ("gemma2", "model.layers.{}.mlp.down_proj"), ("modernbert", "layers.{}.mlp.Wo")])
+def test_input_smoothing_reaches_the_gated_mlp_down_projection(name: str, down: str) -> None:
+    """The input of a SwiGLU / GeGLU down projection (act(gate) * up, read by no norm) gets a smoothing of its own,
+    by smooth_inputs and by quantize's one-pass smoothing; the float function is kept."""
+    model = build(name)
     x = inputs(model, 9)
     ref = output(model, x)
     done = smooth_inputs(model, [inputs(model, s) for s in range(2)], alpha=0.5)
-    assert "model.layers.0.mlp.down_proj" in done and "model.layers.1.mlp.down_proj" in done
+    assert down.format(0) in done and down.format(1) in done
     assert rel_error(output(model, x), ref) < 1e-5
+    if name == "llama":
+        _, qmodel = quantized(name, input_smoothing=0.5, weight_bias_correction=False)
+        assert qmodel.get_submodule(down.format(0)).input_scale.numel() == 64
 
 
 def test_post_ln_is_told_from_the_forward_pass() -> None:
