@@ -92,17 +92,14 @@ def residual_prefix(model: nn.Module, config: QuantConfig) -> int:
     """How many leading positions get residual-stream scales of their own (``QuantConfig.residual_prefix``).
 
     ``"auto"``: none in a causal model; the special tokens of :func:`_prefix_tokens` else.  An explicit count is
-    refused on a causal model (a cached decoding step's first row is not position 0) and on an encoder whose
-    input is not text and that puts no learned tokens first (audio frames, a vision encoder without [CLS]);
-    on a text encoder it is the user's to give (ModernBERT's tokenizer puts [CLS] first; 'auto' leaves it 0,
-    since nothing in the model says so)."""
+    refused on an encoder whose input is not text and that puts no learned tokens first (audio frames, a vision
+    encoder without [CLS]); on a text encoder it is the user's to give (ModernBERT's tokenizer puts [CLS] first;
+    'auto' leaves it 0, since nothing in the model says so), and on a decoder too: its first token's massive
+    activations (Sun et al. 2024) then get scales of their own, and a cached step past the prefix uses the
+    shared ones (:func:`cache_offset_hook`)."""
     family = model_family(model)
     if is_causal(model):
-        if config.residual_prefix not in ("auto", 0):
-            raise ValueError(f"residual_prefix applies to encoders; a {family} decoder (causal attention) decodes "
-                             "with a KV cache, where a step's first row is not position 0; use residual_prefix=0 "
-                             "(what 'auto' picks for it)")
-        return 0
+        return 0 if config.residual_prefix == "auto" else int(config.residual_prefix)
     if config.residual_prefix == "auto":
         return _prefix_tokens(model)
     text = getattr(model, "main_input_name", "input_ids") == "input_ids"
@@ -111,6 +108,20 @@ def residual_prefix(model: nn.Module, config: QuantConfig) -> int:
                          f"their own, but this {family} model puts no learned token before its "
                          f"{getattr(model, 'main_input_name', 'input')} positions; use residual_prefix=0")
     return int(config.residual_prefix)
+
+
+def cache_offset_hook(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a causal model with prefix rows: tells each prefix quantizer where this call's first row
+    sits, the length of the KV cache it is given (``cache``, or the older ``past_key_values``)."""
+    past = kwargs.get("cache", kwargs.get("past_key_values"))
+    offset = 0
+    if past is not None and hasattr(past, "get_seq_length"):
+        offset = int(past.get_seq_length())
+    elif isinstance(past, (tuple, list)) and past and isinstance(past[0], (tuple, list)) and past[0]:
+        offset = int(past[0][0].shape[-2])  # legacy tuples: (key, value) per layer, key [b, h, n, d]
+    for module in model.modules():
+        if isinstance(module, ActQuantizer) and len(module.prefix):
+            module.row_offset = offset
 
 
 def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
@@ -191,6 +202,8 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
     for _, points in layers:
         _attach_attention_quantizers(points, config, causal)
         points.prefix_rows = prefix
+    if prefix and causal:
+        model.register_forward_pre_hook(cache_offset_hook, with_kwargs=True)
     model.softq_quant_config = config
     refuse_save_pretrained(model)
     model.train(model.training)  # the inserted modules in the model's mode (new modules are in training mode)

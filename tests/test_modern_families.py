@@ -240,7 +240,7 @@ def test_kv_cache_decoding_and_generate_equal_full_passes(name: str) -> None:
 def test_residual_prefix_follows_the_learned_leading_tokens() -> None:
     """'auto': the vision encoders' learned leading tokens (CLIP's class embedding, DINOv2's [CLS] and registers),
     found by running the model; none for a decoder or the Whisper encoder; an explicit count is refused where the
-    model puts no token first that is not input."""
+    model puts no token first that is not input, and taken by a text encoder or a decoder."""
     cfg = softq.QuantConfig(quantize_residual=True)
     assert residual_prefix(build("clip-vision"), cfg) == 1 and residual_prefix(build("dinov2"), cfg) == 1
     registers = T.Dinov2WithRegistersModel(T.Dinov2WithRegistersConfig(
@@ -252,8 +252,6 @@ def test_residual_prefix_follows_the_learned_leading_tokens() -> None:
     assert residual_prefix(whisper, cfg) == 0
     with pytest.raises(ValueError, match="puts no learned token"):
         residual_prefix(whisper, softq.QuantConfig(quantize_residual=True, residual_prefix=1))
-    with pytest.raises(ValueError, match="llama decoder .*KV cache"):
-        residual_prefix(build("llama"), softq.QuantConfig(quantize_residual=True, residual_prefix=1))
     assert residual_prefix(build("modernbert"), softq.QuantConfig(quantize_residual=True, residual_prefix=1)) == 1
 
 
@@ -262,3 +260,26 @@ def test_smoothing_into_v_is_refused_where_grouped_query_attention_leaves_nothin
     with pytest.raises(ValueError, match="grouped-query attention"):
         softq.quantize(model, [inputs(model, s) for s in range(2)],
                        softq.QuantConfig(input_smoothing=0.5, smoothing_into_v=True, weight_bias_correction=False))
+
+
+def test_decoder_prefix_scales_take_a_massive_first_token_and_keep_cached_decoding_exact() -> None:
+    """A Llama whose first token carries a massive activation (300 in dim 5): one residual scale for every token
+    loses the other tokens' dim 5; residual_prefix=1 gives position 0 scales of its own, and a cached step (whose
+    first row is a later position) takes the shared ones, as the full pass does."""
+    model = build("llama")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[1, 5] = 300.0
+    calib, held = [inputs(model, s) for s in range(3)], inputs(model, 9)
+    for batch in [*calib, held]:
+        batch["input_ids"][:, 0] = 1
+    ref = output(model, held)
+    errors = {}
+    for prefix in (0, 1):
+        qmodel = softq.quantize(model, calib, softq.QuantConfig(quantize_residual=True, residual_prefix=prefix,
+                                                                input_smoothing=None))
+        errors[prefix] = rel_error(output(qmodel, held), ref)
+    assert errors[1] < errors[0] / 2, errors
+    ids = held["input_ids"][:1]
+    with torch.no_grad():
+        full = qmodel(input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(_decode(qmodel, ids, 4), full, rtol=0, atol=1e-5 * float(full.abs().max()))
