@@ -272,11 +272,10 @@ def softq_attention(
     points: AttentionPoints | None = getattr(module, "softq", None)
     bias = mask_bias(module, attention_mask, key.shape[-2])
     key, value, valid, scaling = attention_inputs(module, query, key, value, attention_mask, scaling)
-    if points is not None and points.prefix_rows and valid is not None:
-        if not getattr(module, "is_causal", False):
-            _check_prefix_rows(valid, points.prefix_rows)
-        elif query.shape[-2] == key.shape[-2]:  # a causal pass from position 0: its first row sees the first keys
-            _check_prefix_rows(valid[..., :1, :], points.prefix_rows)  # (later rows may not: sliding windows)
+    if points is not None and points.prefix_rows and valid is not None and query.shape[-2] == key.shape[-2]:
+        # a pass from position 0 (not a cached step); a key no query row sees is padding (a sliding window hides
+        # the first keys from later rows only)
+        _check_prefix_rows(valid.amax(-2) if valid.dim() > 1 else valid, points.prefix_rows)
     if points is not None and points.sink is not None:
         if valid is not None:
             _check_prefix_rows(valid, 1, SINK_PADDING)
