@@ -7,7 +7,8 @@ tests/test_modern_families.py (2 layers, hidden size 32, random weights from the
 Error: ||q - fp|| / ||fp|| of the logits (decoders) or last hidden state (encoders) on 3 held-out batches
 (2 sequences of 12 tokens, the second padded by 3; or 2 images / feature maps), calibrated on 3 other batches.
 Also one Llama whose token id 1 carries a massive activation (300 in hidden dim 5, about 20000x the median
-norm input), put first in every sequence as a BOS token: the case per-tensor residual scales break on.
+norm input), put first in every sequence as a BOS token: the case per-tensor residual scales break on, and
+what residual_prefix=1 (position 0's residual rows with scales of their own) is for.
 Random tiny models say whether a path works and how far it moves the output, not what a trained model loses.
 """
 
@@ -32,6 +33,7 @@ CONFIGS = {
     "+ SmoothQuant 0.5": {"smoothquant_alpha": 0.5},
     "residual quantized": {"quantize_residual": True},
     "residual quantized + SmoothQuant 0.5": {"quantize_residual": True, "smoothquant_alpha": 0.5},
+    "residual quantized, residual_prefix=1": {"quantize_residual": True, "residual_prefix": 1},
 }
 MASSIVE = "llama, token-0 massive activation"
 
@@ -70,7 +72,7 @@ def main() -> None:
                 q = softq.quantize(model, calib, softq.QuantConfig(**config))
                 cells.append(f"{rel_error(torch.cat([output(q, x).flatten() for x in held]), ref):.4f}")
             except ValueError as err:
-                cells.append(f"refused: {str(err).splitlines()[0][:80]}")
+                cells.append(f"refused: {str(err).splitlines()[0][:60]}...")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
     lines = [f"# Today's families: relative output error after softq.quantize", "", f"`{command_line()}`", "",
