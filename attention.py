@@ -297,8 +297,10 @@ def softq_attention(
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias
     key, value, valid, scaling = attention_inputs(module, query, key, value, attention_mask, scaling)
-    if points is not None and points.prefix_rows and valid is not None:
-        _check_prefix_rows(valid, points.prefix_rows)
+    if points is not None and points.prefix_rows and valid is not None and query.shape[-2] == key.shape[-2]:
+        # a pass from position 0 (not a cached step); a key no query row sees is padding (a sliding window hides
+        # the first keys from later rows only)
+        _check_prefix_rows(valid.amax(-2) if valid.dim() > 1 else valid, points.prefix_rows)
     if points is not None and points.sink is not None:
         _check_first_key(key, kwargs.get("position_ids"))
         if valid is not None:

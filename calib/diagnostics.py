@@ -6,14 +6,19 @@ Per transformer layer, at the three places outliers live:
     averaged over calibration batches) of the block's output hidden state.  In a
     pre-LN model (GPT-2, OPT, ViT) that is the residual stream itself;
   * ``ln_input_inf_norm`` / ``ln_input_kurtosis``: the same over the inputs of the
-    block's LayerNorms.  In a post-LN model (BERT, RoBERTa) the block output has
-    just been normalised (|x| ~ 10 in all-MiniLM-L6-v2) and the outliers sit here,
-    in the residual sum entering the LayerNorm (|x| = 223): this is what a
-    per-tensor 8-bit residual stream has to cover;
+    block's norms (LayerNorm or RMSNorm, found by what they compute: ``softq.norms``).
+    In a post-LN model (BERT, RoBERTa) the block output has just been normalised
+    (|x| ~ 10 in all-MiniLM-L6-v2) and the outliers sit here, in the residual sum
+    entering the LayerNorm (|x| = 223): this is what a per-tensor 8-bit residual
+    stream has to cover;
   * ``ffn_inf_norm``: max |x| of the FFN output (the block's last Linear), the
     source of those residual outliers;
   * ``outlier_dims``: the hidden dimensions with the largest |x| at the
-    LayerNorm inputs (Bondarenko et al. 2021 find a few fixed ones in BERT).
+    LayerNorm inputs (Bondarenko et al. 2021 find a few fixed ones in BERT);
+  * ``peak``: where the largest |x| at a norm input sits (norm, token position,
+    dimension) and how many times the median |x| of that input it is: a decoder's
+    massive activations (Sun et al. 2024: thousands of times the median, at the first
+    token, in fixed dimensions) show here as token 0 of an RMSNorm input.
 Per attention head (softmax output as the model computes it, quantized or not):
   * ``sink_rate``: mean attention mass on the first key (query rows that can see
     more than one key), the "attention sink" that heads use to do nothing;
@@ -41,9 +46,29 @@ from softq._files import default_mode
 from softq.attention import attention_points
 from softq.calib.data import Batch, run_batches
 from softq.models import transformer_blocks
+from softq.norms import find_norms
 
 
 OUTLIER_DIMS = 3  # dimensions listed per layer
+# a norm-input peak this many times the median |x| is reported as a massive activation (Sun et al. 2024 see ratios
+# in the thousands at the first token of LLMs; a Gaussian input of 32 * 24 values peaks near 5x its median)
+MASSIVE_RATIO = 100.0
+
+
+@dataclass
+class Peak:
+    """The largest |x| seen at one layer's norm inputs: which norm, token position and hidden dimension, and its
+    ratio to the median |x| of the input it was found in."""
+
+    value: float
+    norm: str
+    token: int
+    dim: int
+    ratio: float
+
+    def describe(self) -> str:
+        return (f"|x| = {self.value:.4g} at the input of {self.norm}, token {self.token}, dim {self.dim} "
+                f"({self.ratio:.0f}x the median |x|)")
 
 
 @dataclass
@@ -57,6 +82,7 @@ class LayerStats:
     ln_batches: int = 0
     ffn_inf_norm: float = 0.0
     dim_max: torch.Tensor | None = None  # max |x| per hidden dimension at the LayerNorm inputs
+    peak: Peak | None = None  # the largest |x| at a norm input: where it sits
 
     @property
     def kurtosis(self) -> float:
@@ -131,6 +157,10 @@ class Diagnostics:
         lines += [f"{s.layer:>5}  {s.inf_norm:>18.2f}  {s.kurtosis:>8.1f}  {s.ln_input_inf_norm:>17.2f}  "
                   f"{s.ln_input_kurtosis:>8.1f}  {s.outlier_ratio:>14.1f}  {s.ffn_inf_norm:>16.2f}  "
                   f"{','.join(map(str, s.outlier_dims)):>17}" for s in self.layers]
+        peaks = [(s.layer, s.peak) for s in self.layers if s.peak is not None and s.peak.ratio >= MASSIVE_RATIO]
+        if peaks:
+            lines += ["", f"massive activations (at least {MASSIVE_RATIO:g}x the median |x| of a norm input):"]
+            lines += [f"  layer {layer}: {peak.describe()}" for layer, peak in peaks]
         lines += ["", "layer  head  sink-rate  row-sum deficit", "-----  ----  ---------  ---------------"]
         lines += [f"{h.layer:>5}  {h.head:>4}  {h.sink_rate:>9.3f}  {h.row_sum_deficit:>15.5f}" for h in self.heads]
         lines += ["", f"max inf-norm {self.max_inf_norm:.2f} (block outputs), {self.max_residual_inf_norm:.2f} "
@@ -185,11 +215,18 @@ def collect(model: nn.Module, batches: list[Batch]) -> Diagnostics:
             s.batches += 1
         return hook
 
-    def on_ln_input(index: int) -> Callable:
+    def on_ln_input(index: int, name: str) -> Callable:
         def hook(_m: nn.Module, inputs: tuple) -> None:
             x = inputs[0].detach()
             s = layer_stats[index]
-            dim_max = x.abs().reshape(-1, x.shape[-1]).amax(0).float()
+            magnitude = x.abs().float()
+            value = float(magnitude.max())
+            if s.peak is None or value > s.peak.value:
+                where = torch.unravel_index(magnitude.argmax(), magnitude.shape)
+                median = float(magnitude.median())
+                s.peak = Peak(value, name, int(where[-2]) if x.dim() > 1 else 0, int(where[-1]),
+                              value / median if median > 0 else float("inf"))
+            dim_max = magnitude.reshape(-1, x.shape[-1]).amax(0)
             s.dim_max = dim_max if s.dim_max is None or s.dim_max.shape != dim_max.shape else s.dim_max.maximum(dim_max)
             s.ln_input_inf_norm = max(s.ln_input_inf_norm, dim_max.max().item())
             s.ln_kurtosis_sum += kurtosis(x)
@@ -202,11 +239,14 @@ def collect(model: nn.Module, batches: list[Batch]) -> Diagnostics:
             s.ffn_inf_norm = max(s.ffn_inf_norm, out.detach().abs().max().item())
         return hook
 
-    for i, (_, block) in enumerate(transformer_blocks(model)):
+    for i, (block_name, block) in enumerate(transformer_blocks(model)):
         handles.append(block.register_forward_hook(on_block(i)))
-        for module in block.modules():
-            if isinstance(module, nn.LayerNorm):
-                handles.append(module.register_forward_pre_hook(on_ln_input(i)))
+        for name, (module, _) in find_norms(block).items():
+            parent_name, _, child = name.rpartition(".")
+            parent = block.get_submodule(parent_name)
+            if child == "norm" and hasattr(parent, "input_act"):  # a quantized norm (QNorm): the input before it
+                module, name = parent, parent_name
+            handles.append(module.register_forward_pre_hook(on_ln_input(i, f"{block_name}.{name}")))
         ffn = _last_linear(block)
         if ffn is not None:
             handles.append(ffn.register_forward_hook(on_ffn(i)))

@@ -1,19 +1,20 @@
 """SmoothQuant (Xiao et al. 2023): migrate activation outliers into the weights.
 
-For a LayerNorm whose output feeds only Linear layers, each input channel j gets
+For a norm (LayerNorm or RMSNorm, ``softq.norms``) whose output feeds only Linear layers,
+each input channel j gets
 
     s_j = max|X_j|^alpha / max|W_{:, j}|^(1 - alpha)
 
-and the LayerNorm's affine parameters are divided by s while the Linear weight
-columns are multiplied by s.  The float function is unchanged; the activation the
-Linear sees has flatter channels and quantizes with less error.  The division is
-folded into the LayerNorm, so inference runs no extra op.
+and the norm's gain and bias are divided by s (``softq.norms.fold_scale``, Gemma's ``1 + w``
+gain included) while the Linear weight columns are multiplied by s.  The float function is
+unchanged; the activation the Linear sees has flatter channels and quantizes with less error.
+The division is folded into the norm, so inference runs no extra op.
 
-Which Linear reads which LayerNorm is discovered on a real forward pass (the
-Linear's input *is* the LayerNorm's output tensor), not from a per-model table.
-Post-LN models (BERT, RoBERTa) also add the LayerNorm output to the residual,
-so scaling it would change the function: they have no foldable pair and the pass
-says so instead of silently doing nothing.
+Which Linear reads which norm is discovered on a real forward pass (the Linear's input *is*
+the norm's output tensor), not from a per-model table.  Post-LN models (BERT, RoBERTa) also
+add the norm's output to the residual (``softq.norms.post_ln`` sees a block return it), so
+scaling it would change the function: they have no foldable pair and the pass says so instead
+of silently doing nothing.
 """
 
 from __future__ import annotations
@@ -25,28 +26,31 @@ from torch import nn
 
 from softq.calib.data import Batch, run_batches
 from softq.calib.observers import token_mask, token_rows
-from softq.models import family_of
-
-# LayerNorms whose output also reaches a residual add (post-LN families).
-POST_LN_FAMILIES = ("bert", "roberta", "distilbert")
+from softq.models import transformer_blocks
+from softq.norms import NormForm, find_norms, fold_scale, post_ln
 
 
 @dataclass
 class SmoothGroup:
-    """One LayerNorm and the Linear layers that read its output."""
+    """One norm and the Linear layers that read its output."""
 
     norm_name: str
-    norm: nn.LayerNorm
+    norm: nn.Module
+    form: NormForm
     linears: list[tuple[str, nn.Linear]] = field(default_factory=list)
     act_absmax: torch.Tensor | None = None
 
 
 def find_norm_linear_groups(model: nn.Module, batch: Batch) -> list[SmoothGroup]:
-    """LayerNorm -> Linear pairs, found by tensor identity on one forward pass."""
+    """Norm -> Linear pairs, found by tensor identity on one forward pass.  A norm whose output also enters or
+    leaves a transformer block is left out: that output is the residual stream too (ModernBERT's embedding norm
+    feeds layer 0's attention, whose own norm is an identity, and the residual), so a scale cannot fold into it."""
     # The tensors are kept alive so their ids cannot be reused during the pass.
     outputs: dict[int, tuple[str, torch.Tensor]] = {}
     readers: dict[str, list[tuple[str, nn.Linear]]] = {}
-    norms = {name: m for name, m in model.named_modules() if isinstance(m, nn.LayerNorm)}
+    residual: list[torch.Tensor] = []  # block inputs and outputs
+    forms = find_norms(model)
+    norms = {name: m for name, (m, _) in forms.items()}
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     handles = []
 
@@ -62,24 +66,30 @@ def find_norm_linear_groups(model: nn.Module, batch: Batch) -> list[SmoothGroup]
                 readers.setdefault(owner[0], []).append((name, module))
         return hook
 
+    def on_block_input(_m, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor):
+            residual.append(hidden)
+
+    def on_block_output(_m, _inp, out):
+        hidden = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(hidden, torch.Tensor):
+            residual.append(hidden)
+
     for name, m in norms.items():
         handles.append(m.register_forward_hook(on_norm(name)))
     for name, m in linears.items():
         handles.append(m.register_forward_pre_hook(on_linear(name, m)))
+    for _, block in transformer_blocks(model):
+        handles.append(block.register_forward_pre_hook(on_block_input, with_kwargs=True))
+        handles.append(block.register_forward_hook(on_block_output))
     try:
         run_batches(model, [batch])
     finally:
         for h in handles:
             h.remove()
-    return [SmoothGroup(n, norms[n], readers[n]) for n in norms if n in readers]
-
-
-def post_ln(model: nn.Module) -> bool:
-    """True where LayerNorm outputs also feed the residual stream (BERT, RoBERTa, OPT-350m's layout): a scale on
-    them cannot fold into the LayerNorm."""
-    config = getattr(model, "config", None)
-    family = family_of(getattr(config, "model_type", ""))
-    return family in POST_LN_FAMILIES or (family == "opt" and not getattr(config, "do_layer_norm_before", True))
+    on_residual = {outputs[id(t)][0] for t in residual if id(t) in outputs and outputs[id(t)][1] is t}
+    return [SmoothGroup(n, norms[n], forms[n][1], readers[n]) for n in norms if n in readers and n not in on_residual]
 
 
 def _tied(model: nn.Module, weight: torch.Tensor) -> bool:
@@ -97,19 +107,19 @@ def _conv1d_hint(model: nn.Module) -> str:
 
 
 def smooth(model: nn.Module, batches: list[Batch], alpha: float = 0.5) -> list[str]:
-    """Apply SmoothQuant in place; returns the names of the LayerNorms that were smoothed."""
+    """Apply SmoothQuant in place; returns the names of the norms that were smoothed."""
     family = getattr(getattr(model, "config", None), "model_type", "")
-    if post_ln(model):
+    if post_ln(model, batches[0]):
         raise ValueError(
-            f"SmoothQuant folds its scales into the LayerNorm before each Linear, but {family} is post-LN "
-            "(the LayerNorm output also feeds the residual), so no scale can be folded; "
-            "use smoothquant_alpha=None for this model"
+            f"SmoothQuant folds its scales into the norm before each Linear, but {family} is post-LN "
+            "(a norm's output is what its block returns, so it also feeds the residual), so no scale can be "
+            "folded; use smoothquant_alpha=None for this model"
         )
     groups = [g for g in find_norm_linear_groups(model, batches[0])
-              if g.norm.weight is not None and not any(_tied(model, lin.weight) for _, lin in g.linears)]
+              if not any(_tied(model, lin.weight) for _, lin in g.linears)]
     if not groups:
-        raise ValueError("SmoothQuant found no LayerNorm that feeds only untied Linear layers in this model"
-                         + _conv1d_hint(model))
+        raise ValueError("SmoothQuant found no norm (LayerNorm or RMSNorm) that feeds only untied Linear layers in "
+                         "this model" + _conv1d_hint(model))
     handles = []
 
     def observe(group: SmoothGroup):
@@ -132,10 +142,8 @@ def smooth(model: nn.Module, batches: list[Batch], alpha: float = 0.5) -> list[s
         for g in groups:
             w_absmax = torch.stack([lin.weight.abs().amax(0) for _, lin in g.linears]).amax(0).float()
             s = (g.act_absmax.clamp_min(1e-5).pow(alpha) / w_absmax.clamp_min(1e-5).pow(1 - alpha)).clamp_min(1e-5)
+            fold_scale(g.norm, g.form, s)
             s = s.to(g.norm.weight.dtype)
-            g.norm.weight.div_(s)
-            if g.norm.bias is not None:
-                g.norm.bias.div_(s)
             for _, lin in g.linears:
                 lin.weight.mul_(s)
     return [g.norm_name for g in groups]
@@ -155,7 +163,7 @@ class InputGroup:
     linears: list[tuple[str, nn.Linear]]
     lo: torch.Tensor  # per-channel min of the input over the data seen
     hi: torch.Tensor  # per-channel max
-    after_norm: bool = False  # the input is a LayerNorm's output (the tensor or a view of all of it, not a copy)
+    after_norm: bool = False  # the input is a norm's output (the tensor or a view of all of it, not a copy)
 
     @property
     def act_absmax(self) -> torch.Tensor:
@@ -178,7 +186,7 @@ class InputRecorder:
     def __init__(self, model: nn.Module, linears: dict[str, nn.Linear]) -> None:
         self.linears = linears
         self.members: dict[str, str] = {}  # linear -> first linear that read the same tensor
-        self.after_norm: set[str] = set()  # first linears whose input is a LayerNorm's output
+        self.after_norm: set[str] = set()  # first linears whose input is a norm's output (softq.norms)
         self._norm_out: dict[int, torch.Tensor] = {}
         self.lo: dict[str, torch.Tensor] = {}
         self.hi: dict[str, torch.Tensor] = {}
@@ -186,6 +194,7 @@ class InputRecorder:
         self._live: dict[int, tuple[str, torch.Tensor]] = {}
         self._model = model
         self._handles: list = []
+        self._norms: list[nn.Module] | None = None
         self.resume()
 
     def resume(self) -> None:
@@ -193,8 +202,9 @@ class InputRecorder:
         self.remove()
         self._handles = [self._model.register_forward_pre_hook(self._next_call)]
         self._handles += [m.register_forward_pre_hook(self._hook(name)) for name, m in self.linears.items()]
-        self._handles += [m.register_forward_hook(self._norm_hook) for m in self._model.modules()
-                          if isinstance(m, nn.LayerNorm)]
+        if self._norms is None:  # found once: a norm is told by running it (softq.norms.classify)
+            self._norms = [m for m, _ in find_norms(self._model).values()]
+        self._handles += [m.register_forward_hook(self._norm_hook) for m in self._norms]
 
     def _norm_hook(self, _m: nn.Module, _inp: tuple, out: torch.Tensor) -> None:
         if self.calls <= 1:

@@ -77,8 +77,9 @@ AUTO_SMOOTHING_RATIO = 16.0
 # QuantConfig.embedding_min_rows' default: tables with fewer rows stay float (BERT's token-type table: 2 rows, row 0
 # shared by nearly every token, so its rounding error is one shift of every token rather than noise)
 EMBEDDING_MIN_ROWS = 16
-# residual_prefix: special tokens at the start of every sequence, per encoder family
-PREFIX_TOKENS = {"bert": 1, "roberta": 1, "distilbert": 1, "vit": 1, "deit": 2}
+# residual_prefix: the special tokens a text encoder's tokenizer puts at the start of every sequence, which its
+# weights do not show (vision encoders' learned leading tokens are found by running the model: points.constant_prefix)
+PREFIX_TOKENS = {"bert": 1, "roberta": 1, "distilbert": 1}
 MAX_PREFIX = 8
 
 
@@ -106,12 +107,14 @@ class QuantConfig:
         bias_correction: softmax bias correction per ``tensor``, ``head`` or ``head_row`` (``edge`` / ``row_exact``).
         weight_bias_correction: take the mean output shift ``(W_q - W) E[x]`` of rounded weights off each bias.
         smoothing_into_v: move the attention output's input smoothing onto V (``auto``: where held-out error allows).
-        smoothquant_alpha: SmoothQuant folded into pre-LN LayerNorms at this alpha, or ``None``.
+        smoothquant_alpha: SmoothQuant folded into pre-LN norms (LayerNorm, RMSNorm) at this alpha, or ``None``.
         input_smoothing: per-channel smoothing of Linear inputs: an alpha, ``None``, or ``auto`` (chosen on held-out
             calibration batches; the choice is recorded in ``model.config.softq_input_smoothing``).
-        quantize_residual: quantize the residual stream and LayerNorm inputs (``auto``: only with ``edge`` codes).
+        quantize_residual: quantize the residual stream at every residual norm's input, RMSNorms included (``auto``:
+            only with ``edge`` codes).
         residual_groups: residual-stream scales per group of hidden dimensions (``auto``: 4 where outliers are seen).
-        residual_prefix: leading special tokens ([CLS], a DeiT's distillation token) with residual scales of their own.
+        residual_prefix: leading special tokens ([CLS], a vision encoder's learned leading tokens) with residual scales
+            of their own.
         embedding_bits: bits of embedding tables (one scale per row), or ``None`` to keep them float.
         embedding_min_rows: tables with fewer rows stay float (BERT's 2-row token-type table is added to every token).
         exclude: substrings of module names whose Linear layers and embeddings stay float.

@@ -1,8 +1,9 @@
-"""The quantized layers: Linear, LayerNorm and embedding table, and weight-only codes for other parameters.
+"""The quantized layers: Linear, norms and embedding table, and weight-only codes for other parameters.
 
 ``QLinear`` is Brevitas' ``QuantLinear`` (per-channel or per-tensor int weights,
 float bias) behind a softq activation quantizer (``quantizers.py``); ``QEmbedding``
-a per-row int table; ``QLayerNorm`` quantizes the residual stream at its input.
+a per-row int table; ``QLayerNorm`` (``nn.LayerNorm``) and ``QNorm`` (any other norm,
+e.g. RMSNorm) quantize the residual stream at their input.
 Conv2d weights and a vision encoder's position table get weight-only codes as
 torch parametrizations (:class:`WeightOnly`).  The quantized model is an ordinary
 ``nn.Module``.
@@ -104,6 +105,19 @@ class QLayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(self.input_act(x))
+
+
+class QNorm(nn.Module):
+    """A norm of another class than ``nn.LayerNorm`` (an RMSNorm: Llama's, Gemma's ``1 + w``, T5's; ``softq.norms``)
+    whose input, the residual stream, is quantized first.  The norm itself is kept, unchanged, as ``norm``."""
+
+    def __init__(self, norm: nn.Module, act: ActQuantizer) -> None:
+        super().__init__()
+        self.norm = norm
+        self.input_act = act
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.norm(self.input_act(x), *args, **kwargs)
 
 
 class QLinear(_NotPickled, _DequantizedCache, _CopiedWeights, QuantLinear):

@@ -1,6 +1,6 @@
 """The quantization points of a model: inserting them, switching their mode, fixing their ranges.
 
-:func:`prepare` swaps Linear, LayerNorm and embedding layers for the quantized ones
+:func:`prepare` swaps Linear, norm and embedding layers for the quantized ones
 (``layers.py``) and gives every attention layer its Q, K, V, score and softmax-output
 quantizers; ``quantize`` calls it before calibrating and ``softq.quant.load`` to
 rebuild a saved model's structure.  :func:`set_mode` switches every activation point
@@ -17,8 +17,9 @@ from softq.calib.data import CalibrationDataError
 from softq.calib.observers import NoCalibrationData
 from softq.hf import refuse_save_pretrained
 from softq.models import conv1d_to_linear, is_causal, model_family
-from softq.quant.config import PREFIX_TOKENS, QuantConfig, softmax_input_span
-from softq.quant.layers import QEmbedding, QLayerNorm, QLinear, quantize_weight_only
+from softq.norms import residual_norms
+from softq.quant.config import MAX_PREFIX, PREFIX_TOKENS, QuantConfig, softmax_input_span
+from softq.quant.layers import QEmbedding, QLayerNorm, QLinear, QNorm, quantize_weight_only
 from softq.quant.quantizers import ActQuantizer, RowScoresQuantizer, SoftmaxOutputQuantizer
 
 
@@ -26,24 +27,110 @@ def _act(config: QuantConfig, groups: int | str = 1, prefix: int = 0) -> ActQuan
     return ActQuantizer(config.act_bits, config.act_symmetric, config.observer, config.percentile, groups, prefix)
 
 
-def residual_prefix(model: nn.Module, config: QuantConfig) -> int:
-    """How many leading positions get residual-stream scales of their own (``QuantConfig.residual_prefix``)."""
+class _Stop(Exception):
+    """Ends a forward pass at the first transformer block (:func:`constant_prefix`)."""
+
+
+_CONSTANT_PREFIX = "_softq_constant_prefix"  # constant_prefix's answer, cached on the model instance
+
+
+def constant_prefix(model: nn.Module) -> int:
+    """How many leading positions enter the first transformer block with the same values whatever the input: the
+    learned tokens a vision encoder puts before its patches ([CLS], a DeiT's distillation token, DINOv2's
+    registers, CLIP's class embedding).  Told by running two random inputs of the model's main kind up to that
+    block; 0 for text models, whose first token is whatever the tokenizer puts there.  Cached on the model."""
+    cached = model.__dict__.get(_CONSTANT_PREFIX)
+    if cached is not None:
+        return cached
+    import torch
+
+    from softq.models import _no_cache, probe_inputs, transformer_blocks
+
+    probe = probe_inputs(model)
+    main = getattr(model, "main_input_name", "input_ids")
+    count = 0
+    if main != "input_ids" and probe.get(main) is not None and probe[main].is_floating_point():
+        seen: list[torch.Tensor] = []
+
+        def capture(_m, args, kwargs):
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            seen.append(hidden.detach())
+            raise _Stop
+
+        handle = transformer_blocks(model)[0][1].register_forward_pre_hook(capture, with_kwargs=True)
+        was_training = model.training
+        try:
+            model.eval()
+            for seed in (0, 1):
+                g = torch.Generator().manual_seed(seed)
+                x = torch.randn(probe[main].shape, generator=g).to(probe[main])
+                try:
+                    with torch.no_grad():
+                        model(**{**probe, main: x}, **_no_cache(model))
+                except _Stop:
+                    pass
+        finally:
+            handle.remove()
+            model.train(was_training)
+        if len(seen) == 2 and seen[0].shape == seen[1].shape and seen[0].dim() == 3:
+            same = (seen[0] == seen[1]).all(-1)[0]
+            while not bool(same.all()) and count < min(same.numel() - 1, MAX_PREFIX) and bool(same[count]):
+                count += 1
+    model.__dict__[_CONSTANT_PREFIX] = count
+    return count
+
+
+def _prefix_tokens(model: nn.Module) -> int:
+    """The special tokens every input of a bidirectional ``model`` starts with: the tokenizer's [CLS] of the
+    text families in ``PREFIX_TOKENS`` (a text model's weights do not say what its tokenizer prepends), else
+    the learned tokens :func:`constant_prefix` finds."""
     family = model_family(model)
-    causal = is_causal(model)
+    return PREFIX_TOKENS[family] if family in PREFIX_TOKENS else constant_prefix(model)
+
+
+def residual_prefix(model: nn.Module, config: QuantConfig) -> int:
+    """How many leading positions get residual-stream scales of their own (``QuantConfig.residual_prefix``).
+
+    ``"auto"``: none in a causal model; the special tokens of :func:`_prefix_tokens` else.  An explicit count is
+    refused on an encoder whose input is not text and that puts no learned tokens first (audio frames, a vision
+    encoder without [CLS]); on a text encoder it is the user's to give (ModernBERT's tokenizer puts [CLS] first;
+    'auto' leaves it 0, since nothing in the model says so), and on a decoder too: its first token's massive
+    activations (Sun et al. 2024) then get scales of their own, and a cached step past the prefix uses the
+    shared ones (:func:`cache_offset_hook`)."""
+    family = model_family(model)
+    if is_causal(model):
+        return 0 if config.residual_prefix == "auto" else int(config.residual_prefix)
     if config.residual_prefix == "auto":
-        return 0 if causal else PREFIX_TOKENS.get(family, 0)
-    if config.residual_prefix and (causal or family not in PREFIX_TOKENS):
-        what = f"a {family} decoder (is_decoder=True)" if family in PREFIX_TOKENS else f"a {family} model"
-        raise ValueError(f"residual_prefix applies to encoders ({', '.join(PREFIX_TOKENS)}); {what} "
-                         "decodes with a KV cache, where a step's first row is not position 0; use residual_prefix=0 "
-                         "(what 'auto' picks for it)")
+        return _prefix_tokens(model)
+    text = getattr(model, "main_input_name", "input_ids") == "input_ids"
+    if config.residual_prefix and not text and not _prefix_tokens(model):
+        raise ValueError(f"residual_prefix={config.residual_prefix} gives leading special tokens residual scales of "
+                         f"their own, but this {family} model puts no learned token before its "
+                         f"{getattr(model, 'main_input_name', 'input')} positions; use residual_prefix=0")
     return int(config.residual_prefix)
 
 
+def cache_offset_hook(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a causal model with prefix rows: tells each prefix quantizer where this call's first row
+    sits, the length of the KV cache it is given (``cache``, or the older ``past_key_values``)."""
+    past = kwargs.get("cache", kwargs.get("past_key_values"))
+    offset = 0
+    if past is not None and hasattr(past, "get_seq_length"):
+        offset = int(past.get_seq_length())
+    elif isinstance(past, (tuple, list)) and past and isinstance(past[0], (tuple, list)) and past[0]:
+        offset = int(past[0][0].shape[-2])  # legacy tuples: (key, value) per layer, key [b, h, n, d]
+    for module in model.modules():
+        if isinstance(module, ActQuantizer) and len(module.prefix):
+            module.row_offset = offset
+
+
 def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
-    """Swap Linear -> QLinear, LayerNorm -> QLayerNorm and Embedding -> QEmbedding in place; Conv2d weights
-    and a vision encoder's position table get weight-only codes (:func:`quantize_weight_only`)."""
+    """Swap Linear -> QLinear, LayerNorm -> QLayerNorm, any other residual-stream norm (RMSNorm, found by what it
+    computes: ``softq.norms``) -> QNorm and Embedding -> QEmbedding in place; Conv2d weights and a vision encoder's
+    position table get weight-only codes (:func:`quantize_weight_only`)."""
     prefix = residual_prefix(model, config)
+    other_norms = ({id(m) for m, _ in residual_norms(model).values() if not isinstance(m, nn.LayerNorm)}
+                   if config.residual_quantized else set())
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{parent_name}.{child_name}" if parent_name else child_name
@@ -53,6 +140,8 @@ def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
                 setattr(parent, child_name, QLinear(child, config.weight_bits, config.weight_per_channel, _act(config)))
             elif type(child) is nn.LayerNorm and config.residual_quantized:
                 setattr(parent, child_name, QLayerNorm(child, _act(config, config.residual_groups, prefix)))
+            elif id(child) in other_norms:
+                setattr(parent, child_name, QNorm(child, _act(config, config.residual_groups, prefix)))
             elif (type(child) is nn.Embedding and config.embedding_bits is not None
                   and child.num_embeddings >= config.embedding_min_rows):
                 setattr(parent, child_name, QEmbedding(child, config.embedding_bits))
@@ -113,6 +202,8 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
     for _, points in layers:
         _attach_attention_quantizers(points, config, causal)
         points.prefix_rows = prefix
+    if prefix and causal:
+        model.register_forward_pre_hook(cache_offset_hook, with_kwargs=True)
     model.softq_quant_config = config
     refuse_save_pretrained(model)
     model.train(model.training)  # the inserted modules in the model's mode (new modules are in training mode)

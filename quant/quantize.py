@@ -103,6 +103,7 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     qmodel.eval()
     conv1d_to_linear(qmodel)
     attention_points(qmodel)  # switches to softq attention, keeps an already chosen variant
+    foldable = not post_ln(qmodel, batches[0])  # a forward pass: before prepare inserts observers
     if config.smoothquant_alpha is not None:
         smooth(qmodel, batches, config.smoothquant_alpha)
     # input smoothing: an explicit alpha, or "auto"'s candidates (None = no smoothing)
@@ -144,7 +145,6 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     recorder = InputRecorder(qmodel, smoothable_linears(qmodel)) if one_pass else None
     errors = folded_errors = None
     folded = False  # smoothing only the inputs that fold into a LayerNorm (no run-time cost)
-    foldable = not post_ln(qmodel)
     # groups never smoothed: excluded, or reading into a Linear that stays float.  A tied Linear (GPT-2's lm_head,
     # which shares the token table) may be: prepare gave the quantized Linear weights of its own, and those are
     # what the smoothing scales (the reference LM at 256 characters: logit distance to FP32 9.3e-6 -> 6.3e-6)
@@ -178,7 +178,7 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     qmodel.softq_v_fold_errors = None
     corrected = False
     if config.smoothing_into_v is True:
-        qmodel.softq_smoothing_into_v = fold_smoothing_into_v(qmodel, batches, config)
+        qmodel.softq_smoothing_into_v = fold_smoothing_into_v(qmodel, batches, config, explicit=True)
     elif config.smoothing_into_v == "auto" and split is not None and alpha is not None:
         qmodel.softq_smoothing_into_v, qmodel.softq_v_fold_errors, corrected = _fold_into_v_if_better(
             qmodel, batches, config, split[1], reference)

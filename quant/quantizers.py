@@ -73,6 +73,8 @@ class ActQuantizer(nn.Module):
     special tokens such as [CLS] or a DeiT's distillation token) a quantizer of its
     own, with the same groups; this one then observes and quantizes the other rows.
     Inputs of fewer than 3 dimensions are not sequences and use this one alone.
+    ``row_offset``: the position of the input's first row (a decoder's cached step starts past the prefix; set
+    per call by :func:`softq.quant.points.cache_offset_hook`).
     """
 
     def __init__(self, bits: int, signed: bool, observer: str = "minmax", percentile: float = 99.99,
@@ -91,6 +93,7 @@ class ActQuantizer(nn.Module):
         self.register_buffer("zero_point", torch.tensor(0.0))
         self.register_buffer("bit_width", torch.tensor(float(bits)))
         self.prefix = nn.ModuleList(ActQuantizer(bits, signed, observer, percentile, groups) for _ in range(prefix))
+        self.row_offset = 0
 
     @property
     def mode(self) -> Mode:
@@ -105,10 +108,10 @@ class ActQuantizer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # observing a calibration batch: padding rows are not observed (calib.observers.valid_tokens)
         valid = token_mask(x) if self.mode == "observe" else None
-        if len(self.prefix) and x.dim() >= 3 and self.mode != "float":
-            p = len(self.prefix)
+        if len(self.prefix) > self.row_offset and x.dim() >= 3 and self.mode != "float":
+            p = len(self.prefix) - self.row_offset  # the input's rows that are prefix positions
             rows = [q._forward(x[..., i:i + 1, :], None if valid is None else valid[:, i:i + 1])
-                    for i, q in enumerate(self.prefix)]  # empty past a short input's end
+                    for i, q in enumerate(self.prefix[self.row_offset:])]  # empty past a short input's end
             rest = self._forward(x[..., p:, :], None if valid is None else valid[:, p:])
             return x if self.mode == "observe" else torch.cat([*rows, rest], dim=-2)
         return self._forward(x, valid)

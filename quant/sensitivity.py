@@ -18,7 +18,7 @@ from torch import nn
 from softq.attention import attention_points
 from softq.calib.diagnostics import save_figure
 from softq.models import transformer_blocks
-from softq.quant.layers import BiasShift, QEmbedding, QLayerNorm, QLinear, WeightOnly
+from softq.quant.layers import BiasShift, QEmbedding, QLayerNorm, QLinear, QNorm, WeightOnly
 from softq.quant.quantizers import ActQuantizer, SoftmaxOutputQuantizer
 
 
@@ -59,7 +59,7 @@ def quant_parts(qmodel: nn.Module) -> dict[str, set[int]]:
             kinds = [("embeddings, conv and position weights", m)]
         elif isinstance(m, WeightOnly):  # a parametrization of a Conv2d or a position table
             kinds = [("embeddings, conv and position weights", m)]
-        elif isinstance(m, QLayerNorm):
+        elif isinstance(m, (QLayerNorm, QNorm)):
             kinds = [("residual stream", m.input_act)]
         elif hasattr(m, "probs") and hasattr(m, "scores") and hasattr(m, "softmax_name"):
             kinds = [(kind, getattr(m, attr)) for kind, attr in

@@ -30,7 +30,7 @@ def _first_example(batch: Batch) -> Batch:
 
 
 @torch.no_grad()
-def fold_smoothing_into_v(qmodel: nn.Module, batches: list[Batch], config: QuantConfig) -> int:
+def fold_smoothing_into_v(qmodel: nn.Module, batches: list[Batch], config: QuantConfig, explicit: bool = False) -> int:
     """``QuantConfig.smoothing_into_v``: each attention output's input-smoothing scale ``1/s`` (the output
     projection's ``input_scale``) moved onto V, i.e. onto the rows (and bias) of the Linear whose output V is;
     returns how many attention layers were folded.
@@ -40,7 +40,9 @@ def fold_smoothing_into_v(qmodel: nn.Module, batches: list[Batch], config: Quant
     c_attn) is V is found by comparing values on the first calibration batch, not by module names.  Only
     with per-channel weight codes (a row's scale then leaves its codes as they are).  V's quantizer, now
     seeing V / s, observes its range again over ``batches``; runs after the other ranges are fixed and
-    before the weight bias correction, which then sees the scaled rows.
+    before the weight bias correction, which then sees the scaled rows.  ``explicit`` (``smoothing_into_v=True``):
+    a model where no layer folds because V has fewer heads than the queries (grouped-query attention: one V
+    channel serves several output channels with scales of their own) is refused in one line.
     """
     if not config.weight_per_channel:
         return 0
@@ -68,8 +70,11 @@ def fold_smoothing_into_v(qmodel: nn.Module, batches: list[Batch], config: Quant
         for hook in hooks:
             hook.remove()
     folded = []
+    grouped = 0
     for i, (_, points) in enumerate(layers):
         v, pv = values.get(i), pvs.get(i)
+        if v is not None and v.dim() == 4 and v.shape[1] > 1 and torch.equal(v[:, 0], v[:, 1]):
+            grouped += 1  # V repeated for grouped-query attention (softq.attention): no Linear outputs it whole
         if v is None or pv is None or v.dim() != 4 or pv.dim() != 4 or pv.shape[:2] != v.shape[:2] \
                 or pv.shape[3] != v.shape[3]:
             continue
@@ -95,6 +100,10 @@ def fold_smoothing_into_v(qmodel: nn.Module, batches: list[Batch], config: Quant
         points.v.observer = make_observer(config.observer, config.percentile)
         points.v.mode = "observe"
         folded.append(points.v)
+    if explicit and not folded and grouped:
+        raise ValueError(f"smoothing_into_v=True: V has fewer heads than the queries in {grouped} of {len(layers)} "
+                         "attention layers (grouped-query attention), so the attention output's per-channel smoothing "
+                         "cannot move onto V; use smoothing_into_v='auto' or False")
     if folded:
         run_batches(qmodel, batches, desc="calibrating V")
         for quantizer in folded:

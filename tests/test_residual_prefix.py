@@ -68,13 +68,12 @@ def test_prefix_rows_get_their_own_scales_and_the_rest_ignores_them() -> None:
     assert torch.equal(act(flat), act._forward(flat))
 
 
-def test_auto_prefix_follows_the_family_and_causal_lms_are_refused() -> None:
+def test_auto_prefix_follows_the_family_and_causal_lms_take_one_only_when_asked() -> None:
     cfg = RQ()
     assert residual_prefix(tiny_model("bert"), cfg) == 1
     assert residual_prefix(tiny_model("deit"), cfg) == 2
     assert residual_prefix(tiny_model("gpt2"), cfg) == 0
-    with pytest.raises(ValueError, match="KV cache"):
-        softq.quantize(tiny_model("gpt2"), [tiny_inputs("gpt2")], RQ(residual_prefix=1))
+    assert residual_prefix(tiny_model("gpt2"), RQ(residual_prefix=1)) == 1
     for bad in (-1, 9, 1.5, True, "all"):
         with pytest.raises(ValueError, match="residual_prefix"):
             RQ(residual_prefix=bad)
@@ -91,15 +90,14 @@ def bert_decoder(**extra) -> torch.nn.Module:
 
 
 def test_bert_decoder_gets_no_prefix_and_decodes_with_a_cache_as_in_one_pass() -> None:
-    """A BERT built as a decoder (is_decoder=True) is causal: 'auto' gives it no prefix rows (a cached step's
-    row 0 is not position 0: with [CLS]'s scales it left the full pass), an explicit one is refused."""
+    """A BERT built as a decoder (is_decoder=True) is causal: 'auto' gives it no prefix rows; with an explicit one,
+    a cached step's row 0 is not position 0 and takes the shared scales (with [CLS]'s it left the full pass)."""
     model = bert_decoder()
     assert residual_prefix(model, RQ()) == 0
-    with pytest.raises(ValueError, match="bert decoder .*KV cache"):
-        softq.quantize(model, [tiny_inputs("bert")], RQ(residual_prefix=1))
-    qmodel = softq.quantize(model, [tiny_inputs("bert", seed=s) for s in range(3)], RQ())
     ids = tiny_inputs("bert", batch=1, seq=12, seed=5)["input_ids"]
-    assert_cached_decoding_matches(qmodel, ids, prefix=8)
+    for prefix in ("auto", 1):
+        qmodel = softq.quantize(model, [tiny_inputs("bert", seed=s) for s in range(3)], RQ(residual_prefix=prefix))
+        assert_cached_decoding_matches(qmodel, ids, prefix=8)
 
 
 def test_bert_decoder_export_refuses_what_it_cannot_mask_or_read(tmp_path) -> None:
