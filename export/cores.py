@@ -250,14 +250,20 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
     extra_outputs: list[onnx.ValueInfoProto] = []
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     found = 0
+    weights: dict[int, str] = {}  # weight-only key -> the tensor its first marker became
     for node in graph.node:
         if node.domain != MARKER_DOMAIN:
             new_nodes.append(node)
             continue
         key = next(a.i for a in node.attribute if a.name == "key")
         if node.op_type == WEIGHT_MARKER_OP:  # int8 codes -> Cast -> Mul(scales): a constant runtimes fold
-            codes, scale, _, _ = STATE.weights[key]
             p = f"softq/W{key}/"
+            if key in weights:  # the parameter read again (DINOv2's position table, per slice): the same tensor
+                new_nodes.append(helper.make_node("Identity", [weights[key]], [node.output[0]],
+                                                  name=f"{p}Again{len(new_nodes)}"))
+                continue
+            codes, scale, _, _ = STATE.weights[key]
+            weights[key] = node.output[0]
             extra_inits += [_init(f"{p}codes", codes), _init(f"{p}scale", scale)]
             new_nodes += [helper.make_node("Cast", [f"{p}codes"], [f"{p}float"], name=f"{p}Cast", to=TensorProto.FLOAT),
                           helper.make_node("Mul", [f"{p}float", f"{p}scale"], [node.output[0]], name=f"{p}Mul")]
