@@ -294,12 +294,15 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
         found += 1
     if found != len(layers):
         raise ExportError(f"found {found} attention markers for {len(layers)} attention layers; the trace lost some")
-    # the markers' declared output shapes go with them: the trace names their batch axis after the input's
-    # ("batch"), which tract then takes for a second, unbound dimension it cannot unify with the fed batch
+    # the markers' declared outputs keep their type and rank, not their dims' names: the trace names the batch
+    # axis after the input's ("batch"), which tract then takes for a second, unbound dimension it cannot unify
+    # with the batch it is fed
     replaced = {o for n in graph.node if n.domain == MARKER_DOMAIN for o in n.output}
-    keep_info = [v for v in graph.value_info if v.name not in replaced]
-    del graph.value_info[:]
-    graph.value_info.extend(keep_info)
+    for info in graph.value_info:
+        if info.name in replaced:
+            for dim in info.type.tensor_type.shape.dim:
+                if dim.HasField("dim_param"):
+                    dim.ClearField("dim_param")
     del graph.node[:]
     graph.node.extend(new_nodes)
     graph.initializer.extend(extra_inits)
