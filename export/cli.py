@@ -80,10 +80,10 @@ def _example_inputs(model):  # noqa: ANN001, ANN202
     import torch
 
     cfg = model.config
-    if getattr(model, "main_input_name", "input_ids") == "pixel_values":
-        from softq.models import image_size
+    if getattr(model, "main_input_name", "input_ids") != "input_ids":  # one blank image or silent audio features
+        from softq.models import probe_inputs
 
-        return {"pixel_values": torch.zeros(1, int(getattr(cfg, "num_channels", 3)), *image_size(cfg))}
+        return probe_inputs(model)
     from softq.models import max_tokens
 
     length = min(16, max_tokens(cfg) or 16)  # a model of fewer positions gets an example it takes

@@ -250,14 +250,20 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
     extra_outputs: list[onnx.ValueInfoProto] = []
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     found = 0
+    weights: dict[int, str] = {}  # weight-only key -> the tensor its first marker became
     for node in graph.node:
         if node.domain != MARKER_DOMAIN:
             new_nodes.append(node)
             continue
         key = next(a.i for a in node.attribute if a.name == "key")
         if node.op_type == WEIGHT_MARKER_OP:  # int8 codes -> Cast -> Mul(scales): a constant runtimes fold
-            codes, scale, _, _ = STATE.weights[key]
             p = f"softq/W{key}/"
+            if key in weights:  # the parameter read again (DINOv2's position table, per slice): the same tensor
+                new_nodes.append(helper.make_node("Identity", [weights[key]], [node.output[0]],
+                                                  name=f"{p}Again{len(new_nodes)}"))
+                continue
+            codes, scale, _, _ = STATE.weights[key]
+            weights[key] = node.output[0]
             extra_inits += [_init(f"{p}codes", codes), _init(f"{p}scale", scale)]
             new_nodes += [helper.make_node("Cast", [f"{p}codes"], [f"{p}float"], name=f"{p}Cast", to=TensorProto.FLOAT),
                           helper.make_node("Mul", [f"{p}float", f"{p}scale"], [node.output[0]], name=f"{p}Mul")]
@@ -288,6 +294,15 @@ def replace_markers(model: onnx.ModelProto, layers: dict[int, dict[str, Any]], f
         found += 1
     if found != len(layers):
         raise ExportError(f"found {found} attention markers for {len(layers)} attention layers; the trace lost some")
+    # the markers' declared outputs keep their type and rank, not their dims' names: the trace names the batch
+    # axis after the input's ("batch"), which tract then takes for a second, unbound dimension it cannot unify
+    # with the batch it is fed
+    replaced = {o for n in graph.node if n.domain == MARKER_DOMAIN for o in n.output}
+    for info in graph.value_info:
+        if info.name in replaced:
+            for dim in info.type.tensor_type.shape.dim:
+                if dim.HasField("dim_param"):
+                    dim.ClearField("dim_param")
     del graph.node[:]
     graph.node.extend(new_nodes)
     graph.initializer.extend(extra_inits)

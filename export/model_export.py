@@ -30,9 +30,9 @@ per-tensor grid), by the form chosen for the layer's softmax-output representati
 then :func:`softq.export.fuse.fuse` rewrites the linears into the form onnxruntime fuses with
 their bias (``MatMulInteger -> Cast -> Mul -> Add``) and folds
 input smoothing's Mul into LayerNorms and the attention core's division, and the attention's
-``1/sqrt(d)`` into the query's DequantizeLinear, and dead nodes are removed.  Language models get a 4-D boolean mask built in the graph from
-``attention_mask`` (causal AND padding), which makes Hugging Face skip its own
-mask code (not traceable with dynamic shapes).
+``1/sqrt(d)`` into the query's DequantizeLinear, and dead nodes are removed.  Language models get their 2-D ``attention_mask`` and
+Hugging Face's own mask code builds each layer's mask from it in the graph (causal, padding, sliding and local
+windows, an additive position bias), with batch and sequence dynamic.
 
 Softmax bias correction ``beta`` (``softq.quant`` adds it to valid entries
 after dequantization; exported for ``edge`` only):
@@ -85,8 +85,8 @@ def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str],
     """The traced file; ``shapes``: the outputs' shapes on ``feeds`` (:func:`_run_once`).  Outputs declare a
     dynamic batch, a dynamic sequence where they have one (text outputs of rank 3: per token), the rest as
     computed (a sequence classifier's ``[batch, labels]``)."""
-    text = "pixel_values" not in names
-    dynamic = {n: {0: "batch", 1: "seq"} for n in names} if text else {"pixel_values": {0: "batch"}}
+    text = names[0] == "input_ids"  # images and audio features: a fixed size, the batch dynamic
+    dynamic = {n: {0: "batch", 1: "seq"} if text else {0: "batch"} for n in names}
     for o, shape in zip(outputs, shapes):
         dynamic[o] = {0: "batch", 1: "seq"} if text and len(shape) >= 3 else {0: "batch"}
     args = (wrapper, tuple(feeds[n] for n in names))

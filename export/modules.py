@@ -95,6 +95,20 @@ class ExportLinear(nn.Module):
         self.input_act = layer.input_act
         self.register_buffer("input_scale", layer.input_scale.detach().clone())
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight [out, in] the layer computes with: Hugging Face code reads a Linear's weight
+        (T5's feed-forward its dtype); a read whose result the graph does not use leaves no node."""
+        return WeightDQFn.apply(self.codes, self.scale, self.zp).t()
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale.numel():  # input smoothing: one Mul, merged for Linear layers sharing the input
             x = x * self.input_scale
@@ -125,6 +139,20 @@ class ExportEmbedding(nn.Module):
         self.padding_idx = emb.padding_idx
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale.reshape(-1, 1).to(torch.float32))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized table: Hugging Face code reads an embedding's weight (CLIP's text embeddings its number
+        of rows); a read whose result the graph does not use leaves no node."""
+        return self.codes.float() * self.scale
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.codes.shape[1]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return EmbeddingLookupFn.apply(ids, self.codes, self.scale)
@@ -177,4 +205,8 @@ class AttentionMarker(nn.Module):
 
     def forward(self, probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         tap = self.tap[0]
-        return AttentionMarkerFn.apply(tap.seen, value, tap.valid, torch.matmul(probs, value), self.key)
+        out = torch.matmul(probs, value)
+        extra = tap.seen.shape[-1] - value.shape[-2]
+        if extra > 0:  # learned sink logits (s_aux): score columns no value reads, so the core reads zero rows there
+            value = torch.cat([value, torch.zeros_like(value[..., :extra, :])], dim=-2)
+        return AttentionMarkerFn.apply(tap.seen, value, tap.valid, out, self.key)

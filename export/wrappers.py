@@ -1,8 +1,8 @@
 """What is traced: the wrapper around a Hugging Face (or sentence-transformers) model that fixes the file's inputs
 and outputs, and the example inputs it is traced on.
 
-Text models take ``input_ids`` and ``attention_mask`` (the 4-D mask built from traceable ops, so Hugging Face
-skips its own mask code), vision models ``pixel_values``; models with a head output ``logits``, headless encoders
+Text models take ``input_ids`` and ``attention_mask`` (the 2-D mask, from which Hugging Face builds each layer's
+own), vision models ``pixel_values``, speech encoders ``input_features``; models with a head output ``logits``, headless encoders
 ``last_hidden_state`` and, pooled, ``sentence_embedding``.  A ``SentenceTransformer`` exports as its Hugging Face
 model with its own pooling and normalisation.
 """
@@ -18,20 +18,22 @@ import torch
 from torch import nn
 
 from softq.export.errors import ExportError
-from softq.models import has_cross_attention, image_size, is_causal, is_headless, output_fields
+from softq.models import _no_cache, has_cross_attention, image_size, is_headless, output_fields
 
 TEXT_OUTPUTS = ("logits", "last_hidden_state", "sentence_embedding")
+# fixed-size float main inputs: images, a speech encoder's log-mel frames (batch the only dynamic axis)
+FEATURE_INPUTS = ("pixel_values", "input_features")
 
 
 class _TextWrapper(nn.Module):
     """input_ids, attention_mask -> logits (models with a head) or last_hidden_state (headless encoders),
-    plus the pooled sentence embedding when asked; the 4-D mask is built from traceable ops."""
+    plus the pooled sentence embedding when asked.  The 2-D mask goes to the model as it is: Hugging Face builds
+    each layer's mask from it (causal, padding, sliding windows, local and bidirectional windows, a relative
+    position bias added to it), in ops that trace with the batch and sequence dynamic."""
 
-    def __init__(self, model: nn.Module, causal: bool, outputs: tuple[str, ...], pooling: str | None,
-                 normalize: bool) -> None:
+    def __init__(self, model: nn.Module, outputs: tuple[str, ...], pooling: str | None, normalize: bool) -> None:
         super().__init__()
         self.model = model
-        self.causal = causal
         self.outputs = outputs
         self.pooling = pooling
         self.normalize = normalize
@@ -39,17 +41,13 @@ class _TextWrapper(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         from softq.hf import pool
 
-        pad = attention_mask.to(torch.bool)[:, None, None, :]
-        if self.causal:
-            pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-            pad = pad & (pos[None, :] <= pos[:, None])[None, None]
         extra = {}
         if self.model.config.model_type == "opt":  # OPT derives positions from the 2-D mask, as here
             mask = attention_mask.to(torch.long)
             # HF's cumsum(mask) * mask - 1, as a Where: at one token tract turned that Mul into an int64 Square
             # it has no kernel for
             extra["position_ids"] = torch.where(mask != 0, torch.cumsum(mask, dim=1) - 1, -1)
-        out = self.model(input_ids=input_ids, attention_mask=pad, use_cache=False, **extra)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, **_no_cache(self.model), **extra)
         if self.outputs == ("logits",):
             return _logits(out, self.model)
         hidden = out.last_hidden_state
@@ -58,13 +56,17 @@ class _TextWrapper(nn.Module):
         return hidden, pool(hidden, attention_mask, self.pooling or "mean", self.normalize)
 
 
-class _VisionWrapper(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
+class _MainInputWrapper(nn.Module):
+    """One fixed-size float input (a vision model's ``pixel_values``, a speech encoder's ``input_features``) ->
+    logits or last_hidden_state."""
+
+    def __init__(self, model: nn.Module, name: str) -> None:
         super().__init__()
         self.model = model
+        self.name = name
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        out = self.model(pixel_values=pixel_values)
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        out = self.model(**{self.name: features})
         return out.last_hidden_state if is_headless(self.model) else _logits(out, self.model)
 
 
@@ -90,16 +92,23 @@ def wrap_for_export(model: nn.Module, pooling: str | None = None,
         raise ExportError(f"softq exports self-attention models; this {type(model).__name__} has cross-attention "
                           "layers (add_cross_attention=True: it reads encoder_hidden_states), which the export does "
                           "not take")
+    experts = next((name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"), None)
+    if experts is not None:
+        raise ExportError(f"softq does not export mixture-of-experts models: the routing of each token to its "
+                          f"experts ({experts}) has no ONNX form in the trace")
     headless = is_headless(model)
     if pooling is not None and (pooling not in POOLING_MODES or not headless):
         raise ExportError(f"pooling={pooling!r}: a sentence embedding needs a headless text encoder and one of "
                           f"{POOLING_MODES}" + ("" if headless else f"; {type(model).__name__} has a task head"))
-    if getattr(model, "main_input_name", "input_ids") == "pixel_values":
-        return _VisionWrapper(model).eval(), ["pixel_values"], ["last_hidden_state" if headless else "logits"]
+    main = getattr(model, "main_input_name", "input_ids")
+    if main in FEATURE_INPUTS:
+        return _MainInputWrapper(model, main).eval(), [main], ["last_hidden_state" if headless else "logits"]
+    if main != "input_ids":
+        raise ExportError(f"softq exports models whose main input is input_ids, {' or '.join(FEATURE_INPUTS)}; "
+                          f"{type(model).__name__} takes {main}")
     outputs = ("logits",) if not headless else ("last_hidden_state",) if pooling is None else (
         "last_hidden_state", "sentence_embedding")
-    return (_TextWrapper(model, is_causal(model), outputs, pooling, normalize).eval(), ["input_ids", "attention_mask"],
-            list(outputs))
+    return (_TextWrapper(model, outputs, pooling, normalize).eval(), ["input_ids", "attention_mask"], list(outputs))
 
 
 def example_feeds(model: nn.Module, example_inputs: Any, names: list[str]) -> dict[str, torch.Tensor]:
@@ -135,6 +144,11 @@ def example_feeds(model: nn.Module, example_inputs: Any, names: list[str]) -> di
             feeds["attention_mask"] = torch.ones_like(main)
         elif tuple(mask.shape) != tuple(main.shape):
             raise ExportError(f"example attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(main.shape)}")
+    elif names[0] == "input_features":  # [batch, mel bins, frames]; the frame count the model checks itself
+        bins = int(getattr(model.config, "num_mel_bins", 0)) or None
+        if main.ndim != 3 or not main.is_floating_point() or bins is not None and main.shape[1] != bins:
+            raise ExportError(f"example input_features must be float [batch, {bins or 'mel bins'}, frames], got "
+                              f"{main.dtype} {tuple(main.shape)}")
     else:
         cfg = model.config
         want = (int(getattr(cfg, "num_channels", 3)), *image_size(cfg))
@@ -147,7 +161,7 @@ def example_feeds(model: nn.Module, example_inputs: Any, names: list[str]) -> di
         raise ExportError(str(err)) from err
     # the example's dtypes become the file's input types: the ones tokenizers and image processors give
     # (int32 ids made a file that plain onnxruntime refuses int64 ids for; float64 pixels a double input)
-    return {n: feeds[n].to(torch.float32 if n == "pixel_values" else torch.int64) for n in names}
+    return {n: feeds[n].to(torch.float32 if n in FEATURE_INPUTS else torch.int64) for n in names}
 
 
 def unwrap_sentence_transformer(model: nn.Module, example_inputs: Any, pooling: str | None,
