@@ -51,7 +51,8 @@ from softq.evaluation import model_dir_task
 __all__ = [
     "HELDOUT_FRACTION", "DIGITS_SEED", "char_corpus", "CharTokenizer", "lm_batches", "lm_eval_inputs",
     "lm_calib_inputs", "perplexity", "digits_data", "vit_eval_inputs", "vit_calib_inputs", "top1",
-    "vit_batches", "LM_SIZES", "LM_FAMILIES", "VIT_SIZES", "lm_config", "lm_context", "vit_config", "build_model", "variant_name",
+    "vit_batches", "LM_SIZES", "LM_FAMILIES", "VIT_SIZES", "lm_config", "lm_context", "vit_config", "build_model",
+    "variant_name",
     "attention_options", "LM_BUDGETS", "VIT_BUDGETS", "run_training", "train_lm", "train_vit",
     "add_training_args", "attention_from_args", "VERSION", "cache_dir", "cache_key", "save_model",
     "load_model", "reference_lm", "reference_vit", "cached_meta", "TASKS", "Task", "reference_task", "lm_task",
