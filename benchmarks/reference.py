@@ -7,6 +7,7 @@ downloaded.  The commands are softq's own, with the model read from the benchmar
     python benchmarks/reference.py quantize lm --softmax-output row_log --softmax-bits 4
     python benchmarks/reference.py export vit -o vit.onnx
     python benchmarks/reference.py report lm --size tiny --eval-limit 2
+    python benchmarks/reference.py report lm --family llama --eval-limit 2
     python benchmarks/reference.py train --model lm --softmax clipped --out runs/lm-clipped
 """
 
@@ -19,6 +20,7 @@ from softq.cli import calib_size_kwargs, positive_int, run_handler
 from softq.export import cli as export_cli
 from softq.quant import cli as quant_cli
 from workloads import train_cli
+from workloads.models import LM_FAMILIES
 from workloads.tasks import TASKS
 
 
@@ -27,8 +29,11 @@ def _reference_task(args: argparse.Namespace):  # noqa: ANN202 - a softq.evaluat
 
     if getattr(args, "calib", None) is not None or getattr(args, "eval", None) is not None:
         raise ValueError("--calib/--eval take text files for a model directory, not the reference workloads")
+    if args.family is not None and args.model != "lm":
+        raise ValueError(f"--family picks the LM's architecture; the {args.model} workload has none: drop --family")
     return reference_task(args.model, context=getattr(args, "context", None), eval_limit=getattr(args, "eval_limit", None),
-                          seed=args.seed, size=args.size, steps=args.steps, **calib_size_kwargs(args))
+                          seed=args.seed, size=args.size, steps=args.steps, family=args.family or "gpt2",
+                          **calib_size_kwargs(args))
 
 
 def _as_reference(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +52,7 @@ def _as_reference(parser: argparse.ArgumentParser) -> None:
                    help="which cached reference model (training steps; default the reference budget)")
     g.add_argument("--size", choices=["reference", "tiny"], default="reference",
                    help="reference model size; 'tiny' trains in seconds (for trying things out)")
+    g.add_argument("--family", choices=LM_FAMILIES, default=None, help="LM architecture (lm only; default gpt2)")
     if parser.prog.endswith(("quantize", "report")):
         g.add_argument("--context", type=positive_int, default=None,
                        help="LM window length (default: the model's full context)")

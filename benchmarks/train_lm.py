@@ -3,6 +3,7 @@
     python benchmarks/train_lm.py                       # vanilla GPT-2 style, reference size
     python benchmarks/train_lm.py --softmax clipped     # clipped softmax (alpha 0.5)
     python benchmarks/train_lm.py --gated --pi 0.25     # gated attention
+    python benchmarks/train_lm.py --family llama        # Llama architecture (RoPE, GQA, RMSNorm, SwiGLU)
     python benchmarks/train_lm.py --size tiny --steps 50
 
 The first run trains (about 10 minutes on 2 CPU cores for the vanilla reference
@@ -22,7 +23,7 @@ import workloads as W
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     W.add_training_args(parser, W.LM_SIZES)
-    parser.add_argument("--family", choices=("gpt2", "opt"), default="gpt2")
+    parser.add_argument("--family", choices=W.LM_FAMILIES, default="gpt2")
     args = parser.parse_args(argv)
     attention = W.attention_from_args(parser, args)
     start = time.time()

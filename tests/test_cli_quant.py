@@ -77,11 +77,13 @@ def test_reference_cli_refuses_a_context_of_zero(capsys) -> None:
     assert exit_.value.code == 2 and "expected a positive" in capsys.readouterr().err
 
 
-def test_quantize_cli_steps_selects_another_cached_model(tmp_path_factory, capsys) -> None:
+def test_quantize_cli_steps_and_family_select_another_cached_model(tmp_path_factory, capsys) -> None:
     cache = tmp_path_factory.getbasetemp() / "softq-cache"
-    assert main(["quantize", "lm", "--size", "tiny", "--steps", "7", "--eval-limit", "1"]) == 0
+    assert main(["quantize", "lm", "--family", "llama", "--size", "tiny", "--steps", "7", "--eval-limit", "1"]) == 0
     assert "quantized perplexity" in capsys.readouterr().out
-    assert [p.name for p in cache.glob("lm-*-steps7-*")] == ["lm-gpt2-tiny-vanilla-seed0-steps7-v1"]
+    assert [p.name for p in cache.glob("lm-*-steps7-*")] == ["lm-llama-tiny-vanilla-seed0-steps7-v1"]
+    assert main(["quantize", "vit", "--family", "llama", "--size", "tiny"]) == 1
+    assert "the vit workload has none" in capsys.readouterr().err
 
 
 def test_import_softq_exposes_its_parts_lazily() -> None:

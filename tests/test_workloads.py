@@ -102,7 +102,7 @@ def test_perplexity_is_token_weighted_and_respects_mask(tok: W.CharTokenizer) ->
         math.exp(nll_short), rel=1e-5)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "opt"])
+@pytest.mark.parametrize("family", ["gpt2", "opt", "llama"])
 def test_tiny_lm_learns(family: str, tok: W.CharTokenizer) -> None:
     evals = W.lm_eval_inputs(128, 4, tok)
     torch.manual_seed(0)
@@ -170,6 +170,30 @@ def test_lm_cache_round_trip_gated_clipped(tok: W.CharTokenizer, tmp_cache: Path
     assert (list(tmp_cache.iterdir())[0] / "meta.json").is_file()
 
 
+def test_llama_lm_is_llama_and_loads_from_cache(tok: W.CharTokenizer, tmp_cache: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = W.reference_lm(0, None, "llama", size="tiny", steps=3, progress=False)
+    config = model.config
+    assert config.model_type == "llama" and W.lm_context(config) == 128
+    assert config.num_key_value_heads < config.num_attention_heads  # grouped-query attention
+    assert model.model.layers[0].self_attn.k_proj.out_features == config.num_key_value_heads * config.head_dim
+    assert not any(name.endswith(".bias") for name, _ in model.named_parameters())
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"
+    assert not hasattr(model.model, "embed_positions")  # rotary positions, no position table
+    (entry,) = list(tmp_cache.iterdir())
+    assert entry.name.startswith("lm-llama-tiny-vanilla-seed0-steps3-")
+    assert W.cached_meta(entry)["family"] == "llama"
+
+    def no_training(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the cached model should have been loaded, not retrained")
+
+    monkeypatch.setattr(W.cache, "train_lm", no_training)
+    loaded, _ = W.reference_lm(0, None, "llama", size="tiny", steps=3, progress=False)
+    x = W.lm_eval_inputs(128, 1, tok)[0]
+    with torch.no_grad():
+        assert torch.equal(model(**x).logits, loaded(**x).logits)
+
+
 def test_vit_cache_round_trip(tmp_cache: Path) -> None:
     model = W.reference_vit(0, size="tiny", steps=3, progress=False)
     loaded = W.reference_vit(0, size="tiny", steps=3, progress=False)
@@ -183,7 +207,7 @@ def test_vit_cache_round_trip(tmp_cache: Path) -> None:
 def test_bad_sizes_are_named() -> None:
     with pytest.raises(ValueError, match="LM size 'huge'"):
         W.lm_config("huge")
-    with pytest.raises(ValueError, match="family 'llama'"):
-        W.lm_config("tiny", "llama")
+    with pytest.raises(ValueError, match="family 'bloom'"):
+        W.lm_config("tiny", "bloom")
     with pytest.raises(ValueError, match="ViT size"):
         W.vit_config("big")

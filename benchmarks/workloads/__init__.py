@@ -4,7 +4,7 @@ softq must be testable and benchmarkable with no network, so its workloads are
 built from data that ships with Python and scikit-learn:
 
 * **Text**: Python's own help topics (``pydoc_data.topics``), ~465k characters of
-  technical English, modelled character by character (GPT-2 or OPT family).
+  technical English, modelled character by character (GPT-2, OPT or Llama family).
 * **Images**: scikit-learn's bundled 8x8 handwritten digits, upsampled so a
   patch-4 ViT sees 64 tokens.
 
@@ -34,7 +34,7 @@ from workloads.data import (
     vit_batches,
 )
 from workloads.models import (
-    LM_SIZES, VIT_SIZES, lm_config, vit_config, build_model, variant_name, attention_options,
+    LM_SIZES, LM_FAMILIES, VIT_SIZES, lm_config, lm_context, vit_config, build_model, variant_name, attention_options,
 )
 from workloads.training import (
     LM_BUDGETS, VIT_BUDGETS, run_training, train_lm, train_vit, add_training_args,
@@ -51,7 +51,8 @@ from softq.evaluation import model_dir_task
 __all__ = [
     "HELDOUT_FRACTION", "DIGITS_SEED", "char_corpus", "CharTokenizer", "lm_batches", "lm_eval_inputs",
     "lm_calib_inputs", "perplexity", "digits_data", "vit_eval_inputs", "vit_calib_inputs", "top1",
-    "vit_batches", "LM_SIZES", "VIT_SIZES", "lm_config", "vit_config", "build_model", "variant_name",
+    "vit_batches", "LM_SIZES", "LM_FAMILIES", "VIT_SIZES", "lm_config", "lm_context", "vit_config", "build_model",
+    "variant_name",
     "attention_options", "LM_BUDGETS", "VIT_BUDGETS", "run_training", "train_lm", "train_vit",
     "add_training_args", "attention_from_args", "VERSION", "cache_dir", "cache_key", "save_model",
     "load_model", "reference_lm", "reference_vit", "cached_meta", "TASKS", "Task", "reference_task", "lm_task",

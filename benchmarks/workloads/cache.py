@@ -14,7 +14,7 @@ from torch import nn
 from softq._files import atomic_directory, cache_dir
 from workloads.data import (CharTokenizer, check_choice, digits_data, lm_eval_inputs, perplexity, top1,
                                   vit_eval_inputs)
-from workloads.models import LM_SIZES, VIT_SIZES, build_model, variant_name
+from workloads.models import LM_SIZES, VIT_SIZES, build_model, lm_context, variant_name
 from workloads.training import LM_BUDGETS, VIT_BUDGETS, train_lm, train_vit
 
 
@@ -88,8 +88,7 @@ def reference_lm(
     start = time.time()
     model = train_lm(size, seed, steps, family=family, attention=attention, tokenizer=tokenizer, progress=progress)
     train_seconds = time.time() - start
-    context = model.config.max_position_embeddings if family == "opt" else model.config.n_positions
-    ppl = perplexity(model, lm_eval_inputs(context, None, tokenizer), progress=progress)
+    ppl = perplexity(model, lm_eval_inputs(lm_context(model.config), None, tokenizer), progress=progress)
     meta = {"kind": "lm", "size": size, "family": family, "attention": attention, "seed": seed, "steps": steps,
             "version": VERSION, "train_seconds": round(train_seconds, 1), "threads": torch.get_num_threads(),
             "heldout_perplexity": ppl}

@@ -12,9 +12,10 @@ from workloads.data import CharTokenizer, check_choice
 
 # Sizes.  "reference" is what the benchmarks train and use; "tiny" is for tests.
 LM_SIZES: dict[str, dict[str, int]] = {
-    "reference": {"layers": 4, "d_model": 128, "heads": 4, "context": 1024},
-    "tiny": {"layers": 2, "d_model": 32, "heads": 2, "context": 128},
+    "reference": {"layers": 4, "d_model": 128, "heads": 4, "kv_heads": 2, "context": 1024},
+    "tiny": {"layers": 2, "d_model": 32, "heads": 2, "kv_heads": 1, "context": 128},
 }
+LM_FAMILIES = ("gpt2", "opt", "llama")
 VIT_SIZES: dict[str, dict[str, int]] = {
     "reference": {"layers": 4, "d_model": 128, "heads": 4, "image_size": 32, "patch_size": 4},
     "tiny": {"layers": 2, "d_model": 32, "heads": 2, "image_size": 16, "patch_size": 4},
@@ -30,10 +31,13 @@ def lm_config(
     """Config of a reference ("reference") or test ("tiny") character LM; dropout off.
 
     ``context`` defaults to the size's context (1024 reference, 128 tiny) and
-    ``vocab_size`` to the :class:`CharTokenizer` vocabulary.
+    ``vocab_size`` to the :class:`CharTokenizer` vocabulary.  ``llama`` is the
+    Llama architecture at the same width and depth: RoPE, grouped-query attention
+    (``kv_heads`` key/value heads), RMSNorm, a SwiGLU MLP with the parameter count
+    of GPT-2's 4x MLP, no biases, input and output embeddings tied as GPT-2's are.
     """
     check_choice("LM size", size, LM_SIZES)
-    check_choice("LM family", family, ("gpt2", "opt"))
+    check_choice("LM family", family, LM_FAMILIES)
     s = LM_SIZES[size]
     context = int(context or s["context"])
     vocab_size = int(vocab_size or CharTokenizer().vocab_size)
@@ -47,6 +51,18 @@ def lm_config(
             n_head=s["heads"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
             bos_token_id=None, eos_token_id=None, pad_token_id=None,
         )
+    if family == "llama":
+        from transformers import LlamaConfig
+
+        d = s["d_model"]
+        swiglu = 8 * ((8 * d // 3 + 7) // 8)  # 3 matrices of d x 8d/3 = GPT-2's 2 of d x 4d; multiple of 8
+        return LlamaConfig(
+            vocab_size=vocab_size, hidden_size=d, intermediate_size=swiglu,
+            num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+            max_position_embeddings=context, rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False,
+            attention_dropout=0.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None,
+        )
     from transformers import OPTConfig
 
     return OPTConfig(
@@ -55,6 +71,11 @@ def lm_config(
         word_embed_proj_dim=s["d_model"], dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
         layerdrop=0.0, pad_token_id=None, bos_token_id=None, eos_token_id=None,
     )
+
+
+def lm_context(config: Any) -> int:
+    """The context (longest sequence) of an LM config of any workload family."""
+    return int(getattr(config, "n_positions", None) or config.max_position_embeddings)
 
 
 def vit_config(size: str = "reference") -> Any:
@@ -76,10 +97,12 @@ def build_model(config: Any) -> nn.Module:
         from transformers import GPT2LMHeadModel as cls
     elif config.model_type == "opt":
         from transformers import OPTForCausalLM as cls
+    elif config.model_type == "llama":
+        from transformers import LlamaForCausalLM as cls
     elif config.model_type == "vit":
         from transformers import ViTForImageClassification as cls
     else:
-        raise ValueError(f"softq workloads build gpt2, opt or vit models, not '{config.model_type}'")
+        raise ValueError(f"softq workloads build gpt2, opt, llama or vit models, not '{config.model_type}'")
     model = cls(config)
     model.set_attn_implementation("eager")
     return model

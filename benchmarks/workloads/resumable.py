@@ -22,11 +22,10 @@ def _batches_for(model: nn.Module, seed: int, batch_size: int | None, tokenizer:
     if family == "vit":
         size = model.config.image_size
         return W.vit_batches("train", size, batch_size or 64, seed)
-    if family in ("gpt2", "opt"):
+    if family in W.LM_FAMILIES:
         tokenizer = tokenizer or W.CharTokenizer()
-        context = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
-        return W.lm_batches("train", context, batch_size or 4, seed, tokenizer)
-    raise ValueError(f"finetune_to_gated trains softq's gpt2/opt/vit workloads, not '{family}'")
+        return W.lm_batches("train", W.lm_context(model.config), batch_size or 4, seed, tokenizer)
+    raise ValueError(f"finetune_to_gated trains softq's {'/'.join(W.LM_FAMILIES)}/vit workloads, not '{family}'")
 
 
 def finetune_to_gated(
@@ -130,8 +129,7 @@ def train_resumable(
     if resume:
         optimizer.load_state_dict(payload["optimizer"])
     if kind == "lm":
-        ctx = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
-        batches = W.lm_batches("train", ctx, run["batch_size"], seed, W.CharTokenizer())
+        batches = W.lm_batches("train", W.lm_context(model.config), run["batch_size"], seed, W.CharTokenizer())
     else:
         batches = W.vit_batches("train", model.config.image_size, run["batch_size"], seed)
     for _ in range(start):  # fast-forward the data stream to where the checkpoint stopped

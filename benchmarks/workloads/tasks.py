@@ -23,6 +23,7 @@ from torch import nn
 
 from softq.evaluation import Task
 from workloads.cache import reference_lm, reference_vit
+from workloads.models import lm_context
 from workloads.data import (
     CharTokenizer, digits_data, lm_batches, lm_calib_inputs, lm_eval_inputs, perplexity, vit_batches,
     vit_calib_inputs,
@@ -54,6 +55,7 @@ def reference_task(
     attention: dict[str, Any] | None = None,
     size: str = "reference",
     steps: int | None = None,
+    family: str = "gpt2",
     progress: bool = True,
 ) -> Task:
     """The reference LM (perplexity) or ViT (top-1) task, trained and cached on first use.
@@ -61,10 +63,11 @@ def reference_task(
     ``context`` (LM only) evaluates and calibrates on windows of that length (the
     model is trained at its full context, at least 1024).  ``eval_limit`` caps the
     held-out windows (LM) or images (ViT) for quick runs; ``None`` uses all.
-    ``steps`` overrides the training budget (a separate cache entry).
+    ``steps`` overrides the training budget (a separate cache entry); ``family``
+    picks the LM's architecture (``gpt2``, ``opt``, ``llama``).
     """
     if name == "lm":
-        model, tokenizer = reference_lm(seed, attention, size=size, steps=steps, progress=progress)
+        model, tokenizer = reference_lm(seed, attention, family, size=size, steps=steps, progress=progress)
         return lm_task(model, tokenizer, context=context, calib_size=calib_size, eval_limit=eval_limit, seed=seed)
     if name == "vit":
         model = reference_vit(seed, attention, size=size, steps=steps, progress=progress)
@@ -82,7 +85,7 @@ def lm_task(
     seed: int = 0,
 ) -> Task:
     """Perplexity task of any character LM (cached or still training); see :func:`reference_task`."""
-    full = model.config.n_positions
+    full = lm_context(model.config)
     context = context or full
     if context > full:
         raise ValueError(f"context {context} exceeds the LM's {full} positions")

@@ -21,6 +21,7 @@ from softq.cli import positive_int
 # --alpha: clipped softmax's gamma = -alpha / T; train trains from scratch: alpha < 1 (CLIPPED_ALPHA, 4,
 # kills every row of a fresh model)
 from softq.softmax import CLIPPED_ALPHA_FROM_SCRATCH as DEFAULT_ALPHA
+from workloads.models import LM_FAMILIES
 
 DEFAULT_PI = 0.5  # --pi: gated attention's initial gate opening
 DEFAULT_LR = 3e-4  # --lr of --finetune-gated
@@ -74,7 +75,7 @@ def _finish(args: argparse.Namespace, model: object, step: int, what: str) -> in
     out = Path(args.out)
     if args.model == "lm":
         tokenizer = W.CharTokenizer()
-        ctx = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+        ctx = W.lm_context(model.config)
         metric = f"heldout perplexity {W.perplexity(model, W.lm_eval_inputs(ctx, None, tokenizer)):.3f}"
         W.save_model(model, out / "model", tokenizer, {"steps": step})
     else:
@@ -126,7 +127,7 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, argparse.Argum
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", choices=("lm", "vit"), required=True, help="character LM or digits ViT")
-    p.add_argument("--family", choices=("gpt2", "opt"), default="gpt2", help="LM family")
+    p.add_argument("--family", choices=LM_FAMILIES, default="gpt2", help="LM family")
     p.add_argument("--size", choices=("reference", "tiny"), default="reference")
     p.add_argument("--softmax", default=None, help="softq softmax variant (e.g. clipped); default exact softmax")
     p.add_argument("--alpha", type=float, default=None, help=f"clipped softmax: gamma = -alpha / T (default {DEFAULT_ALPHA:g})")

@@ -12,7 +12,8 @@ from torch import nn
 from softq.calib.schedule import lr_at, progress_bar
 from softq.softmax import CLIPPED_ALPHA_FROM_SCRATCH
 from workloads.data import CharTokenizer, check_choice, lm_batches, vit_batches
-from workloads.models import LM_SIZES, VIT_SIZES, _configure, attention_options, build_model, lm_config, vit_config
+from workloads.models import (LM_SIZES, VIT_SIZES, _configure, attention_options, build_model, lm_config, lm_context,
+                              vit_config)
 
 
 # Training budgets (steps, batch size, peak learning rate) per size.  The reference LM
@@ -143,8 +144,7 @@ def train_lm(
     config = lm_config(size, family, context, tokenizer.vocab_size)
     model = build_model(config)
     _configure(model, attention)
-    batches = lm_batches("train", config.max_position_embeddings if family == "opt" else config.n_positions,
-                         int(batch_size or budget["batch_size"]), seed, tokenizer)
+    batches = lm_batches("train", lm_context(config), int(batch_size or budget["batch_size"]), seed, tokenizer)
     run_training(model, batches, int(steps or budget["steps"]), float(lr or budget["lr"]),
                  progress=progress, desc=f"train {family} {size}", on_step=on_step)
     return model
