@@ -235,15 +235,17 @@ _EXPORTING = False
 @contextlib.contextmanager
 def exporting(model: nn.Module) -> Iterator[None]:
     """Within this block the model's surrogates trace to the ``softq_mpc::*`` custom ops."""
+    from softq.families import set_implementation
+
     global _EXPORTING
     previous_impl = model.config._attn_implementation
-    model.set_attn_implementation(MPC_ATTN_IMPLEMENTATION)
+    set_implementation(model, MPC_ATTN_IMPLEMENTATION)
     _EXPORTING = True
     try:
         yield
     finally:
         _EXPORTING = False
-        model.set_attn_implementation(previous_impl)
+        set_implementation(model, previous_impl)
 
 
 class SurrogateGELU(nn.Module):
@@ -271,12 +273,14 @@ def mpc_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    position_bias: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention as exported for MPC: the softmax variant is one ``softq_mpc::softmax`` node.
 
     The valid mask is derived from the (public) attention mask with plaintext ops,
-    so the graph interpreter keeps it public.
+    so the graph interpreter keeps it public.  A relative position bias (MPNet's) arrives apart from the mask
+    (``takes_position_bias``): its values are secret, a lookup in the secret bias table at public buckets.
     """
     points: AttentionPoints | None = getattr(module, "softq", None)
     if points is None:
@@ -287,11 +291,14 @@ def mpc_attention(
         raise ValueError("softq.mpc does not run quantized, gated or constant-sink attention; pass the float model")
     key, value, valid, scaling = attention_inputs(module, query, key, value, attention_mask, scaling)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if position_bias is not None:  # secret (the model's bias table), added locally
+        scores = scores + position_bias
     probs = torch.ops.softq_mpc.softmax(scores, valid, softmax_spec(points.softmax_name, points.softmax_params))
     out = torch.matmul(probs, value)
     return out.transpose(1, 2).contiguous(), probs
 
 
+mpc_attention.takes_position_bias = True  # type: ignore[attr-defined]  # (softq.families passes it apart)
 AttentionInterface.register(MPC_ATTN_IMPLEMENTATION, mpc_attention)
 AttentionMaskInterface.register(MPC_ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 
