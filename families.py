@@ -82,6 +82,8 @@ def adapt_mpnet(model: nn.Module) -> None:
             module.forward = types.MethodType(_mpnet_forward, module)
         module.config = model.config
         module.is_causal = False  # (SDPA reads a module without it as causal when no mask arrives)
+        module.softq_mask_bias = True  # its mask always carries the bias (softq.attention.mask_bias: a model
+        # exported before any eager forward, e.g. right after softq.quant.load, must not trace it away)
 
 
 # model_type -> adapter(model) installing the interface call on that family's attention modules
