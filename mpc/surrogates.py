@@ -307,18 +307,20 @@ _EXPORTING = False
 @contextlib.contextmanager
 def exporting(model: nn.Module) -> Iterator[None]:
     """Within this block the model's surrogates trace to the ``softq_mpc::*`` custom ops."""
+    from softq.families import set_implementation
+
     global _EXPORTING
     from softq.mpc.norms import swapped
 
     previous_impl = model.config._attn_implementation
-    model.set_attn_implementation(MPC_ATTN_IMPLEMENTATION)
+    set_implementation(model, MPC_ATTN_IMPLEMENTATION)
     _EXPORTING = True
     try:
         with swapped(model):
             yield
     finally:
         _EXPORTING = False
-        model.set_attn_implementation(previous_impl)
+        set_implementation(model, previous_impl)
 
 
 class SurrogateGELU(nn.Module):
@@ -358,9 +360,9 @@ def mpc_attention(
     so the graph interpreter keeps it public; sliding windows and local attention are
     such masks.  Grouped K/V heads are repeated (:func:`softq.attention.attention_inputs`);
     RoPE's tables are functions of the public positions, so rotating q and k costs
-    only local products.  An additive position bias (in the mask, or T5's ``position_bias``: a lookup of
-    the secret bias table at public buckets) is added to the scores.
-    Soft-capping (``tanh``, costly and inaccurate under MPC) and learned sink logits are refused.
+    only local products.  A relative position bias (T5's ``position_bias``, MPNet's, passed apart from the
+    mask: ``takes_position_bias``) is a lookup of the secret bias table at public buckets, added to the scores
+    locally.  Soft-capping (``tanh``, costly and inaccurate under MPC) and learned sink logits are refused.
     """
     if softcap is not None:
         raise ValueError(f"softq.mpc does not run attention logit soft-capping ({type(module).__name__}: "
@@ -380,13 +382,14 @@ def mpc_attention(
         bias = position_bias if bias is None else bias + position_bias
     key, value, valid, scaling = attention_inputs(module, query, key, value, attention_mask, scaling)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    if bias is not None:
+    if bias is not None:  # secret where it is the model's bias table: added locally
         scores = scores + bias
     probs = torch.ops.softq_mpc.softmax(scores, valid, softmax_spec(points.softmax_name, points.softmax_params))
     out = torch.matmul(probs, value)
     return out.transpose(1, 2).contiguous(), probs
 
 
+mpc_attention.takes_position_bias = True  # type: ignore[attr-defined]  # (softq.families passes it apart)
 AttentionInterface.register(MPC_ATTN_IMPLEMENTATION, mpc_attention)
 AttentionMaskInterface.register(MPC_ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 
