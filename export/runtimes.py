@@ -74,7 +74,12 @@ def _tract(path: str, threads: int, names: list[str]) -> Runner:
             for i, a in enumerate(arrays):
                 dtype = {"i8": "i64", "i4": "i32", "f4": "f32", "u1": "u8", "i1": "i8", "b1": "bool"}[a.dtype.str[1:]]
                 model.set_input_fact(i, ",".join(map(str, a.shape)) + f",{dtype}")
-            cache[key] = model.into_model().into_runnable()
+            try:
+                cache[key] = model.into_model().into_runnable()
+            except tract.bindings.TractError as err:  # its own optimiser's failure, with a Rust backtrace
+                causes = [line.strip() for line in str(err).splitlines() if line.strip()][:6]
+                what = "; ".join(c for c in causes if not c.startswith("Stack backtrace"))
+                raise RuntimeError(f"tract cannot run {path}: {what}") from None
         return [t.to_numpy() for t in cache[key].run(arrays)]
 
     return run

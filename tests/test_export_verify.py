@@ -64,3 +64,28 @@ def test_the_check_measures_the_file_against_the_torch_model(tmp_path) -> None:
     check.reference[0] = check.reference[0] * (1 + 2 * EXPORT_TOLERANCE)  # a reference the file does not reach
     with pytest.raises(ExportError, match="'logits' is"):
         check.verify(path)
+
+
+def test_a_pooled_file_is_judged_on_its_sentence_embedding(tmp_path) -> None:
+    """Per-token states of a quantized encoder can move between runtimes where codes sit on rounding ties; a pooled
+    file is checked on what it is for, and refused when its embedding is off."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                           num_attention_heads=4, intermediate_size=64),
+                                   add_pooling_layer=False).eval()
+    calib = [{"input_ids": torch.randint(3, 64, (2, 12)), "attention_mask": torch.ones(2, 12, dtype=torch.long)}
+             for _ in range(3)]
+    qmodel = softq.quantize(model, calib, softq.QuantConfig())
+    path = softq.to_onnx(qmodel, tmp_path / "m.onnx", calib[0], pooling="mean", normalize=True)
+    _, check = model_export._build_checked(qmodel, calib[1], None, False, "int8", None, "mean", True, "integer")
+    assert set(check.names) == {"last_hidden_state", "sentence_embedding"}
+    states = check.names.index("last_hidden_state")
+    check.reference[states] = check.reference[states] * (1 + 2 * EXPORT_TOLERANCE)  # states off, embedding right
+    assert check.errors(path)["last_hidden_state"] > EXPORT_TOLERANCE
+    check.verify(path)
+    pooled = check.names.index("sentence_embedding")
+    check.reference[pooled] = -check.reference[pooled]
+    with pytest.raises(ExportError, match="'sentence_embedding' is"):
+        check.verify(path)
