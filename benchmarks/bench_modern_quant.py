@@ -75,7 +75,7 @@ def main() -> None:
                 cells.append(f"refused: {str(err).splitlines()[0][:60]}...")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
-    lines = [f"# Today's families: relative output error after softq.quantize", "", f"`{command_line()}`", "",
+    lines = ["# Today's families: relative output error after softq.quantize", "", f"`{command_line()}`", "",
              (__doc__ or "").split("\n\n")[0].replace("\n", " "), "",
              (__doc__ or "").split("\n\n")[2].replace("\n", " "), "",
              "| family | " + " | ".join(CONFIGS) + " |", "|---|" + "---|" * len(CONFIGS), *rows, "",
