@@ -167,6 +167,24 @@ def sentence_pooling(path: Path) -> tuple[str | None, bool]:
     return pooling, normalize
 
 
+def architecture_class(config: Any) -> type | None:
+    """The model class a config's ``architectures`` names: exported by transformers, or (a bare encoder such as
+    ``WhisperEncoder``) found in its family's modeling module; None where neither has it."""
+    import importlib
+
+    import transformers
+
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    if not arch:
+        return None
+    found = getattr(transformers, arch, None)
+    if found is None:
+        folder = str(getattr(config, "model_type", "")).replace("-", "_")
+        with contextlib.suppress(ImportError):
+            found = getattr(importlib.import_module(f"transformers.models.{folder}.modeling_{folder}"), arch, None)
+    return found
+
+
 def load_model_dir(path: str | os.PathLike, max_length: int | None = None, default_length: int | None = None) -> HFModel:
     """Load a Hugging Face model directory (plain or sentence-transformers) with its tokenizer.
 

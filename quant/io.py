@@ -23,7 +23,6 @@ switching weight quantization off
 
 from __future__ import annotations
 
-import contextlib
 
 import dataclasses
 import hashlib
@@ -296,13 +295,9 @@ def load(path: str | os.PathLike) -> nn.Module:
     except (OSError, ValueError) as err:
         raise ValueError(f"{source / 'config.json'}: {error_line(err)}") from None
     arch = (hf_config.architectures or [None])[0]
-    model_class = getattr(transformers, arch, None) if arch else None
-    if model_class is None and arch:  # a class transformers does not export at the top (Whisper's bare encoder)
-        import importlib
+    from softq.hf import architecture_class
 
-        with contextlib.suppress(ImportError):
-            folder = str(hf_config.model_type).replace("-", "_")
-            model_class = getattr(importlib.import_module(f"transformers.models.{folder}.modeling_{folder}"), arch, None)
+    model_class = architecture_class(hf_config)
     if model_class is None:
         raise ValueError(f"{source}/config.json names no known Hugging Face architecture ({arch!r})")
     try:
