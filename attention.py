@@ -417,7 +417,7 @@ def _stash_hidden(module: nn.Module, args: tuple, kwargs: dict) -> None:
 def _input_widths(model: nn.Module, modules: list[nn.Module]) -> list[int]:
     """The last dimension of each attention module's input, seen on one probe forward (``models.probe_inputs``):
     a gate splits that input into one slice per query head."""
-    from softq.models import _no_cache, probe_inputs
+    from softq.models import probe_forward
 
     widths: dict[int, int] = {}
 
@@ -427,12 +427,9 @@ def _input_widths(model: nn.Module, modules: list[nn.Module]) -> list[int]:
             widths.setdefault(id(module), int(hidden.shape[-1]))
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
-    was = model.training
-    model.eval()
     try:
-        model(**probe_inputs(model), **_no_cache(model))
+        probe_forward(model)
     finally:
-        model.train(was)
         for h in handles:
             h.remove()
     missing = [m for m in modules if id(m) not in widths]

@@ -223,6 +223,18 @@ def _no_cache(model: nn.Module) -> dict[str, bool]:
     return {"use_cache": False} if "use_cache" in params else {}
 
 
+def probe_forward(model: nn.Module) -> None:
+    """Run ``model`` once on :func:`probe_inputs` in eval mode, without gradients or a cache, for the hooks a caller
+    has registered to read what its modules see; the model's mode is restored."""
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(**probe_inputs(model), **_no_cache(model))
+    finally:
+        model.train(was)
+
+
 def attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(name, module) of every attention module that calls the attention interface, in order (:func:`discover`)."""
     modules = dict(model.named_modules())

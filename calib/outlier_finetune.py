@@ -283,7 +283,7 @@ def row_normalisers(model: nn.Module, within: Sequence[nn.Module]) -> list[nn.Mo
     """The normalisation layers inside ``within`` (LayerNorm, RMSNorm, T5's LayerNorm...), found by what they do on
     one probe forward: a leaf module whose output keeps its input's shape and does not change when each input row is
     doubled.  Their inputs are the residual stream where the outliers live."""
-    from softq.models import _no_cache, probe_inputs
+    from softq.models import probe_forward
 
     seen: dict[int, tuple[nn.Module, torch.Tensor]] = {}
 
@@ -295,12 +295,9 @@ def row_normalisers(model: nn.Module, within: Sequence[nn.Module]) -> list[nn.Mo
     leaves = list(dict.fromkeys(m for block in within for m in block.modules()
                                 if not list(m.children()) and not isinstance(m, (nn.Linear, nn.Dropout))))
     handles = [m.register_forward_pre_hook(hook) for m in leaves]
-    was = model.training
-    model.eval()
     try:
-        model(**probe_inputs(model), **_no_cache(model))
+        probe_forward(model)
     finally:
-        model.train(was)
         for h in handles:
             h.remove()
     norms = []
