@@ -37,6 +37,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 
 from softq.calib.observers import NoCalibrationData, NonFiniteActivation, token_rows
 from softq.quant.quantizers import ActQuantizer
+from softq.softmax import HALF_DTYPES
 
 UNSIGNED_SHIFT = 128  # asymmetric codes 0..255 are stored as int8 code - 128
 
@@ -74,6 +75,8 @@ class KVQuantizer(ActQuantizer):
             return x
         if self.mode != "quant":
             return x
+        if x.dtype in HALF_DTYPES:  # rounded in float32, as every activation point
+            return self._forward(x.float()).to(x.dtype)
         if torch.is_grad_enabled():
             s, z = self._expand(self.scale, x.shape[1]), self._expand(self.zero_point, x.shape[1])
             return self.quant(s, z, self.bit_width, x)
