@@ -20,7 +20,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 PARTS = ("calib", "quant", "export", "mpc", "softmax", "attention", "hf", "models", "evaluation")
-__all__ = ["QuantConfig", "quantize", "save", "load", "to_onnx", "configure_attention", "__version__",
+__all__ = ["QuantConfig", "quantize", "save", "load", "to_onnx", "configure_attention", "kv_cache", "__version__",
            "calib", "quant", "export", "mpc"]
 
 _LAZY = {
@@ -28,6 +28,7 @@ _LAZY = {
     "quantize": "softq.quant.quantize",
     "save": "softq.quant.io",
     "load": "softq.quant.io",
+    "kv_cache": "softq.quant.kv_cache",
     "to_onnx": "softq.export.model_export",
     "configure_attention": "softq.attention",
 }

@@ -189,6 +189,7 @@ def softq_attention(
     if _Recording.modules is not None:
         _Recording.modules.append((module, _masks_the_future(module, query, key, attention_mask, kwargs)))
         module.softq_head_dim = int(query.shape[-1])  # for gates and sinks where the module names it otherwise
+        module.softq_kv_heads = int(key.shape[1])  # before grouped-query attention repeats them: per-head KV scales
     points: AttentionPoints | None = getattr(module, "softq", None)
     bias = mask_bias(module, attention_mask, key.shape[-2])
     if position_bias is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["QuantConfig", "quantize", "is_quantized", "save", "load"]
+__all__ = ["QuantConfig", "quantize", "is_quantized", "save", "load", "kv_cache"]
 
 _LAZY = {
     "QuantConfig": "softq.quant.config",
@@ -16,6 +16,7 @@ _LAZY = {
     "is_quantized": "softq.quant.quantize",
     "save": "softq.quant.io",
     "load": "softq.quant.io",
+    "kv_cache": "softq.quant.kv_cache",
 }
 
 

@@ -272,6 +272,8 @@ def load(path: str | os.PathLike) -> nn.Module:
     raw.setdefault("softmax_input", "tensor")  # saved before the field existed: one calibrated grid per tensor
     raw.setdefault("weight_bias_correction", False)  # saved before the field existed: biases as trained
     raw.setdefault("smoothing_into_v", False)  # saved before the field existed: nothing folded into V
+    raw.setdefault("kv_cache", "float")  # saved before the field existed: Hugging Face's float cache
+    raw.setdefault("kv_scales", "tensor")  # saved before the field existed: per-tensor K and V scales
     # settings a file may hold from before QuantConfig refused them as doing nothing: read as what they did
     if raw.get("softmax_bits") is None:  # a float softmax: no softmax grid, whatever the file says
         raw["softmax_input"] = "auto" if raw.get("softmax_input") in ("row", "tensor") else raw["softmax_input"]

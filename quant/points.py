@@ -16,9 +16,10 @@ from softq.attention import AttentionPoints, attention_points
 from softq.calib.data import CalibrationDataError
 from softq.calib.observers import NoCalibrationData
 from softq.hf import refuse_save_pretrained
-from softq.models import conv1d_to_linear, is_causal, model_family
+from softq.models import attention_modules, conv1d_to_linear, is_causal, model_family
 from softq.norms import residual_norms
 from softq.quant.config import MAX_PREFIX, PREFIX_TOKENS, QuantConfig, softmax_input_span
+from softq.quant.kv_cache import kv_point, use_int8_cache
 from softq.quant.layers import QEmbedding, QLayerNorm, QLinear, QNorm, quantize_weight_only
 from softq.quant.quantizers import ActQuantizer, RowScoresQuantizer, SoftmaxOutputQuantizer
 
@@ -148,10 +149,11 @@ def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
     quantize_weight_only(model, config.weight_bits, config.embedding_bits, config.exclude)
 
 
-def _attach_attention_quantizers(points: AttentionPoints, config: QuantConfig, causal: bool) -> None:
+def _attach_attention_quantizers(points: AttentionPoints, config: QuantConfig, causal: bool,
+                                 kv_heads: int | None = None) -> None:
     points.q = _act(config)
-    points.k = _act(config)
-    points.v = _act(config)
+    points.k = kv_point(config, kv_heads)  # per tensor, head or channel (QuantConfig.kv_scales)
+    points.v = kv_point(config, kv_heads)
     if config.softmax_bits is not None:
         if config.row_relative_input:
             points.scores = RowScoresQuantizer(config.act_bits, softmax_input_span(config.softmax_output,
@@ -199,11 +201,16 @@ def prepare(model: nn.Module, config: QuantConfig) -> nn.Module:
     _replace_modules(model, config)
     prefix = residual_prefix(model, config) if config.residual_quantized else 0
     causal = is_causal(model)
+    # the key/value heads each layer's K and V carry before grouped-query attention repeats them (seen on the
+    # discovery probe), for per-head scales
+    kv_heads = {id(m.softq): getattr(m, "softq_kv_heads", None) for _, m in attention_modules(model)}
     for _, points in layers:
-        _attach_attention_quantizers(points, config, causal)
+        _attach_attention_quantizers(points, config, causal, kv_heads.get(id(points)))
         points.prefix_rows = prefix
     if prefix and causal:
         model.register_forward_pre_hook(cache_offset_hook, with_kwargs=True)
+    if causal and config.int8_kv_cache:  # a call that asks for a cache gets the int8 one (kv_cache.py)
+        model.register_forward_pre_hook(use_int8_cache, with_kwargs=True)
     model.softq_quant_config = config
     refuse_save_pretrained(model)
     model.train(model.training)  # the inserted modules in the model's mode (new modules are in training mode)

@@ -159,6 +159,11 @@ class ActQuantizer(nn.Module):
             return y.add_(self.zero_point).round_()
         return y.round_().add_(self.zero_point)
 
+    def restart_observation(self, observer: str, percentile: float) -> None:
+        """Observe afresh with the range rule ``observer`` (after a pass changed what reaches this point)."""
+        self.observer = make_observer(observer, percentile)
+        self.mode = "observe"
+
     def finish_calibration(self, groups: int | None = None) -> None:
         """Fix scale and zero point from what the observers saw, then drop them.
 

@@ -13,7 +13,6 @@ from torch import nn
 
 from softq.attention import attention_points
 from softq.calib.data import Batch, run_batches
-from softq.calib.observers import make_observer
 from softq.quant.config import QuantConfig
 from softq.quant.copies import independent_copy
 from softq.quant.held_out import output_error
@@ -97,8 +96,7 @@ def fold_smoothing_into_v(qmodel: nn.Module, batches: list[Batch], config: Quant
         if linears[src].bias is not None:
             linears[src].bias[rows] *= inv
         out.input_scale = torch.ones(0, dtype=out.input_scale.dtype, device=out.input_scale.device)
-        points.v.observer = make_observer(config.observer, config.percentile)
-        points.v.mode = "observe"
+        points.v.restart_observation(config.observer, config.percentile)
         folded.append(points.v)
     if explicit and not folded and grouped:
         raise ValueError(f"smoothing_into_v=True: V has fewer heads than the queries in {grouped} of {len(layers)} "
