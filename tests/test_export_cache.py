@@ -140,3 +140,25 @@ def test_cli_generates_from_a_quantized_directory_and_a_file(cached, tmp_path, c
     err = capsys.readouterr().err.strip()
     assert err.startswith("softq generate: error: ") and "has no tokenizer" in err and "--prompt-ids" in err
     assert len(err.splitlines()) == 1
+
+
+def test_onnxruntime_genai_runs_the_file_with_its_config(cached, tmp_path):
+    """onnxruntime-genai's generator runs softq's cached file as it is, given the genai_config.json softq writes:
+    the same greedy tokens."""
+    og = pytest.importorskip("onnxruntime_genai")
+    import shutil
+
+    from softq.export.genai import write_genai_config
+
+    qmodel, path, _ = cached
+    shutil.copy(path, tmp_path / "model.onnx")
+    write_genai_config(tmp_path / "model.onnx", qmodel.config)
+    model = og.Model(str(tmp_path))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=15, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([[50, 60, 70, 11, 12]], np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    want = generate(path, [[50, 60, 70, 11, 12]], 10, eos_token_id=EOS)[0]
+    np.testing.assert_array_equal(np.asarray(generator.get_sequence(0), np.int64), want)
