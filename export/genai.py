@@ -32,11 +32,13 @@ def genai_config(path: str | os.PathLike, hf_config: Any) -> dict[str, Any]:
     vocab = session.get_outputs()[0].shape[-1]
     heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
     hidden = int(getattr(hf_config, "hidden_size", 0) or 0)
-    special = {k: getattr(hf_config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    special = {k: (v[0] if isinstance(v, list) and v else v) for k, v in special.items()}
-    if special["pad_token_id"] is None:
-        special["pad_token_id"] = special["eos_token_id"] if special["eos_token_id"] is not None else 0
-    special = {k: int(v) if v is not None else -1 for k, v in special.items()}
+    eos = getattr(hf_config, "eos_token_id", None)
+    eos = [] if eos is None else [int(t) for t in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+    # a model without an end-of-sequence token (a character LM) gets an empty list: generation stops at max_length
+    special: dict[str, Any] = {"eos_token_id": eos[0] if len(eos) == 1 else eos}
+    for key in ("bos_token_id", "pad_token_id"):
+        value = getattr(hf_config, key, None)
+        special[key] = int(value) if isinstance(value, int) else eos[0] if eos else 0
     from softq.models import max_tokens
 
     return {
