@@ -199,11 +199,11 @@ def markdown(results: dict, command: str, seconds: float) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer timed calls (smoke run)")
-    parser.add_argument("--rounds", type=int, default=None, help="timed calls per file (default 60; --quick 10)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed calls per file (default 300; --quick 10)")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "results" / "generate.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rounds = args.rounds or (10 if args.quick else 60)
+    rounds = args.rounds or (10 if args.quick else 300)
     start = time.time()
     results: dict = {"greedy": {}, "latency": {}, "models": {}, "load": [os.getloadavg()[0]]}
     task = reference_task("lm", family="llama", steps=300, eval_limit=2, calib_size=16)
