@@ -6,9 +6,9 @@ logits, as torch); sampling divides the last logits by ``temperature``, keeps th
 smallest set whose probability reaches ``top_p`` (Hugging Face's warpers, in that order), and draws from a numpy
 generator seeded with ``seed``: the same seed gives the same tokens.
 
-Why not onnxruntime-genai: its decoder runs the graph it is given with its own input names (configurable in
-``genai_config.json``), but it takes a model of a known ``type`` and owns the cache buffers by its config; this
-loop needs nothing but onnxruntime and reads the cache layout from the file (:mod:`softq.export.cache_layout`).
+onnxruntime-genai runs the same file given the ``genai_config.json`` of :mod:`softq.export.genai` (the same
+greedy tokens); this loop is what ``softq generate`` uses because it needs nothing but onnxruntime, reads the cache
+layout from the file (:mod:`softq.export.cache_layout`) and samples with softq's seeded generator.
 """
 
 from __future__ import annotations
