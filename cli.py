@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Modules that add subcommands; a part that is not installed yet is skipped.
-SUBCOMMAND_MODULES = ("softq.quant.cli", "softq.export.cli", "softq.mpc.cli")
+SUBCOMMAND_MODULES = ("softq.quant.cli", "softq.export.cli", "softq.export.generate_cli", "softq.mpc.cli")
 
 
 def positive_int(text: str) -> int:

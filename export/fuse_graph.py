@@ -112,3 +112,28 @@ def requantizer(g: Graph, name: str) -> tuple[onnx.NodeProto, float, np.ndarray,
     if s is None or z is None or s.size != 1 or z.size != 1 or s.dtype != np.float32 or not float(s.reshape(())) > 0:
         return None
     return reader, float(s.reshape(())), z.reshape(()), chain
+
+
+def sort_nodes(graph: onnx.GraphProto) -> None:
+    """Put the nodes in an order where each comes after the producers of its inputs, in place, keeping the
+    present order wherever it already is one (a depth-first walk over producers, in node order)."""
+    producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+    placed = [False] * len(graph.node)
+    order: list[int] = []
+    for start in range(len(graph.node)):
+        stack = [(start, False)]
+        while stack:
+            i, ready = stack.pop()
+            if placed[i]:
+                continue
+            if ready:
+                placed[i] = True
+                order.append(i)
+                continue
+            stack.append((i, True))
+            stack.extend((producer[x], False) for x in reversed(graph.node[i].input)
+                         if x in producer and not placed[producer[x]])
+    if order != list(range(len(graph.node))):
+        nodes = [graph.node[i] for i in order]
+        del graph.node[:]
+        graph.node.extend(nodes)

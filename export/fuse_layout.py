@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from softq.export.fuse_graph import LAYOUT_OPS, Graph, const_input, dq_params, perm_of
+from softq.export.fuse_graph import LAYOUT_OPS, Graph, const_input, dq_params, perm_of, sort_nodes
 from softq.export.fuse_linear import linear_of_codes, split_sizes
 from softq.export.fuse_shapes import inferred_shapes
 
@@ -234,13 +234,20 @@ def merge_head_splits(model: onnx.ModelProto) -> int:
     return merged
 
 
+# ops that only move or repeat their first input's elements: a per-tensor QuantizeLinear commutes with them
+MOVING_OPS = (*LAYOUT_OPS, "Tile", "Expand", "Unsqueeze", "Squeeze")
+
+
 def quantize_before_layout(model: onnx.ModelProto) -> int:
-    """Move a per-tensor ``QuantizeLinear`` ahead of the Reshape/Transpose nodes before it; returns how many.
+    """Move a per-tensor ``QuantizeLinear`` ahead of the nodes before it that only move elements; returns how many.
 
     ``QuantizeLinear(Reshape(Transpose(x)))`` (the attention output merged from its heads, read by the output
-    projection's quantizer) becomes ``Reshape(Transpose(QuantizeLinear(x)))``: an elementwise per-tensor
-    quantization commutes with moving elements, so the codes are the same, and the layout ops move a quarter
-    of the bytes.  Only where each layout op's output has no other reader.
+    projection's quantizer) becomes ``Reshape(Transpose(QuantizeLinear(x)))``, and the K and V of a grouped-query
+    layer repeated to the query heads (``Unsqueeze -> Tile -> Reshape``, over the whole cache at each decode step)
+    are quantized before they are repeated: an elementwise per-tensor quantization commutes with moving and
+    repeating elements (:data:`MOVING_OPS`), so the codes are the same, the moves take a quarter of the bytes and
+    the quantization runs once per K/V head instead of once per query head.  Only where each moved op's output has
+    no other reader than ``Shape`` nodes (which see the same shape in codes).
     """
     g = Graph(model, "layoutq")
     replaced: dict[int, list[onnx.NodeProto]] = {}
@@ -254,8 +261,8 @@ def quantize_before_layout(model: onnx.ModelProto) -> int:
         chain, name = [], ql.input[0]
         while True:
             op = g.producer.get(name)
-            if (op is None or op.op_type not in LAYOUT_OPS or op.domain not in ("", "ai.onnx") or id(op) in replaced
-                    or g.only_reader(name) is not (chain[-1] if chain else ql)):
+            if (op is None or op.op_type not in MOVING_OPS or op.domain not in ("", "ai.onnx") or id(op) in replaced
+                    or g.only_reader(name, but_shape=True) is not (chain[-1] if chain else ql)):
                 break
             chain.append(op)
             name = op.input[0]
@@ -263,6 +270,9 @@ def quantize_before_layout(model: onnx.ModelProto) -> int:
             continue
         first, last = chain[-1], chain[0]  # first reads the float x; last fed the QuantizeLinear
         codes = ql.output[0]
+        for reader in g.readers.get(last.output[0], []):  # its Shape readers: the same shape, under the new name
+            if reader is not ql:
+                reader.input[:] = [codes if i == last.output[0] else i for i in reader.input]
         retyped.update(op.output[0] for op in chain)
         ql.input[0] = first.input[0]
         ql.output[0] = f"{codes}/before_layout"
@@ -274,4 +284,5 @@ def quantize_before_layout(model: onnx.ModelProto) -> int:
     del g.graph.value_info[:]
     g.graph.value_info.extend(kept)
     g.replace(replaced)
+    sort_nodes(g.graph)  # Shape nodes that read a moved output may sit before its new place
     return sum(1 for nodes in replaced.values() if nodes)

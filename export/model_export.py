@@ -69,6 +69,7 @@ from softq.export.cores import ALL_FORMS, FORMS_FOR, check_exportable_ops, check
 from softq.export.errors import ExportError
 from softq.export.functions import MARKER_DOMAIN, STATE, TORCH_OPSET
 from softq.export.prepare import as_float32, export_copy
+from softq.export.decoder_export import CachedCheck, trace_inputs
 from softq.export.verify import ExportCheck
 from softq.export.wrappers import example_feeds, unwrap_sentence_transformer, wrap_for_export
 from softq.models import is_causal, max_tokens
@@ -81,14 +82,16 @@ LINEAR_FORMS = ("integer", "qdq", "dynamic")
 
 
 def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str], outputs: list[str],
-           shapes: list[tuple[int, ...]]) -> onnx.ModelProto:
+           shapes: list[tuple[int, ...]], dynamic: dict[str, dict[int, str]] | None = None) -> onnx.ModelProto:
     """The traced file; ``shapes``: the outputs' shapes on ``feeds`` (:func:`_run_once`).  Outputs declare a
     dynamic batch, a dynamic sequence where they have one (text outputs of rank 3: per token), the rest as
-    computed (a sequence classifier's ``[batch, labels]``)."""
-    text = names[0] == "input_ids"  # images and audio features: a fixed size, the batch dynamic
-    dynamic = {n: {0: "batch", 1: "seq"} if text else {0: "batch"} for n in names}
-    for o, shape in zip(outputs, shapes):
-        dynamic[o] = {0: "batch", 1: "seq"} if text and len(shape) >= 3 else {0: "batch"}
+    computed (a sequence classifier's ``[batch, labels]``); ``dynamic``, where given, names every dynamic axis
+    instead (a decoder with a KV cache: :meth:`softq.export.cache_layout.CacheLayout.dynamic_axes`)."""
+    if dynamic is None:
+        text = names[0] == "input_ids"  # images and audio features: a fixed size, the batch dynamic
+        dynamic = {n: {0: "batch", 1: "seq"} if text else {0: "batch"} for n in names}
+        for o, shape in zip(outputs, shapes):
+            dynamic[o] = {0: "batch", 1: "seq"} if text and len(shape) >= 3 else {0: "batch"}
     args = (wrapper, tuple(feeds[n] for n in names))
     kwargs = dict(dynamo=False, opset_version=TORCH_OPSET, input_names=names, output_names=outputs,
                   dynamic_axes=dynamic, custom_opsets={MARKER_DOMAIN: 1}, do_constant_folding=True)
@@ -110,11 +113,6 @@ def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str],
                     model = onnx.load(str(Path(tmp) / "traced.onnx"))
         except torch.onnx.errors.UnsupportedOperatorError as err:
             raise ExportError(f"softq cannot export this model: {err}") from err
-    size = onnx_utils.tensor_bytes(model)
-    if size > onnx_utils.PROTOBUF_LIMIT:
-        raise ExportError(f"the exported graph's weights take {size / 1e9:.2f} GB (int8 codes where quantized, float "
-                          "elsewhere), over protobuf's 2 GiB limit for one ONNX file, and softq does not write ONNX "
-                          "external data yet")
     for value, shape in zip(model.graph.output, shapes):
         dims = value.type.tensor_type.shape.dim
         for axis, dim in enumerate(dims):
@@ -131,15 +129,16 @@ def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str],
 
 def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = None, probs_outputs: bool = False,
                weight_storage: str = "int8", embeddings: str | None = None, pooling: str | None = None,
-               normalize: bool = False, linears: str = "integer") -> onnx.ModelProto:
+               normalize: bool = False, linears: str = "integer", kv_cache: bool = False) -> onnx.ModelProto:
     """The checked ONNX model of a softq-quantized model (not written anywhere)."""
     return _build_checked(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling,
-                          normalize, linears, verify=False)[0]
+                          normalize, linears, verify=False, kv_cache=kv_cache)[0]
 
 
 def _build_checked(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_outputs: bool,
                    weight_storage: str, embeddings: str | None, pooling: str | None, normalize: bool,
-                   linears: str, verify: bool = True) -> tuple[onnx.ModelProto, ExportCheck | None]:
+                   linears: str, verify: bool = True, kv_cache: bool = False
+                   ) -> tuple[onnx.ModelProto, ExportCheck | CachedCheck | None]:
     """:func:`build_onnx`, and with ``verify`` what the written file must reproduce (:class:`ExportCheck`, one
     forward of the quantized model on the example; None without ``verify``)."""
     from softq.quant import is_quantized
@@ -179,7 +178,7 @@ def _build_checked(qmodel: nn.Module, example_inputs: Any, softmax: str | None, 
                           "linears='integer' or 'qdq'")
     try:
         return _build(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling, normalize,
-                      linears, verify)
+                      linears, verify, kv_cache)
     finally:
         STATE.clear()
 
@@ -197,8 +196,8 @@ def _quantization_off(qmodel: nn.Module) -> list[str]:
 
 
 def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_outputs: bool, weight_storage: str,
-           embeddings: str | None, pooling: str | None, normalize: bool, linears: str, verify: bool
-           ) -> tuple[onnx.ModelProto, ExportCheck | None]:
+           embeddings: str | None, pooling: str | None, normalize: bool, linears: str, verify: bool,
+           kv_cache: bool = False) -> tuple[onnx.ModelProto, ExportCheck | CachedCheck | None]:
     """:func:`build_onnx` after its argument checks, with the quantized torch model's outputs on the example."""
     model, layers = export_copy(qmodel, weight_storage, embeddings)
     representations = list(dict.fromkeys(info["representation"] for info in layers.values()))
@@ -209,8 +208,14 @@ def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_ou
         raise ExportError(f"softmax form {softmax!r} takes integer score codes; this model keeps its softmax input float "
                           "(softmax_input='float', what the default 'auto' means for row codes): export it with "
                           "softmax='fast', or quantize with softmax_input='row' (CLI: --softmax-input row)")
-    wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
-    feeds = example_feeds(qmodel, example_inputs, names)
+    dynamic = None
+    if kv_cache:
+        if pooling is not None:
+            raise ExportError("kv_cache exports a language model's logits; pooling takes a headless encoder")
+        wrapper, names, outputs, feeds, dynamic = trace_inputs(qmodel, model, example_inputs)
+    else:
+        wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
+        feeds = example_feeds(qmodel, example_inputs, names)
     if softmax == "ort" and is_causal(qmodel):
         raise ExportError(
             "softmax='ort' cannot export a causal model: QLinearSoftmax has no mask input, so every row's future "
@@ -225,8 +230,11 @@ def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_ou
         )
     shapes = _run_once(wrapper, feeds, "the quantized model")
     # QLinearSoftmax has no mask input: the 'ort' file is exact on unpadded examples only (warned above)
-    check = ExportCheck.of(qmodel, feeds, pooling, normalize, unpadded_only=softmax == "ort") if verify else None
-    onnx_model = _trace(wrapper, feeds, names, outputs, shapes)
+    if kv_cache:
+        check = CachedCheck.of(qmodel, example_inputs, wrapper.layout) if verify else None
+    else:
+        check = ExportCheck.of(qmodel, feeds, pooling, normalize, unpadded_only=softmax == "ort") if verify else None
+    onnx_model = _trace(wrapper, feeds, names, outputs, shapes, dynamic)
     onnx_utils.unshare_int_initializers(onnx_model)
     onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
     onnx_model, _ = onnx_utils.dedupe(onnx_utils.prune(onnx_model))
@@ -241,13 +249,14 @@ def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_ou
 
         entry = onnx_model.metadata_props.add()
         entry.key, entry.value = INT64_CORE_KEY, "true"
-    onnx.checker.check_model(onnx_model, full_check=True)
+    onnx_utils.check(onnx_model)
     return onnx_model, check
 
 
 def build_onnx_float(model: nn.Module, example_inputs: Any, pooling: str | None = None,
-                     normalize: bool = False) -> onnx.ModelProto:
-    """The float ONNX model (softq attention, no quantization) with the same inputs and outputs."""
+                     normalize: bool = False, kv_cache: bool = False) -> onnx.ModelProto:
+    """The float ONNX model (softq attention, no quantization) with the same inputs and outputs (``kv_cache``:
+    a decoder's file with past and present keys and values, as :func:`to_onnx`)."""
     from softq.attention import configure_attention
     from softq.quant import is_quantized
 
@@ -256,13 +265,18 @@ def build_onnx_float(model: nn.Module, example_inputs: Any, pooling: str | None 
     model, example_inputs, pooling, normalize = unwrap_sentence_transformer(model, example_inputs, pooling, normalize)
     model = as_float32(copy.deepcopy(model).eval())
     configure_attention(model)
-    wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
-    feeds = example_feeds(model, example_inputs, names)
+    dynamic = None
+    if kv_cache:
+        wrapper, names, outputs, feeds, dynamic = trace_inputs(model, model, example_inputs)
+    else:
+        wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
+        feeds = example_feeds(model, example_inputs, names)
     shapes = _run_once(wrapper, feeds, "the float model")
-    onnx_model = onnx_utils.drop_identity_casts(onnx_utils.prune(_trace(wrapper, feeds, names, outputs, shapes)))
+    onnx_model = onnx_utils.drop_identity_casts(onnx_utils.prune(_trace(wrapper, feeds, names, outputs, shapes,
+                                                                        dynamic)))
     _mark_max_length(onnx_model, model, names)
     _mark_right_padding(onnx_model, model, names)
-    onnx.checker.check_model(onnx_model, full_check=True)
+    onnx_utils.check(onnx_model)
     return onnx_model
 
 
@@ -307,7 +321,7 @@ def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> 
 def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | None = None, overwrite: bool = False,
             probs_outputs: bool = False, weight_storage: str = "int8", embeddings: str | None = None,
             pooling: str | None = None, normalize: bool = False, linears: str = "integer",
-            names: str = "short", verify: bool = True) -> str:
+            names: str = "short", verify: bool = True, kv_cache: bool = False) -> str:
     """Export a softq-quantized model to ONNX with an integer softmax; returns the path written.
 
     The file checks itself before it replaces anything at ``path``: onnxruntime runs it on ``example_inputs`` and
@@ -372,6 +386,12 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     output ``sentence_embedding`` (L2-normalised with ``normalize``), what a
     sentence-transformers folder computes (``softq.hf.load_model_dir`` reads both).
 
+    ``kv_cache``: a causal language model's file for generation (:mod:`softq.export.decoder_export`): inputs
+    ``input_ids``, ``attention_mask`` (past and new tokens), ``position_ids`` and ``past_key_values.{i}.key`` /
+    ``.value`` per layer, outputs ``logits`` and ``present.{i}.key`` / ``.value``; one file for the prefill (a past
+    of 0 tokens) and the decode steps, the same integer softmax cores; the check runs a prefill of
+    ``example_inputs`` (at least 2 tokens) and one decode step.  :func:`softq.export.generate.generate` runs it.
+
     ``names``: ``"short"`` (default) gives every internal tensor a short name and
     drops node names (:func:`softq.export.onnx_utils.compact_names`; inputs and
     outputs keep theirs): the exporter's long names take several percent of an
@@ -382,14 +402,15 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
         raise ValueError(f"names must be 'short' or 'full', got {names!r}")
     onnx_utils.check_writable(path, overwrite)  # fail before the (slow) export
     model, check = _build_checked(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling,
-                                  normalize, linears, verify)
+                                  normalize, linears, verify, kv_cache)
     if names == "short":
         model, _ = onnx_utils.compact_names(model)
     return str(onnx_utils.save_atomic(model, path, overwrite, verify=check.verify if check else None))
 
 
 def to_onnx_float(model: nn.Module, path: str, example_inputs: Any, overwrite: bool = False,
-                  pooling: str | None = None, normalize: bool = False) -> str:
+                  pooling: str | None = None, normalize: bool = False, kv_cache: bool = False) -> str:
     """Export the float model with the same interface (the FP32 baseline of the benchmarks)."""
     onnx_utils.check_writable(path, overwrite)
-    return str(onnx_utils.save_atomic(build_onnx_float(model, example_inputs, pooling, normalize), path, overwrite))
+    return str(onnx_utils.save_atomic(build_onnx_float(model, example_inputs, pooling, normalize, kv_cache), path,
+                                      overwrite))

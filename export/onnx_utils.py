@@ -8,6 +8,7 @@ moved into place with ``os.replace``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
@@ -52,32 +53,64 @@ def save_atomic(model: onnx.ModelProto, path: str | os.PathLike, overwrite: bool
     Raises ``FileExistsError`` if ``path`` exists and ``overwrite`` is false, and
     ``onnx.checker.ValidationError`` (nothing written) if the model fails the full check.  ``verify``, given the
     temporary file's path, may raise too (the export's self-check); nothing is written then either.
+
+    A model whose tensors take more than :data:`PROTOBUF_LIMIT` bytes (one protobuf message holds at most 2 GiB) is
+    written with its tensors as ONNX external data, in one file beside it named ``{path.name}.{token}.data``
+    (``model``'s tensors then point at it).  The data file has a name of its own each time, so that the ``.onnx``
+    is the one file replaced: a reader sees the old file with its old data or the new file with its new data,
+    never one with the other's; the data files the old ``.onnx`` referenced are removed after the replace.
     """
+    import shutil
+    import uuid
+
     path = check_writable(path, overwrite)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     except OSError as err:
         raise PermissionError(f"cannot write to output directory {path.parent}: {err.strerror}") from err
-    os.close(fd)
+    tmp = folder / path.name
+    data = f"{path.name}.{uuid.uuid4().hex[:12]}.data" if tensor_bytes(model) > PROTOBUF_LIMIT else None
     try:
-        onnx.save_model(model, tmp)
-        onnx.checker.check_model(tmp, full_check=True)
+        if data is None:
+            onnx.save_model(model, str(tmp))
+        else:
+            onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True, location=data,
+                            size_threshold=1024)
+        onnx.checker.check_model(str(tmp), full_check=True)
         if verify is not None:
-            verify(tmp)
+            verify(str(tmp))
         if path.exists() and not overwrite:  # appeared while we were writing
             raise FileExistsError(f"{path} appeared during export; pass overwrite=True to replace it")
+        old = external_files(path) if path.is_file() else set()
         default_mode(tmp)
+        if data is not None:
+            default_mode(folder / data)
+            os.replace(folder / data, path.parent / data)
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        for name in old - {data}:
+            with contextlib.suppress(OSError):
+                (path.parent / name).unlink()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     return path
 
 
+def external_files(path: str | os.PathLike) -> set[str]:
+    """The external data files an ONNX file references (names relative to its folder; none for a plain file)."""
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not an ONNX file: it references nothing softq would remove
+        return set()
+    return {e.value for t in onnx.external_data_helper._get_all_tensors(model)
+            if t.data_location == onnx.TensorProto.EXTERNAL for e in t.external_data if e.key == "location"}
+
+
 def check(model: onnx.ModelProto) -> None:
-    """``onnx.checker.check_model(full_check=True)`` (runs shape inference strictly)."""
-    onnx.checker.check_model(model, full_check=True)
+    """``onnx.checker.check_model(full_check=True)`` (runs shape inference strictly).  A model past
+    :data:`PROTOBUF_LIMIT` cannot be checked in memory (the checker serializes it): :func:`save_atomic` checks its
+    file, with the external data, instead."""
+    if tensor_bytes(model) <= PROTOBUF_LIMIT:
+        onnx.checker.check_model(model, full_check=True)
 
 
 def op_counts(model: onnx.ModelProto) -> Counter[tuple[str, str]]:
@@ -218,7 +251,8 @@ def unshare_int_initializers(model: onnx.ModelProto) -> int:
     return len(copies)
 
 
-PROTOBUF_LIMIT = 2**31  # bytes: one ONNX file (a protobuf message) is at most 2 GiB
+# bytes: one ONNX file (a protobuf message) is at most 2 GiB; past it save_atomic writes external data
+PROTOBUF_LIMIT = 2**31
 
 
 def tensor_bytes(model: onnx.ModelProto) -> int:

@@ -1,0 +1,164 @@
+"""Decoder files with a KV cache (``to_onnx(..., kv_cache=True)``) and generation from them in onnxruntime.
+
+The tiny Llama (grouped K/V heads, RoPE) is quantized once; its cached file must give the quantized torch model's
+greedy ``generate()`` tokens (left-padded batches included), sample reproducibly, refuse a file whose decode step
+is wrong, and write ONNX external data past protobuf's limit (lowered here).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_families import build, inputs
+
+import softq
+from softq.cli import main
+from softq.export import onnx_utils
+from softq.export.decoder_export import CachedDecoder
+from softq.export.errors import ExportError
+from softq.export.generate import generate
+from softq.export.model_export import to_onnx
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+EOS = 2  # the tiny Llama's end-of-sequence id (LlamaConfig's default)
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory):
+    """(quantized tiny Llama, its cached file, the folder)."""
+    model = build("llama").eval()
+    calib = [{k: torch.from_numpy(v) for k, v in inputs(model, seed, 2, 12, padded=False).items()} for seed in range(2)]
+    qmodel = softq.quantize(model, calib, softq.QuantConfig())
+    folder = tmp_path_factory.mktemp("cache")
+    example = torch.from_numpy(inputs(model, 9, 2, 12, padded=False)["input_ids"])
+    return qmodel, to_onnx(qmodel, str(folder / "llama.onnx"), example, kv_cache=True), folder
+
+
+def _prompt(seed: int, batch: int, tokens: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, 96, (batch, tokens))
+
+
+def test_file_has_past_and_present_of_every_layer(cached):
+    qmodel, path, _ = cached
+    session = onnx_utils.session(path)
+    names = [i.name for i in session.get_inputs()]
+    layers = qmodel.config.num_hidden_layers
+    assert names == ["input_ids", "attention_mask", "position_ids",
+                     *(f"past_key_values.{i}.{p}" for i in range(layers) for p in ("key", "value"))]
+    assert [o.name for o in session.get_outputs()] == ["logits", *(f"present.{i}.{p}" for i in range(layers)
+                                                                   for p in ("key", "value"))]
+    assert session.get_inputs()[3].shape[1] == qmodel.config.num_key_value_heads  # the cache keeps the K/V heads
+
+
+def test_greedy_tokens_equal_torch_generate_left_padded_batch(cached):
+    """Prefill from an empty past, then one step per token on the file's own present: torch's generate() tokens,
+    a left-padded row included (positions from the mask), finished rows padded with the end-of-sequence id."""
+    qmodel, path, _ = cached
+    ids = _prompt(3, 3, 9)
+    mask = np.ones_like(ids)
+    mask[1, :4] = 0  # left padding, as generate() batches prompts
+    ids[1, :4] = 0
+    with torch.no_grad():
+        want = qmodel.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=12,
+                               do_sample=False, pad_token_id=EOS, eos_token_id=EOS).numpy()
+    got = generate(path, ids, 12, attention_mask=mask, eos_token_id=EOS)
+    assert got.shape == want.shape and got.shape[1] > ids.shape[1] + 4
+    np.testing.assert_array_equal(got, want)
+
+
+def test_sampling_is_seeded_and_top_k_one_is_greedy(cached):
+    _, path, _ = cached
+    ids = _prompt(4, 2, 6)
+    runs = [generate(path, ids, 8, do_sample=True, temperature=1.5, top_k=40, top_p=0.95, seed=s) for s in (7, 7, 8)]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    assert not np.array_equal(runs[0], runs[2])
+    assert runs[0].min() >= 0 and runs[0].max() < 96
+    np.testing.assert_array_equal(generate(path, ids, 8, do_sample=True, top_k=1, seed=3), generate(path, ids, 8))
+
+
+def test_a_file_wrong_at_decode_is_refused(cached, tmp_path, monkeypatch):
+    """A graph that ignores its past is right at the prefill and wrong at every decode step: the check's decode step
+    refuses it in one line, and nothing is written."""
+    qmodel, _, _ = cached
+    forward = CachedDecoder.forward
+
+    def forgetful(self, input_ids, attention_mask, position_ids, *past):  # noqa: ANN001, ANN202
+        return forward(self, input_ids, attention_mask, position_ids, *(p * 0 for p in past))
+
+    monkeypatch.setattr(CachedDecoder, "forward", forgetful)
+    with pytest.raises(ExportError, match=r"^the exported file's decode logits is .*% off the quantized torch model"
+                                          r"[^\n]*nothing was written$"):
+        to_onnx(qmodel, str(tmp_path / "bad.onnx"), torch.from_numpy(_prompt(5, 1, 8)), kv_cache=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_inputs_are_one_line(cached, tmp_path):
+    qmodel, path, _ = cached
+    with pytest.raises(ExportError, match="at least 2 tokens"):
+        to_onnx(qmodel, str(tmp_path / "m.onnx"), torch.tensor([[5]]), kv_cache=True)
+    with pytest.raises(ValueError, match="outside this file's vocabulary of 96"):
+        generate(path, [[3, 400]], 2)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        generate(path, [[3, 4]], 2, do_sample=True, top_p=1.5)
+    full = to_onnx(qmodel, str(tmp_path / "full.onnx"), torch.from_numpy(_prompt(6, 1, 8)))
+    with pytest.raises(ValueError, match=r"^this ONNX file has no KV cache inputs \(past_key_values\.0\.key \.\.\.\)$"):
+        generate(full, [[3, 4]], 2)
+
+
+def test_external_data_past_the_protobuf_limit(cached, tmp_path, monkeypatch):
+    """Past the limit (lowered to a few KB) the weights go to one data file beside the .onnx, named afresh on each
+    write: the checked, verified file generates the same tokens, and a rewrite removes the data it replaced."""
+    qmodel, path, _ = cached
+    monkeypatch.setattr(onnx_utils, "PROTOBUF_LIMIT", 4096)
+    example = torch.from_numpy(inputs(qmodel, 9, 2, 12, padded=False)["input_ids"])
+    target = tmp_path / "big.onnx"
+    to_onnx(qmodel, str(target), example, kv_cache=True)
+    first = sorted(p.name for p in tmp_path.iterdir())
+    assert len(first) == 2 and first[0] == "big.onnx" and first[1].startswith("big.onnx.")
+    assert target.stat().st_size < (tmp_path / first[1]).stat().st_size  # the weights are in the data file
+    ids = _prompt(8, 2, 5)
+    np.testing.assert_array_equal(generate(str(target), ids, 6), generate(path, ids, 6))
+    to_onnx(qmodel, str(target), example, kv_cache=True, overwrite=True)
+    second = sorted(p.name for p in tmp_path.iterdir())
+    assert len(second) == 2 and second[1] != first[1]
+
+
+def test_cli_generates_from_a_quantized_directory_and_a_file(cached, tmp_path, capsys):
+    from softq.quant.io import save
+
+    qmodel, path, _ = cached
+    save(qmodel, tmp_path / "q")
+    want = generate(path, [[50, 60, 70]], 5, eos_token_id=EOS)[0, 3:].tolist()
+    assert len(want) == 5 and EOS not in want
+    assert main(["generate", str(tmp_path / "q"), "--prompt-ids", "50,60,70", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.split() == [str(t) for t in want]
+    assert main(["generate", path, "--prompt-ids", "50,60,70", "--max-new-tokens", "5", "--sample", "--seed", "1"]) == 0
+    sampled = capsys.readouterr().out.split()  # a file carries no end-of-sequence id: all 5 tokens
+    assert sampled == [str(t) for t in generate(path, [[50, 60, 70]], 5, do_sample=True, seed=1)[0, 3:]]
+    assert main(["generate", path, "--prompt", "hello"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("softq generate: error: ") and "has no tokenizer" in err and "--prompt-ids" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_onnxruntime_genai_runs_the_file_with_its_config(cached, tmp_path):
+    """onnxruntime-genai's generator runs softq's cached file as it is, given the genai_config.json softq writes:
+    the same greedy tokens."""
+    og = pytest.importorskip("onnxruntime_genai")
+    import shutil
+
+    from softq.export.genai import write_genai_config
+
+    qmodel, path, _ = cached
+    shutil.copy(path, tmp_path / "model.onnx")
+    write_genai_config(tmp_path / "model.onnx", qmodel.config)
+    model = og.Model(str(tmp_path))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=15, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([[50, 60, 70, 11, 12]], np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    want = generate(path, [[50, 60, 70, 11, 12]], 10, eos_token_id=EOS)[0]
+    np.testing.assert_array_equal(np.asarray(generator.get_sequence(0), np.int64), want)
