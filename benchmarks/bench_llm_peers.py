@@ -3,13 +3,14 @@
 Writes docs/results/llm_peers.md (atomically) with the command that produced it.
 
     make peers                                   # the peers' two virtual environments (below), once
-    python benchmarks/bench_llm_peers.py         # 3+3 calibration rounds, 5 decode rounds (about 25 min)
+    python benchmarks/bench_llm_peers.py         # 3+3 calibration rounds, 5 decode rounds (17 min on 2 cores)
     python benchmarks/bench_llm_peers.py --quick # 1 calibration round, 2 decode rounds, 16 tokens: a smoke run
 
 * Calibration: llm-compressor's W8A8 example recipe (SmoothQuantModifier(smoothing_strength=0.8), then
   GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])) and softq's ``quantize`` with the default
-  ``QuantConfig()``, on the same 16 calibration windows of 1024 tokens, each in a fresh process of its own
-  virtual environment, one torch thread, alternating order over the rounds: the process's peak RSS after
+  ``QuantConfig()`` (and with ``softmax_bits=None``, the linears alone, as llm-compressor's W8A8 leaves attention
+  float), on the same 16 calibration windows of 1024 tokens, each in a fresh process of its own
+  virtual environment, one torch thread, in a rotating order over the rounds: the process's peak RSS after
   loading (imports, model, data) and after calibrating, and the calibration's seconds (medians over the rounds);
   held-out perplexity (45 windows of 1024) of each quantized model against the FP32 model, both computed in
   that process (first round). The same memory and time on a compute-bound Llama shape (87 M parameters,
@@ -65,7 +66,7 @@ PROMPT = 512
 SCALE_CALIB = (8, 512)  # random-id calibration windows of the compute-bound shape (memory and time only)
 BIG = dict(hidden_size=768, num_hidden_layers=6, num_attention_heads=12, num_key_value_heads=4,
            intermediate_size=2048, vocab_size=32000, max_position_embeddings=1024, tie_word_embeddings=False)
-TOOLS = ("softq", "llmcompressor")
+TOOLS = ("softq", "softq-linears", "llmcompressor")
 
 
 def plain_llama(config, state: dict | None, path: Path) -> Path:  # noqa: ANN001 - a LlamaConfig
@@ -92,17 +93,17 @@ def run_worker(python: str, args: list[str], log: Path, env: dict | None = None)
 
 
 def calibrate_all(pythons: dict[str, str], model_dir: Path, data: Path, rounds: int, work: Path,
-                  evaluate: bool = True) -> dict[str, dict]:
-    """Each tool's calibration in a fresh process per round, alternating which goes first."""
+                  evaluate: bool = True, tools: tuple[str, ...] = TOOLS) -> dict[str, dict]:
+    """Each tool's calibration in a fresh process per round, in a rotating order."""
     import softq
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     where = Path(softq.__file__).parent.parent  # the softq this run imports, for its worker too
     if (where / "softq").is_dir():
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(where), os.environ.get("PYTHONPATH")) if p)
-    results: dict[str, dict] = {t: {"runs": []} for t in TOOLS}
+    results: dict[str, dict] = {t: {"runs": []} for t in tools}
     for r in range(rounds):
-        for tool in (TOOLS if r % 2 == 0 else TOOLS[::-1]):
+        for tool in tools[r % len(tools):] + tools[:r % len(tools)]:
             if "error" in results[tool]:
                 continue
             out = work / f"{model_dir.name}-{tool}-{r}.json"
@@ -169,9 +170,10 @@ def calibration_lines(title: str, results: dict[str, dict], rounds: int, weights
              "(peak - loaded) / FP32 weights |",
              "|---|" + ("---|" * 3 if evaluated else "") + "---|---|---|---|---|---|"]
     labels = {"softq": "softq `quantize`, `QuantConfig()` (W8A8, 8-bit softmax)",
+              "softq-linears": "softq `quantize`, `QuantConfig(softmax_bits=None)` (the linears alone, as "
+                               "llm-compressor's W8A8)",
               "llmcompressor": "llm-compressor `oneshot`, SmoothQuant 0.8 + GPTQ W8A8"}
-    for tool in TOOLS:
-        res = results[tool]
+    for tool, res in results.items():
         if "error" in res and not res["runs"]:
             lines.append(f"| {labels[tool]} | could not run: `{res['error']}` |" + " |" * (8 if evaluated else 5))
             continue
@@ -214,7 +216,8 @@ def main() -> int:
     start = time.time()
     task = reference_task("lm", family="llama", steps=STEPS)
     cfg = task.model.config
-    pythons = {"softq": sys.executable, "llmcompressor": str(args.peers_venv / "bin" / "python")}
+    pythons = {"softq": sys.executable, "softq-linears": sys.executable,
+               "llmcompressor": str(args.peers_venv / "bin" / "python")}
     onnx_python = str(args.onnx_venv / "bin" / "python")
     with tempfile.TemporaryDirectory(prefix="softq-peers-") as tmp:
         work = Path(tmp)
@@ -229,7 +232,8 @@ def main() -> int:
         big_data = work / "big-data.pt"
         torch.save({"calib": torch.randint(0, BIG["vocab_size"], SCALE_CALIB,
                                            generator=torch.Generator().manual_seed(1))}, big_data)
-        big_calib = (calibrate_all(pythons, big_dir, big_data, args.scale_rounds, work, evaluate=False)
+        big_calib = (calibrate_all(pythons, big_dir, big_data, args.scale_rounds, work, evaluate=False,
+                                   tools=("softq", "llmcompressor"))
                      if args.scale_rounds else None)
 
         prompt = task.eval_inputs[0]["input_ids"][0, :PROMPT].tolist()

@@ -2,7 +2,7 @@
 measured (softq's own, or the peers' environments of ``make peers``), so that each process's peak RSS is its
 own calibration's.
 
-    python llm_peers_worker.py calibrate {softq,llmcompressor} MODEL_DIR DATA.pt OUT.json [--eval]
+    python llm_peers_worker.py calibrate {softq,softq-linears,llmcompressor} MODEL_DIR DATA.pt OUT.json [--eval]
     python llm_peers_worker.py export-optimum MODEL_DIR OUT_DIR
 
 ``MODEL_DIR`` is a plain Hugging Face LlamaForCausalLM directory (save_pretrained); ``DATA.pt`` holds
@@ -51,10 +51,13 @@ def load(model_dir: str):  # noqa: ANN201
     return model.eval()
 
 
-def calibrate_softq(model, calib) -> object:  # noqa: ANN001
+def calibrate_softq(model, calib, linears_only: bool = False) -> object:  # noqa: ANN001
+    """softq's default ``QuantConfig()``; ``linears_only``: ``softmax_bits=None``, the softmax and P.V float as in
+    llm-compressor's W8A8."""
     import softq
 
-    return softq.quantize(model, [{"input_ids": row.unsqueeze(0)} for row in calib], softq.QuantConfig())
+    config = softq.QuantConfig(softmax_bits=None) if linears_only else softq.QuantConfig()
+    return softq.quantize(model, [{"input_ids": row.unsqueeze(0)} for row in calib], config)
 
 
 def id_tokenizer(vocab_size: int):  # noqa: ANN201 - a PreTrainedTokenizerFast
@@ -98,7 +101,10 @@ def calibrate(tool: str, model_dir: str, data_path: str, out_path: str, evaluate
         import softq  # noqa: F401
     result = {"tool": tool, "rss_loaded_mib": peak_rss_mib()}
     start = time.perf_counter()
-    quantized = (calibrate_llmcompressor if tool == "llmcompressor" else calibrate_softq)(model, data["calib"])
+    if tool == "llmcompressor":
+        quantized = calibrate_llmcompressor(model, data["calib"])
+    else:
+        quantized = calibrate_softq(model, data["calib"], linears_only=tool == "softq-linears")
     result["calib_s"] = time.perf_counter() - start
     result["rss_peak_mib"] = peak_rss_mib()
     if evaluate:
@@ -128,7 +134,7 @@ def export_optimum(model_dir: str, out_dir: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["calibrate"] and len(argv) in (5, 6) and argv[1] in ("softq", "llmcompressor"):
+    if argv[:1] == ["calibrate"] and len(argv) in (5, 6) and argv[1] in ("softq", "softq-linears", "llmcompressor"):
         calibrate(argv[1], argv[2], argv[3], argv[4], "--eval" in argv[5:])
         return 0
     if argv[:1] == ["export-optimum"] and len(argv) == 3:
