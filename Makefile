@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.softq-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean peers
 
 setup: $(STAMP)
 
@@ -24,6 +24,21 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -n 2  # one worker per core (pytest-xdist)
+
+# The LLM peers of benchmarks/bench_llm_peers.py, each in its own environment (never softq's): llm-compressor
+# 0.14.0.1 needs transformers 5.15-5.17, optimum-onnx 0.1.0 needs transformers < 4.58.
+PEERS_VENV ?= /work/peers-venv
+ONNX_VENV ?= /work/peers-venv-onnx
+
+peers:
+	echo torch==2.13.0 > .peers-constraints.txt
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --quiet torch==2.13.0
+	$(PEERS_VENV)/bin/pip install --quiet -c .peers-constraints.txt llmcompressor==0.14.0.1
+	$(PYTHON) -m venv $(ONNX_VENV)
+	$(ONNX_VENV)/bin/pip install --quiet torch==2.13.0
+	$(ONNX_VENV)/bin/pip install --quiet -c .peers-constraints.txt optimum-onnx==0.1.0 onnxruntime==1.32.0
+	rm -f .peers-constraints.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info
