@@ -118,6 +118,9 @@ class QuantConfig:
         embedding_bits: bits of embedding tables (one scale per row), or ``None`` to keep them float.
         embedding_min_rows: tables with fewer rows stay float (BERT's 2-row token-type table is added to every token).
         exclude: substrings of module names whose Linear layers and embeddings stay float.
+        calibration: ``model`` runs every pass on the whole model; ``blocks`` one transformer block at a time on the
+            inputs captured at its entrance (peak memory: the model and one block's working set); ``auto``: blocks
+            from 256 MiB of weights or where the whole-model path's copies would not fit in free memory.
     """
 
     weight_bits: int = 8
@@ -141,8 +144,11 @@ class QuantConfig:
     embedding_bits: int | None = 8
     embedding_min_rows: int = EMBEDDING_MIN_ROWS
     exclude: tuple[str, ...] = ()
+    calibration: Literal["auto", "model", "blocks"] = "auto"
 
     def __post_init__(self) -> None:
+        if self.calibration not in ("auto", "model", "blocks"):
+            raise ValueError(f"calibration must be 'auto', 'model' or 'blocks', got {self.calibration!r}")
         for name in ("weight_bits", "act_bits", "softmax_bits"):
             value = getattr(self, name)
             if name == "softmax_bits" and value is None:

@@ -47,7 +47,9 @@ from softq.quant.config import (AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUT
 from softq.quant.copies import _collect, independent_copy
 from softq.quant.held_out import _held_out_split, _outputs
 from softq.quant.layers import QLinear
+from softq.quant import sequential
 from softq.quant.points import _finish, prepare, residual_prefix, set_mode
+from softq.quant.quantizers import SoftmaxOutputQuantizer
 from softq.quant.smoothing_search import _scope, _search_smoothing, _smooth_observed
 from softq.quant.softmax_bias import correct_softmax_bias
 from softq.quant.v_fold import _fold_into_v_if_better, fold_smoothing_into_v
@@ -137,19 +139,36 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
         smoothed = smooth_inputs(qmodel, batches, alphas[0], min_ratio, exclude=config.exclude)
         alphas = (alphas[0] if smoothed else None,)
     fit, held = split if search else (batches, [])
-    # the float model's outputs on the held-out batches (before prepare: an inplace model is qmodel)
-    reference = _outputs(qmodel, split[1]) if split is not None else None
+    blocks = sequential.wanted(qmodel, config)
+    # the float model's outputs on the held-out batches (before prepare: an inplace model is qmodel), and block by
+    # block each block's outputs there
+    block_refs = None
+    if split is not None and blocks:
+        reference, block_refs = sequential.float_references(qmodel, split[1])
+    else:
+        reference = _outputs(qmodel, split[1]) if split is not None else None
     prepare(qmodel, config)
+    skip = config.exclude + tuple(name for name, m in qmodel.named_modules()
+                                         if isinstance(m, nn.Linear) and not isinstance(m, QLinear))
+    if blocks and sequential.runs_blocks(qmodel, config):
+        plan = sequential.Plan(alphas, search, min_ratio, one_pass, foldable, fold_auto, skip)
+        sequential.calibrate(qmodel, config, batches, fit, held, split[1] if split else [], reference, block_refs,
+                             plan)
+        sequential.report(qmodel, plan, unjudged)
+        if config.bias_correction is not None and not any(isinstance(m, SoftmaxOutputQuantizer)
+                                                          for m in qmodel.modules()):
+            raise ValueError("softmax bias correction needs a quantized softmax output (softmax_bits)")
+        _collect(qmodel)
+        return qmodel
 
     set_mode(qmodel, "observe")
     recorder = InputRecorder(qmodel, smoothable_linears(qmodel)) if one_pass else None
     errors = folded_errors = None
     folded = False  # smoothing only the inputs that fold into a LayerNorm (no run-time cost)
-    # groups never smoothed: excluded, or reading into a Linear that stays float.  A tied Linear (GPT-2's lm_head,
-    # which shares the token table) may be: prepare gave the quantized Linear weights of its own, and those are
-    # what the smoothing scales (the reference LM at 256 characters: logit distance to FP32 9.3e-6 -> 6.3e-6)
-    skip = config.exclude + tuple(name for name, m in qmodel.named_modules()
-                                         if isinstance(m, nn.Linear) and not isinstance(m, QLinear))
+    # groups never smoothed (skip, above): excluded, or reading into a Linear that stays float.  A tied Linear
+    # (GPT-2's lm_head, which shares the token table) may be: prepare gave the quantized Linear weights of its own,
+    # and those are what the smoothing scales (the reference LM at 256 characters: logit distance to FP32 9.3e-6 ->
+    # 6.3e-6)
     try:
         run_batches(qmodel, fit, desc="calibrating ranges")
         if search:
