@@ -30,6 +30,7 @@ held-out batches), ``v_fold.py`` (``smoothing_into_v``), ``weight_bias.py`` and
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -68,7 +69,8 @@ def quantize(
     ``calib_data`` is an iterable of model inputs (tensors taken as the main
     input, or dicts of keyword inputs).  The result is called and evaluated
     exactly like the original model.  The original is left untouched unless
-    ``inplace=True``.  A ``sentence_transformers.SentenceTransformer`` also takes a list of
+    ``inplace=True``, or unless a copy of it would not fit in the free memory (then a warning says it is quantized
+    in place).  A ``sentence_transformers.SentenceTransformer`` also takes a list of
     texts: its Hugging Face model is quantized (:func:`_quantize_sentence_transformer`).
     """
     if is_sentence_transformer(model):
@@ -90,6 +92,10 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     if is_quantized(model):
         raise ValueError("the model is already quantized (returned by softq.quantize); pass the float model")
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        if any(hasattr(m, "_hf_hook") for m in model.modules()):
+            raise ValueError("the model is dispatched by accelerate with weights offloaded to CPU or disk (their "
+                             "parameters are on the meta device): softq calibrates a model whose weights are all loaded; "
+                             "load it without offload (device_map=None, or one device that holds it)")
         raise ValueError("the model's weights are on the meta device (no values): load real weights first "
                          "(e.g. from_pretrained without device_map='meta', or model.to_empty() and load_state_dict)")
     names = [name for name, _ in model.named_modules()]
@@ -101,6 +107,10 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     discover(model, batches[0])  # finds the attention modules, or one line on what stops softq
     residual_prefix(model, config)  # and for a prefix a causal LM cannot have
     _try_forward(model, batches[0])
+    if not inplace and not sequential.copy_fits(model):
+        warnings.warn(f"softq.quantize: a copy of the model ({sequential.model_bytes(model) / 1e9:.1f} GB) would not "
+                      "fit in the free memory; quantizing it in place (inplace=True)", UserWarning, stacklevel=3)
+        inplace = True
     qmodel = model if inplace else independent_copy(model)
     qmodel.eval()
     conv1d_to_linear(qmodel)

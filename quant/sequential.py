@@ -1,24 +1,25 @@
 """Block-by-block calibration (``QuantConfig.calibration="blocks"``): one transformer block at a time.
 
-The calibration inputs are captured where they enter the transformer blocks, in one
-forward pass per batch with every block's forward swapped for a recorder that hands
-its input on unchanged (each block's own keyword inputs are kept: Gemma 2 gives its
-sliding and global layers different masks).  Then each block, and last the modules
-after the blocks (final norm, ``lm_head``), is calibrated as a small model of its own
-(:class:`_Stage`) by the same passes ``quantize`` runs on a whole model: range
-observation, ``input_smoothing="auto"``'s search (its candidates are copies of the
-one block), ``smoothing_into_v``, the weight and softmax bias corrections.  Only the
-block inputs are kept, never a copy of the model.
+The calibration inputs are captured where they enter the transformer blocks (the items of the list that holds the
+discovered attention modules), in one forward pass per batch stopped at the last block; each block's own keyword
+inputs are kept (Gemma 2 gives its sliding and global layers different masks).  Then each block, and last the
+modules after the blocks (final norm, ``lm_head``), is calibrated as a small model of its own (:class:`_Stage`) by
+the passes ``quantize`` runs on a whole model: range observation, ``input_smoothing="auto"``'s search (its
+candidates are copies of the one block), ``smoothing_into_v``, the weight and softmax bias corrections.  Only the
+block inputs are kept, never a copy of the model: peak memory is the model and one block's working set.
 
-Each pass sees the inputs it sees in the whole-model path, carried from block to block
-as separate streams: the observation pass the observed model's outputs (float
-activations, the weights as they were before smoothing), the weight bias correction
-the uncorrected quantized model's, the softmax bias correction the weight-corrected
-model's.  So with a fixed ``input_smoothing`` (or none) the result is bit-identical to
-the whole-model path.  What differs is ``"auto"``: its search picks an alpha per
-block, judged on the block's output (the float model's output of that block against
-the block fed by the quantized blocks before it), where the whole-model path picks one
-alpha for the model on its output.
+Each pass sees the inputs it sees in the whole-model path, carried from block to block as separate streams: the
+observation pass the observed model's outputs (float activations, the weights as they were before smoothing), the
+weight bias correction the uncorrected quantized model's, the softmax bias correction the weight-corrected
+model's.  So with a fixed ``input_smoothing`` (an alpha or ``None``) and no fold into V (``smoothing_into_v=False``,
+or grouped-query attention, where nothing folds) the result is bit-identical to the whole-model path, every range,
+scale and bias shift (tests/test_sequential.py).  What differs:
+
+* ``input_smoothing="auto"`` picks an alpha per block, judged on the block's output (the float model's output of
+  that block against the block fed by the quantized blocks before it), where the whole-model path picks one alpha
+  for the model on its output; without a search, "auto"'s outlier rule is applied per block, not to the model;
+* ``smoothing_into_v`` re-observes V's range on the quantized blocks' outputs (the whole model observes all V
+  at once, the earlier ones still float) and, under ``"auto"``, judges the fold per block.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from torch import nn
 
 from softq.calib.data import Batch, run_batches
 from softq.calib.smoothquant import InputRecorder
-from softq.models import _NAMES, _no_cache, discover
+from softq.models import _NAMES, _no_cache, discover, probe_forward
 from softq.quant.config import QuantConfig
+from softq.quant.copies import COLLECT_ABOVE_BYTES
 from softq.quant.held_out import _outputs
 from softq.quant.layers import QLinear
 from softq.quant.points import _finish, act_quantizers, set_mode
@@ -121,6 +123,8 @@ class _Stage(nn.Module):
         self.parts = nn.ModuleDict({name.replace(".", "/"): m for name, m in parts.items()})
         self.shared, self.index = shared, index
         self.training = shared.model.training  # the passes restore a stage's mode onto its parts when done
+        # dropped copies (the searches' candidates) collected at once when the model is large (copies._collect)
+        self.softq_collect = model_bytes(shared.model) >= COLLECT_ABOVE_BYTES
         configured = tuple(f"parts.{key}.{n}" if n else f"parts.{key}" for key, m in self.parts.items()
                            for n, sub in m.named_modules() if getattr(sub, "softq", None) is not None
                            and type(getattr(sub, "softq")).__name__ == "AttentionPoints")
@@ -280,35 +284,29 @@ def float_references(model: nn.Module, held: list[Batch]) -> tuple[list[torch.Te
 
 def outside_blocks_quantized(model: nn.Module) -> list[str]:
     """Quantized modules that run before the first block (an embedding LayerNorm with a quantized residual stream,
-    a Linear or conv there): block-by-block calibration starts at the first block and would leave them uncalibrated."""
-    blocks = blocks_of(model)
-    first = blocks[0][0]
-    order: list[str] = []
+    a Linear or conv there): block-by-block calibration starts at the first block and would leave them uncalibrated.
+    Told by running the model (:func:`probe_forward`) up to the first block."""
+    first = blocks_of(model)[0][0]
     names = {id(m): n for n, m in model.named_modules()}
-    quantized = {id(m) for m in act_quantizers(model)} | {id(m) for m in _weight_only_convs(model).values()} \
-        | {id(m) for m in model.modules() if isinstance(m, QLinear)}
-    seen: list[str] = []
+    quantized = ({id(m) for m in act_quantizers(model)} | {id(m) for m in _weight_only_convs(model).values()}
+                 | {id(m) for m in model.modules() if isinstance(m, QLinear)})
+    ran: list[str] = []
 
     def pre(m: nn.Module, _args: tuple) -> None:
-        order.append(names[id(m)])
         if names[id(m)] == first:
             raise _Stop
+        if id(m) in quantized:
+            ran.append(names[id(m)])
 
     handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
     try:
-        from softq.models import probe_forward
-        try:
-            probe_forward(model)
-        except _Stop:
-            pass
+        probe_forward(model)
+    except _Stop:
+        pass
     finally:
         for h in handles:
             h.remove()
-    modules = dict(model.named_modules())
-    for name in order[:-1]:
-        if id(modules[name]) in quantized and not name.startswith(first + "."):
-            seen.append(name)
-    return seen
+    return ran
 
 
 @dataclass
@@ -322,7 +320,7 @@ class Plan:
     foldable: bool
     fold_auto: bool
     skip: tuple[str, ...]
-    chosen: list = field(default_factory=list)  # (stage, alpha, folded only, errors, folded errors)
+    chosen: list = field(default_factory=list)  # per stage: (alpha, folded only, errors, folded-only errors)
     v_folded: int = 0
     v_errors: list = field(default_factory=list)
 
@@ -507,6 +505,13 @@ def _available_bytes() -> int | None:
 
 def model_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def copy_fits(model: nn.Module) -> bool:
+    """Whether a copy of ``model`` and the calibration's working set (half a model more, measured block by block on
+    bench_llm_memory.py's 1.1B Llama) fit in the memory available now (unknown: yes)."""
+    free = _available_bytes()
+    return free is None or 1.5 * model_bytes(model) <= free
 
 
 def wanted(model: nn.Module, config: QuantConfig) -> bool:
