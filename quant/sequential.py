@@ -35,7 +35,7 @@ from softq.calib.data import Batch, run_batches
 from softq.calib.smoothquant import InputRecorder
 from softq.models import _NAMES, _no_cache, discover, probe_forward
 from softq.quant.config import QuantConfig
-from softq.quant.copies import COLLECT_ABOVE_BYTES
+from softq.quant.copies import COLLECT_ABOVE_BYTES, _collect
 from softq.quant.held_out import _outputs
 from softq.quant.layers import QLinear
 from softq.quant.points import _finish, act_quantizers, set_mode
@@ -444,6 +444,7 @@ def _calibrate_stage(qmodel: nn.Module, stage: _Stage, config: QuantConfig, plan
         plan.v_folded += count
         if v_errors is not None:
             plan.v_errors.append(v_errors)
+        _collect(stage)  # the fold's trial copy of the block
     if corrected:  # the fold's trial corrected the weight bias already: the corrected outputs carry on
         _run(stage, on("q0", "every"), None, q0)
     elif config.weight_bias_correction:  # its pass runs the uncorrected stage: the outputs the next stage's sees
