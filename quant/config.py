@@ -128,6 +128,9 @@ class QuantConfig:
             ``head``, or per head and ``channel`` (min-max).  ``tensor`` by measurement: per head or channel moved
             the reference Llama's perplexity by +0.011% (8-bit softmax) and -0.027% (4-bit ``row_log``), and the
             ONNX export reads per-tensor K and V scales.
+        calibration: ``model`` runs every pass on the whole model; ``blocks`` one transformer block at a time on the
+            inputs captured at its entrance (peak memory: the model and one block's working set); ``auto``: blocks
+            from 256 MiB of weights or where the whole-model path's copies would not fit in free memory.
     """
 
     weight_bits: int = 8
@@ -153,8 +156,11 @@ class QuantConfig:
     exclude: tuple[str, ...] = ()
     kv_cache: Literal["auto", "int8", "float"] = "auto"
     kv_scales: Literal["tensor", "head", "channel"] = "tensor"
+    calibration: Literal["auto", "model", "blocks"] = "auto"
 
     def __post_init__(self) -> None:
+        if self.calibration not in ("auto", "model", "blocks"):
+            raise ValueError(f"calibration must be 'auto', 'model' or 'blocks', got {self.calibration!r}")
         for name in ("weight_bits", "act_bits", "softmax_bits"):
             value = getattr(self, name)
             if name == "softmax_bits" and value is None:

@@ -23,7 +23,10 @@ COLLECT_ABOVE_BYTES = 2**26
 
 
 def _collect(model: nn.Module) -> None:
-    if sum(p.numel() * p.element_size() for p in model.parameters()) >= COLLECT_ABOVE_BYTES:
+    """Collect dropped copies of ``model`` where it is large, or part of a large one (``softq_collect``: a block
+    calibrated on its own, ``sequential.py``)."""
+    if getattr(model, "softq_collect", False) or sum(
+            p.numel() * p.element_size() for p in model.parameters()) >= COLLECT_ABOVE_BYTES:
         gc.collect()
 
 

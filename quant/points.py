@@ -132,7 +132,10 @@ def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
     prefix = residual_prefix(model, config)
     other_norms = ({id(m) for m, _ in residual_norms(model).values() if not isinstance(m, nn.LayerNorm)}
                    if config.residual_quantized else set())
-    for parent_name, parent in list(model.named_modules()):
+    # the parents only: a list holding the replaced layers too would keep every float weight alive until the end
+    # (the whole model twice at once)
+    parents = [(name, m) for name, m in model.named_modules() if next(m.children(), None) is not None]
+    for parent_name, parent in parents:
         for child_name, child in list(parent.named_children()):
             full = f"{parent_name}.{child_name}" if parent_name else child_name
             if any(pattern in full for pattern in config.exclude):

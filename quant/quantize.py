@@ -30,6 +30,7 @@ held-out batches), ``v_fold.py`` (``smoothing_into_v``), ``weight_bias.py`` and
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -47,7 +48,9 @@ from softq.quant.config import (AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUT
 from softq.quant.copies import _collect, independent_copy
 from softq.quant.held_out import _held_out_split, _outputs
 from softq.quant.layers import QLinear
+from softq.quant import sequential
 from softq.quant.points import _finish, prepare, residual_prefix, set_mode
+from softq.quant.quantizers import SoftmaxOutputQuantizer
 from softq.quant.smoothing_search import _scope, _search_smoothing, _smooth_observed
 from softq.quant.softmax_bias import correct_softmax_bias
 from softq.quant.v_fold import _fold_into_v_if_better, fold_smoothing_into_v
@@ -66,7 +69,8 @@ def quantize(
     ``calib_data`` is an iterable of model inputs (tensors taken as the main
     input, or dicts of keyword inputs).  The result is called and evaluated
     exactly like the original model.  The original is left untouched unless
-    ``inplace=True``.  A ``sentence_transformers.SentenceTransformer`` also takes a list of
+    ``inplace=True``, or unless a copy of it would not fit in the free memory (then a warning says it is quantized
+    in place).  A ``sentence_transformers.SentenceTransformer`` also takes a list of
     texts: its Hugging Face model is quantized (:func:`_quantize_sentence_transformer`).
     """
     if is_sentence_transformer(model):
@@ -88,6 +92,10 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     if is_quantized(model):
         raise ValueError("the model is already quantized (returned by softq.quantize); pass the float model")
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        if any(hasattr(m, "_hf_hook") for m in model.modules()):
+            raise ValueError("the model is dispatched by accelerate with weights offloaded to CPU or disk (their "
+                             "parameters are on the meta device): softq calibrates a model whose weights are all loaded; "
+                             "load it without offload (device_map=None, or one device that holds it)")
         raise ValueError("the model's weights are on the meta device (no values): load real weights first "
                          "(e.g. from_pretrained without device_map='meta', or model.to_empty() and load_state_dict)")
     names = [name for name, _ in model.named_modules()]
@@ -99,6 +107,10 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     discover(model, batches[0])  # finds the attention modules, or one line on what stops softq
     residual_prefix(model, config)  # and for a prefix a causal LM cannot have
     _try_forward(model, batches[0])
+    if not inplace and not sequential.copy_fits(model):
+        warnings.warn(f"softq.quantize: a copy of the model ({sequential.model_bytes(model) / 1e9:.1f} GB) would not "
+                      "fit in the free memory; quantizing it in place (inplace=True)", UserWarning, stacklevel=3)
+        inplace = True
     qmodel = model if inplace else independent_copy(model)
     qmodel.eval()
     conv1d_to_linear(qmodel)
@@ -137,19 +149,36 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
         smoothed = smooth_inputs(qmodel, batches, alphas[0], min_ratio, exclude=config.exclude)
         alphas = (alphas[0] if smoothed else None,)
     fit, held = split if search else (batches, [])
-    # the float model's outputs on the held-out batches (before prepare: an inplace model is qmodel)
-    reference = _outputs(qmodel, split[1]) if split is not None else None
+    blocks = sequential.wanted(qmodel, config)
+    # the float model's outputs on the held-out batches (before prepare: an inplace model is qmodel), and block by
+    # block each block's outputs there
+    block_refs = None
+    if split is not None and blocks:
+        reference, block_refs = sequential.float_references(qmodel, split[1])
+    else:
+        reference = _outputs(qmodel, split[1]) if split is not None else None
     prepare(qmodel, config)
+    skip = config.exclude + tuple(name for name, m in qmodel.named_modules()
+                                         if isinstance(m, nn.Linear) and not isinstance(m, QLinear))
+    if blocks and sequential.runs_blocks(qmodel, config):
+        plan = sequential.Plan(alphas, search, min_ratio, one_pass, foldable, fold_auto, skip)
+        sequential.calibrate(qmodel, config, batches, fit, held, split[1] if split else [], reference, block_refs,
+                             plan)
+        sequential.report(qmodel, plan, unjudged)
+        if config.bias_correction is not None and not any(isinstance(m, SoftmaxOutputQuantizer)
+                                                          for m in qmodel.modules()):
+            raise ValueError("softmax bias correction needs a quantized softmax output (softmax_bits)")
+        _collect(qmodel)
+        return qmodel
 
     set_mode(qmodel, "observe")
     recorder = InputRecorder(qmodel, smoothable_linears(qmodel)) if one_pass else None
     errors = folded_errors = None
     folded = False  # smoothing only the inputs that fold into a LayerNorm (no run-time cost)
-    # groups never smoothed: excluded, or reading into a Linear that stays float.  A tied Linear (GPT-2's lm_head,
-    # which shares the token table) may be: prepare gave the quantized Linear weights of its own, and those are
-    # what the smoothing scales (the reference LM at 256 characters: logit distance to FP32 9.3e-6 -> 6.3e-6)
-    skip = config.exclude + tuple(name for name, m in qmodel.named_modules()
-                                         if isinstance(m, nn.Linear) and not isinstance(m, QLinear))
+    # groups never smoothed (skip, above): excluded, or reading into a Linear that stays float.  A tied Linear
+    # (GPT-2's lm_head, which shares the token table) may be: prepare gave the quantized Linear weights of its own,
+    # and those are what the smoothing scales (the reference LM at 256 characters: logit distance to FP32 9.3e-6 ->
+    # 6.3e-6)
     try:
         run_batches(qmodel, fit, desc="calibrating ranges")
         if search:

@@ -50,9 +50,9 @@ def _search_smoothing(observed: nn.Module, recorder: InputRecorder, alphas: tupl
                     break
             _finish(trial)
             (folded if scope else errors)[alpha] = output_error(trial, held, reference)
-            trial = None
+            trial = groups = None  # the groups hold the copy's layers: dropped too, or two copies live at once
             _collect(observed)
-    trial = None  # a candidate left by a break
+    trial = groups = None  # a candidate left by a break
     _collect(observed)
     alpha, folded_only = pick_smoothing(errors, folded)
     return alpha, folded_only, errors, folded

@@ -1,0 +1,150 @@
+"""Block-by-block calibration (``QuantConfig(calibration="blocks")``, softq/quant/sequential.py) against the
+whole-model path: bit-identical where the passes see the same inputs, within a stated tolerance under "auto"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from tiny_families import build
+
+import softq
+from softq.quant import sequential
+from softq.quant.quantizers import ActQuantizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _calib(vocab: int, n: int = 4, seq: int = 16) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for i in range(n):
+        mask = torch.ones(2, seq, dtype=torch.long)
+        if i % 2:
+            mask[1, seq - 5:] = 0  # padding: its rows are never observed, on both paths
+        batches.append({"input_ids": torch.randint(3, vocab, (2, seq), generator=g), "attention_mask": mask})
+    return batches
+
+
+def _output(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(**batch)
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def _identical(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_blocks_equal_the_whole_model_with_a_fixed_smoothing(family: str) -> None:
+    # a fixed alpha: each pass sees on the block what it sees in the whole model (observation: the observed
+    # model's outputs before smoothing; weight bias correction: the uncorrected quantized model's), so every range,
+    # smoothing scale and bias shift is the same, bit for bit
+    model = build("llama").eval() if family == "llama" else tiny_model("bert")
+    vocab = model.config.vocab_size
+    calib = _calib(vocab)
+    config = dict(input_smoothing=0.8, smoothing_into_v=False)
+    whole = softq.quantize(model, calib, softq.QuantConfig(calibration="model", **config))
+    blocks = softq.quantize(model, calib, softq.QuantConfig(calibration="blocks", **config))
+    assert _identical(whole, blocks)
+    assert blocks.softq_block_smoothing == [0.8] * len(blocks.softq_block_smoothing)
+    test = _calib(vocab, 1)[0]
+    assert torch.equal(_output(whole, test), _output(blocks, test))
+    assert not blocks.training and not any(m.training for m in blocks.modules())
+
+
+def test_blocks_equal_the_whole_model_with_softmax_bias_correction() -> None:
+    # the softmax bias correction measures on the weight-corrected model: a third stream carried block to block
+    model, calib = build("llama").eval(), _calib(96)
+    config = dict(input_smoothing=None, softmax_output="row_exact", bias_correction="head")
+    whole = softq.quantize(model, calib, softq.QuantConfig(calibration="model", **config))
+    blocks = softq.quantize(model, calib, softq.QuantConfig(calibration="blocks", **config))
+    assert _identical(whole, blocks)
+
+
+def test_auto_search_block_by_block_copies_one_block_and_stays_near_the_whole_model(monkeypatch) -> None:
+    # "auto" judges each block's candidates on that block's output (the float model's there), so its alphas may
+    # differ from the whole model's single one; the result stays within 25% of the whole-model path's output error
+    # (tiny Llama: 0.0196 whole, 0.0162 blocks when written)
+    model, calib = build("llama").eval(), _calib(96, 2)
+    whole = softq.quantize(model, calib, softq.QuantConfig(calibration="model"))
+    copied: list[int] = []
+    from softq.quant import copies, smoothing_search, v_fold
+
+    def counting(m: torch.nn.Module) -> torch.nn.Module:
+        copied.append(sum(p.numel() for p in m.parameters()))
+        return copies.independent_copy(m)
+
+    monkeypatch.setattr(smoothing_search, "independent_copy", counting)
+    monkeypatch.setattr(v_fold, "independent_copy", counting)
+    blocks = softq.quantize(model, calib, softq.QuantConfig(calibration="blocks"), inplace=False)
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    tail = sum(p.numel() for p in model.lm_head.parameters()) + sum(p.numel() for p in model.model.norm.parameters())
+    assert copied and max(copied) <= max(block, tail) < sum(p.numel() for p in model.parameters()) / 2
+    assert len(blocks.softq_block_smoothing) == len(model.model.layers) + 1  # the blocks, then lm_head's stage
+    test = _calib(96, 1, 24)[0]
+    ref = _output(model, test)
+
+    def err(q: torch.nn.Module) -> float:
+        return float((_output(q, test) - ref).norm() / ref.norm())
+
+    assert err(blocks) <= 1.25 * err(whole)
+    assert err(blocks) < 0.05
+
+
+def test_calibration_choice_and_refusals(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="calibration must be 'auto', 'model' or 'blocks'"):
+        softq.QuantConfig(calibration="layers")
+    small = build("llama").eval()
+    assert not sequential.wanted(small, softq.QuantConfig())  # a tiny model: the whole-model path
+    assert sequential.wanted(small, softq.QuantConfig(calibration="blocks"))
+    # a quantized module before the first block (a ViT's patch projection): blocks refused in one line
+    vit = build("clip-vision").eval()
+    px = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="embeddings.patch_embedding is quantized and runs before it"):
+        softq.quantize(vit, [px, px], softq.QuantConfig(calibration="blocks", input_smoothing=None))
+    monkeypatch.setattr(sequential, "_available_bytes", lambda: sequential.model_bytes(small))  # no room for 2 copies
+    assert sequential.wanted(small, softq.QuantConfig())
+
+
+def test_a_copy_that_would_not_fit_quantizes_in_place(monkeypatch) -> None:
+    model, calib = build("llama").eval(), _calib(96, 2)
+    monkeypatch.setattr(sequential, "_available_bytes", lambda: sequential.model_bytes(model))
+    with pytest.warns(UserWarning, match="would not fit in the free memory; quantizing it in place"):
+        q = softq.quantize(model, calib, softq.QuantConfig(input_smoothing=None))
+    assert q is model and any(isinstance(m, ActQuantizer) for m in model.modules())
+    assert sequential.wanted(model, softq.QuantConfig())  # and calibrated block by block
+
+
+def test_gemma2_layers_keep_their_own_masks() -> None:
+    # Gemma 2 alternates sliding-window and global layers, each given its own mask by the model: every block's
+    # inputs are captured, not the first block's reused
+    model = build("gemma2").eval()
+    calib = _calib(96, 4, 24)  # longer than the window of 8
+    config = dict(input_smoothing=0.8, smoothing_into_v=False)
+    whole = softq.quantize(model, calib, softq.QuantConfig(calibration="model", **config))
+    blocks = softq.quantize(model, calib, softq.QuantConfig(calibration="blocks", **config))
+    assert _identical(whole, blocks)
+
+
+def test_offloaded_model_is_refused_in_one_line() -> None:
+    # accelerate's offload leaves the parameters on the meta device with a hook (``_hf_hook``) that loads them per call
+    model = build("llama").eval()
+    model.model.layers[1].to_empty(device="meta")
+    model.model.layers[1]._hf_hook = object()
+    with pytest.raises(ValueError, match="dispatched by accelerate with weights offloaded"):
+        softq.quantize(model, _calib(96, 2), softq.QuantConfig(calibration="blocks"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_blocks_on_cuda_equal_the_whole_model() -> None:
+    # the block inputs stay where the model computes them (the block's device)
+    model = build("llama").eval().cuda()
+    calib = [{k: v.cuda() for k, v in b.items()} for b in _calib(96, 4)]
+    config = dict(input_smoothing=0.8, smoothing_into_v=False)
+    whole = softq.quantize(model, calib, softq.QuantConfig(calibration="model", **config))
+    blocks = softq.quantize(model, calib, softq.QuantConfig(calibration="blocks", **config))
+    assert _identical(whole, blocks)
+    assert all(t.is_cuda for t in blocks.state_dict().values() if t.numel())
