@@ -59,7 +59,7 @@ from __future__ import annotations
 import onnx
 
 from softq.export import onnx_utils
-from softq.export.fuse_layout import fold_sum_columns, merge_head_splits, quantize_before_layout
+from softq.export.fuse_layout import drop_requantize, fold_sum_columns, merge_head_splits, quantize_before_layout
 from softq.export.fuse_linear import fold_split_quantizers, fuse_linears, fuse_shared_linears
 from softq.export.fuse_scales import (fold_attention_output_scales, fold_layernorm_scales, fold_matmul_scales,
                                       fold_quantizer_input_scales, fold_row_scales)
@@ -81,4 +81,5 @@ def fuse(model: onnx.ModelProto, linears: bool = True, dynamic: bool = False) ->
     done["row_scales"] = fold_row_scales(model)
     done["head_splits"] = merge_head_splits(model) if linears else 0
     done["layout_quantizers"] = quantize_before_layout(model) if linears else 0
+    done["requantize"] = drop_requantize(model)
     return done

@@ -286,3 +286,42 @@ def quantize_before_layout(model: onnx.ModelProto) -> int:
     g.replace(replaced)
     sort_nodes(g.graph)  # Shape nodes that read a moved output may sit before its new place
     return sum(1 for nodes in replaced.values() if nodes)
+
+
+def drop_requantize(model: onnx.ModelProto) -> int:
+    """``QuantizeLinear(DequantizeLinear(c, s, z), s, z)`` with equal constant per-tensor parameters is ``c``; returns
+    how many were dropped.
+
+    The int8 KV cache (:mod:`softq.export.decoder_export`) hands attention the values of its codes, which the K and V
+    points quantize again on the same grid: after :func:`quantize_before_layout` the point's ``QuantizeLinear`` reads
+    the cache's ``DequantizeLinear``, and the cores read the cache's codes directly (no float pass over the cache per
+    step).  Exact: ``round(((c - z) * s) / s) + z`` is ``c`` for every int8 ``c`` at float32 scales.
+    """
+    g = Graph(model, "requant")
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for ql in list(g.graph.node):
+        if ql.op_type != "QuantizeLinear" or len(ql.input) != 3 or ql.attribute:
+            continue
+        dq = g.made_by(ql.input[0], "DequantizeLinear")
+        if dq is None or len(dq.input) != 3 or dq.attribute:
+            continue
+        params = [g.const(n) for n in (*ql.input[1:], *dq.input[1:])]
+        if any(p is None or p.size != 1 for p in params):
+            continue
+        s1, z1, s2, z2 = params
+        if s1.dtype != s2.dtype or z1.dtype != z2.dtype or s1.item() != s2.item() or z1.item() != z2.item():
+            continue
+        if ql.output[0] in g.outputs:
+            continue
+        g.rename_uses(ql.output[0], dq.input[0])
+        replaced[id(ql)] = []
+    g.replace(replaced)
+    dropped = len(replaced)
+    if dropped:  # a DequantizeLinear left with Shape readers only: they read the codes' shape (the same)
+        g = Graph(model, "requant_shape")
+        for dq in g.graph.node:
+            readers = g.readers.get(dq.output[0], []) if dq.op_type == "DequantizeLinear" else []
+            if readers and dq.output[0] not in g.outputs and all(r.op_type == "Shape" for r in readers):
+                for r in readers:
+                    r.input[0] = dq.input[0]
+    return dropped
