@@ -191,8 +191,9 @@ class CacheStoreFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, scale: float, zp: int, qmin: int, qmax: int):  # noqa: ANN001 (stored grid)
-        codes = torch.round(x / torch.tensor(scale, dtype=x.dtype)) + zp
-        return torch.clamp(codes, qmin, qmax).to(torch.int8)
+        # no "+ 0" / "- 0" (a zero point of 0): the TorchScript peephole pass crashes on it inside this op's block
+        codes = torch.round(x / torch.tensor(scale, dtype=x.dtype))
+        return torch.clamp(codes + zp if zp else codes, qmin, qmax).to(torch.int8)
 
     @staticmethod
     def symbolic(g, x, scale: float, zp: int, qmin: int, qmax: int):  # noqa: ANN001
@@ -210,7 +211,7 @@ class CacheLoadFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, codes, scale: float, zp: int):  # noqa: ANN001
-        return (codes.float() - zp) * scale
+        return ((codes.float() - zp) if zp else codes.float()) * scale
 
     @staticmethod
     def symbolic(g, codes, scale: float, zp: int):  # noqa: ANN001

@@ -191,7 +191,7 @@ class Int8SlidingWindowLayer(_Int8Layer, DynamicSlidingWindowLayer):
 _INT8_LAYERS = {DynamicLayer: Int8DynamicLayer, DynamicSlidingWindowLayer: Int8SlidingWindowLayer}
 
 
-def _layer_points(model: nn.Module) -> dict[int, nn.Module]:
+def layer_points(model: nn.Module) -> dict[int, nn.Module]:
     """The ``AttentionPoints`` of each cache layer index (the attention module's ``layer_idx``, else its order)."""
     from softq.models import attention_modules
 
@@ -205,7 +205,7 @@ class Int8KVCache(DynamicCache):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(config=model.config.get_text_config(decoder=True))
-        points = _layer_points(model)
+        points = layer_points(model)
         for idx, layer in enumerate(self.layers):
             int8 = _INT8_LAYERS.get(type(layer))
             if int8 is not None and idx in points:
@@ -228,7 +228,7 @@ def kv_cache(model: nn.Module) -> Int8KVCache:
 
 
 def _ready(model: nn.Module) -> bool:
-    points = _layer_points(model)
+    points = layer_points(model)
     return bool(points) and all(getattr(p.k, "mode", None) == "quant" and getattr(p.v, "mode", None) == "quant"
                                 for p in points.values())
 
