@@ -40,6 +40,9 @@ onnxruntime's CPU fusions absorb:
   columns that add exact zeros to the scores): 3 nodes fewer per layer, the same outputs.
 * :func:`quantize_before_layout`: a per-tensor ``QuantizeLinear`` after Reshape/Transpose nodes (the
   attention output merged from its heads) moves before them: the same codes, a quarter of the bytes moved.
+* :func:`drop_requantize`: ``QuantizeLinear(DequantizeLinear(c))`` on one grid is ``c`` (a decoder's int8 KV
+  cache read by the K and V points); a cached decoder's file then reads its cache per K/V head
+  (:func:`softq.export.fuse_cache.group_query_heads`, run by the exporter after these passes).
 * :func:`static_reshapes`: ``Reshape`` targets the exporter builds at run time
   (``Shape -> Gather -> Unsqueeze -> Concat``, e.g. ``[batch, seq, heads, head_dim]``) become
   constants, with 0 ("copy this dimension") where ONNX shape inference shows that the gathered
