@@ -66,9 +66,11 @@ def run_cached(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, past: An
                float_cache: bool = False) -> tuple[torch.Tensor, list]:
     """(logits, cache pairs) of the model on ``ids`` after ``past`` (a cache object or None: a new cache, the
     model's own kind unless ``float_cache``), its mask over both."""
+    from softq.quant.kv_cache import Int8KVCache, kv_cache_ready
+
     pos = positions(mask)[:, -ids.shape[1]:]
-    if past is None:
-        past = FloatCache() if float_cache else DynamicCache()
+    if past is None:  # every layer keeps every token, as the file's cache (a sliding window is the mask's)
+        past = Int8KVCache(model, full=True) if not float_cache and kv_cache_ready(model) else FloatCache()
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                     **{cache_argument(model): past})

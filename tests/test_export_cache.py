@@ -167,7 +167,8 @@ def test_onnxruntime_genai_runs_the_file_with_its_config(cached, tmp_path):
 def test_the_file_caches_the_torch_int8_codes(cached):
     """A model whose cache is int8 (QuantConfig().kv_cache resolves so at 8 bits) exports int8 past and present
     tensors: after a prefill and a decode step they are the codes of the torch model's Int8KVCache (within one
-    code, a rounding tie), and no DequantizeLinear reads the whole cache: the cores read its codes."""
+    code, a rounding tie), and no DequantizeLinear reads the whole cache: the cores read its codes, grouped per K/V
+    head rather than repeated to the query heads."""
     import onnx
 
     qmodel, path, _ = cached
@@ -199,6 +200,7 @@ def test_the_file_caches_the_torch_int8_codes(cached):
     graph = onnx.load(path).graph
     cache = {i.name for i in graph.input[3:]} | {o.name for o in graph.output[1:]}
     assert not [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in cache]
+    assert not [n for n in graph.node if n.op_type == "Tile"]  # 2 query heads per K/V head: grouped, not repeated
 
 
 def test_a_float_cache_on_request_and_per_head_scales_refused(cached, tmp_path):
@@ -219,3 +221,19 @@ def test_a_float_cache_on_request_and_per_head_scales_refused(cached, tmp_path):
                                           r"kv_scales='head'.*kv_scales='tensor' to export it$"):
         to_onnx(heads, str(tmp_path / "h.onnx"), example, kv_cache=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["float.onnx"]
+
+
+def test_a_sliding_window_model_exports_its_int8_cache(tmp_path):
+    """Mistral's sliding window is the mask's in the file, whose int8 cache keeps every token: the check's torch
+    reference keeps them too, and the file generates the torch model's greedy tokens past the window."""
+    model = build("mistral").eval()
+    assert model.config.sliding_window < 12
+    calib = [{k: torch.from_numpy(v) for k, v in inputs(model, 0, 2, 12, padded=False).items()}]
+    qmodel = softq.quantize(model, calib, softq.QuantConfig())
+    path = to_onnx(qmodel, str(tmp_path / "m.onnx"), torch.from_numpy(inputs(model, 9, 2, 12, padded=False)["input_ids"]),
+                   kv_cache=True)
+    ids = _prompt(13, 1, 6)
+    with torch.no_grad():
+        want = qmodel.generate(torch.from_numpy(ids), max_new_tokens=10, do_sample=False, pad_token_id=EOS,
+                               eos_token_id=EOS).numpy()
+    np.testing.assert_array_equal(generate(path, ids, 10, eos_token_id=EOS), want)
