@@ -4,7 +4,8 @@ A grouped-query layer's trace repeats each cached K/V head to its query heads (`
 Hugging Face's ``repeat_kv``) before the score and P.V matmuls, over the whole cache at every decode step.
 :func:`group_query_heads` computes both matmuls with the queries grouped per K/V head instead: the query codes
 ``[b, heads, q, d]`` read as ``[b, kv_heads, rep * q, d]`` (query head ``h`` reads K/V head ``h // rep``, so each
-group's heads are adjacent), one matmul per K/V head, the result read back as ``[b, heads, q, keys]``.  The scores
+group's heads are adjacent), one matmul per K/V head, the result read back as ``[b, heads, q, keys]`` (a model
+with as many K/V heads as query heads gets the same integer score GEMM on its cache's codes).  The scores
 become one ``MatMulInteger`` of the query codes and the cache's transposed K codes (onnxruntime fuses it with the
 ``Cast -> Mul`` of the scales into ``MatMulIntegerToFloat``): no repeated, dequantized or re-quantized copy of the
 cache.  V's conversion to the core's grid and its row-sum column run on the cache's own heads.  Exact: the same
@@ -81,9 +82,10 @@ def group_query_heads(model: onnx.ModelProto) -> int:
         if transpose is not None and perm_of(transpose) == [0, 1, 3, 2]:  # scores: Q codes . K codes^T
             k_dq = g.made_by(transpose.input[0], "DequantizeLinear")
             k = dq_params(g, k_dq)
-            codes = _repeated(g, k_dq.input[0]) if k is not None and k[0].size == 1 and k[1].size == 1 else None
-            if codes is None:
+            if k is None or k[0].size != 1 or k[1].size != 1:
                 continue
+            # one query head per K/V head: the codes as they are (the same integer GEMM, no grouping needed)
+            codes = _repeated(g, k_dq.input[0]) or k_dq.input[0]
             n = _Nodes(g, f"scores{done}")
             kt = n.op("Transpose", [codes], perm=[0, 1, 3, 2])
             product = n.op("MatMulInteger", [n.grouped(a_dq.input[0], codes), kt, a_dq.input[2], k_dq.input[2]])
