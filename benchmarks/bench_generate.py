@@ -12,11 +12,14 @@ Two parts, measured in this one run:
   (:func:`softq.export.generate.generate`) after a held-out prompt, against the quantized torch model's
   ``generate()``.
 * Decode latency per token at one thread after a 512-token prompt, on the reference LM and on a compute-bound
-  Llama shape from a config with random weights (GQA; no perplexity there): softq's INT8 file with cache, the FP32
+  Llama shape from a config with random weights (GQA; no perplexity there): softq's INT8 file with its int8 KV
+  cache, the same with ``kv_cache="float"`` (a float cache re-quantized at each step), the FP32
   file with cache from the same exporter (``to_onnx_float(..., kv_cache=True)``) and onnxruntime's
   ``quantize_dynamic`` (per-channel QInt8 weights) of that FP32 file.  One decode step (one new token, a past of
-  512) is timed per call; the three files take turns call by call (the order rotated each round), and the table
-  gives each file's median and the ratios of the medians.
+  512) is timed per call; the files take turns call by call (the order rotated each round), and the table
+  gives each file's median and the ratios of the medians.  Where optimum-onnx's environment exists (``make
+  peers``, ``--onnx-venv``), optimum's FP32 export of the compute-bound Llama (written there in a subprocess) and
+  its ``quantize_dynamic`` join the same interleaved run as peer rows.
 """
 
 from __future__ import annotations
@@ -59,19 +62,26 @@ def compute_bound_model() -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]
     return model, calib
 
 
-def export_three(name: str, model: torch.nn.Module, qmodel: torch.nn.Module, example: torch.Tensor,
+def export_files(name: str, model: torch.nn.Module, qmodel: torch.nn.Module, example: torch.Tensor,
                  folder: Path) -> dict[str, Path]:
     """softq's INT8, the FP32 and quantize_dynamic's cached files of one model."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    files = {"softq INT8": folder / f"{name}-softq.onnx", "FP32": folder / f"{name}-fp32.onnx",
-             "quantize_dynamic": folder / f"{name}-dynamic.onnx"}
+    files = {"softq INT8": folder / f"{name}-softq.onnx", "softq INT8, float cache": folder / f"{name}-softqf.onnx",
+             "FP32": folder / f"{name}-fp32.onnx", "quantize_dynamic": folder / f"{name}-dynamic.onnx"}
     start = time.time()
     to_onnx(qmodel, str(files["softq INT8"]), example, kv_cache=True)
+    to_onnx(qmodel, str(files["softq INT8, float cache"]), example, kv_cache="float")
     to_onnx_float(model, str(files["FP32"]), example, kv_cache=True)
     quantize_dynamic(str(files["FP32"]), str(files["quantize_dynamic"]), per_channel=True, weight_type=QuantType.QInt8)
     print(f"{name}: exported in {time.time() - start:.0f}s", flush=True)
     return files
+
+
+def cache_bytes_per_token(path: Path) -> int:
+    """Bytes the file's cache grows by per token (every layer's key and value, at the element type it declares)."""
+    layout = CacheLayout.of_inputs(U.session(str(path), threads=1).get_inputs())
+    return layout.layers * layout.kv_heads * (layout.key_dim + layout.value_dim) * np.dtype(layout.dtype).itemsize
 
 
 def decode_latency(files: dict[str, Path], prompt: np.ndarray, rounds: int) -> dict[str, list[float]]:
@@ -98,6 +108,25 @@ def decode_latency(files: dict[str, Path], prompt: np.ndarray, rounds: int) -> d
             sessions[label].run(None, feeds[label])
             times[label].append(time.perf_counter() - start)
     return times
+
+
+def add_optimum(model: torch.nn.Module, files: dict[str, Path], venv: Path, folder: Path) -> str:
+    """optimum's FP32 file with cache (written by the peers' environment in a subprocess) and its quantize_dynamic,
+    added to ``files``; what was added or why not."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return f"no optimum rows: {python} not found (make peers)"
+    from bench_llm_peers import onnx_pair
+
+    model.save_pretrained(folder / "compute-hf")
+    pair, error, versions = onnx_pair(str(python), folder / "compute-hf", folder / "compute-optimum")
+    if error:
+        return f"no optimum rows: its export failed ({error})"
+    files["optimum FP32"], files["optimum quantize_dynamic"] = pair["fp32"], pair["dynamic"]
+    return ("optimum rows: `optimum.exporters.onnx.main_export(task=\"text-generation-with-past\")` of the same "
+            "model (saved with `save_pretrained`), run in optimum-onnx's environment, and its "
+            "`quantize_dynamic(per_channel=True, weight_type=QInt8)`; "
+            + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".")
 
 
 def greedy_tokens(qmodel: torch.nn.Module, path: Path, prompt: torch.Tensor) -> tuple[int, int | None, float, float]:
@@ -159,7 +188,8 @@ def markdown(results: dict, command: str, seconds: float) -> str:
         "jobs: the medians of interleaved calls and their ratios are what to read, the absolute times move with it).",
         "",
         "Files: `softq.to_onnx(qmodel, path, example, kv_cache=True)` (softq's INT8: integer linears, integer "
-        "softmax cores, float cache), `to_onnx_float(model, path, example, kv_cache=True)` (FP32, the same exporter) "
+        "softmax cores, the int8 KV cache: past/present are the K/V codes), the same with `kv_cache=\"float\"` "
+        "(softq INT8, float cache: re-quantized at each step), `to_onnx_float(model, path, example, kv_cache=True)` (FP32, the same exporter) "
         "and onnxruntime's `quantize_dynamic(per_channel=True, weight_type=QInt8)` of that FP32 file. Each takes "
         "`input_ids`, `attention_mask`, `position_ids`, `past_key_values.{i}.key/value` and outputs `logits`, "
         "`present.{i}.key/value`.",
@@ -181,13 +211,15 @@ def markdown(results: dict, command: str, seconds: float) -> str:
     lines += ["", f"## Decode latency per token after a {PROMPT}-token prompt (1 thread, medians of interleaved "
               "calls)", "",
               "| model | file | median ms / token | fastest ms | vs FP32 (medians) | vs quantize_dynamic (medians) | "
-              "calls | MiB |", "|---|---|---|---|---|---|---|---|"]
-    for name, (times, sizes) in results["latency"].items():
+              "calls | MiB | cache bytes / token |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, (times, sizes, cache) in results["latency"].items():
         med = {label: float(np.median(t)) for label, t in times.items()}
         for label, value in med.items():
             lines.append(f"| {name} | {label} | {value * 1e3:.3f} | {min(times[label]) * 1e3:.3f} | "
                          f"{value / med['FP32']:.2f}x | "
-                         f"{value / med['quantize_dynamic']:.2f}x | {len(times[label])} | {sizes[label]:.1f} |")
+                         f"{value / med['quantize_dynamic']:.2f}x | {len(times[label])} | {sizes[label]:.1f} | {cache[label]} |")
+    if results.get("optimum"):
+        lines += ["", results["optimum"]]
     lines += ["", f"Targets (issue 50): softq's INT8 at most {TARGET_FP32}x the FP32 file's decode latency and at "
               "most quantize_dynamic's.", ""]
     for name, text in results["models"].items():
@@ -201,6 +233,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer timed calls (smoke run)")
     parser.add_argument("--rounds", type=int, default=None, help="timed calls per file (default 300; --quick 10)")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "results" / "generate.md")
+    parser.add_argument("--onnx-venv", type=Path, default=Path("/work/peers-venv-onnx"),
+                        help="optimum-onnx's environment (make peers): its FP32 export of the compute-bound Llama and "
+                             "that file's quantize_dynamic join the latency run (no such rows without it)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rounds = args.rounds or (10 if args.quick else 300)
@@ -221,7 +256,7 @@ def main() -> int:
         f"`LlamaConfig({', '.join(f'{k}={v}' for k, v in COMPUTE_SHAPE.items())})`, seeded random weights, "
         f"{params(compute):.1f} M parameters, quantized with `QuantConfig()` on 4 batches of 2 x 128 random tokens.")
     with tempfile.TemporaryDirectory() as tmp:
-        ref_files = export_three("reference", task.model, qref, window[:, :32], Path(tmp))
+        ref_files = export_files("reference", task.model, qref, window[:, :32], Path(tmp))
         prompt = window[:, :64]
         n, differ, onnx_s, torch_s = greedy_tokens(qref, ref_files["softq INT8"], prompt)
         results["greedy"]["reference Llama LM"] = (prompt.shape[1], n, differ, onnx_s, torch_s)
@@ -229,15 +264,17 @@ def main() -> int:
         results["genai"] = genai_tokens(qref, ref_files["softq INT8"], prompt)
         print("onnxruntime-genai:", results["genai"], flush=True)
         g = torch.Generator().manual_seed(2)
-        compute_files = export_three("compute", compute, qcompute,
+        compute_files = export_files("compute", compute, qcompute,
                                      torch.randint(0, COMPUTE_SHAPE["vocab_size"], (1, 32), generator=g), Path(tmp))
+        results["optimum"] = add_optimum(compute, compute_files, args.onnx_venv, Path(tmp))
         for name, files, ids in (("reference Llama LM", ref_files, window[:, :PROMPT].numpy()),
                                  ("compute-bound Llama", compute_files,
                                   torch.randint(0, COMPUTE_SHAPE["vocab_size"], (1, PROMPT), generator=g).numpy())):
             times = decode_latency(files, ids.astype(np.int64), rounds)
             sizes = {label: sum(f.stat().st_size for f in path.parent.glob(path.name + "*")) / 2**20
                      for label, path in files.items()}
-            results["latency"][name] = (times, sizes)
+            cache = {label: cache_bytes_per_token(path) for label, path in files.items()}
+            results["latency"][name] = (times, sizes, cache)
             print(name, {k: f"{np.median(v) * 1e3:.3f} ms" for k, v in times.items()}, flush=True)
     results["load"].append(os.getloadavg()[0])
     write_atomic(args.output, markdown(results, command_line(), time.time() - start))

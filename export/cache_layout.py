@@ -7,9 +7,9 @@ optimum's ``text-generation-with-past`` export and onnxruntime-genai's configs u
 ``[batch, kv_heads, tokens, head_dim]`` (Hugging Face's layout; grouped-query models keep their K/V heads).
 
 Everything that depends on the cache's element type reads :attr:`CacheLayout.dtype`: the inputs' declared type, the
-empty past of a prefill, the generation loop's buffers.  An 8-bit cache (int8 codes with static per-head scales)
-changes it here, with the scales beside it in the file; the graph's Concat of past and new codes and the cores' V
-and K reads are where the codes would be consumed.
+empty past of a prefill, the generation loop's buffers.  ``int8``: the codes of a quantized model's int8 KV cache
+(:mod:`softq.quant.kv_cache`: codes minus 128 for asymmetric points), whose scales and zero points are constants of
+the graph; the layout is read from the cache the model itself computes (its element type included).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class CacheLayout:
         if len(shapes) != 1 or key.ndim != 4 or value.ndim != 4:
             raise ValueError(f"the model's cache layers differ in shape ({sorted(shapes)}): softq exports caches of "
                              "one [batch, kv_heads, tokens, head_dim] shape for every layer")
-        return cls(len(pairs), int(key.shape[1]), int(key.shape[-1]), int(value.shape[-1]))
+        dtype = "int8" if str(key.dtype) in ("torch.int8", "int8") else "float32"
+        return cls(len(pairs), int(key.shape[1]), int(key.shape[-1]), int(value.shape[-1]), dtype)
 
     @classmethod
     def of_inputs(cls, inputs: Sequence[object]) -> CacheLayout:

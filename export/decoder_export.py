@@ -26,10 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from softq.export.cache_layout import CacheLayout
 from softq.export.errors import ExportError
 from softq.export.verify import EXPORT_TOLERANCE
+
 
 
 def cache_argument(model: nn.Module) -> str:
@@ -55,15 +57,46 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return pos.masked_fill(mask == 0, 1)
 
 
-def run_cached(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, past: Any = None) -> tuple[torch.Tensor, list]:
-    """(logits, cache pairs) of the model on ``ids`` after ``past`` (a cache object or None), its mask over both."""
-    from transformers import DynamicCache
+class FloatCache(DynamicCache):
+    """A float ``DynamicCache`` a quantized decoder keeps (its int8-cache hook replaces plain ones only): the
+    reference of a file exported with ``kv_cache="float"``, whose logits equal the int8 cache's."""
+
+
+def run_cached(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, past: Any = None,
+               float_cache: bool = False) -> tuple[torch.Tensor, list]:
+    """(logits, cache pairs) of the model on ``ids`` after ``past`` (a cache object or None: a new cache, the
+    model's own kind unless ``float_cache``), its mask over both."""
+    from softq.quant.kv_cache import Int8KVCache, kv_cache_ready
 
     pos = positions(mask)[:, -ids.shape[1]:]
+    if past is None:  # every layer keeps every token, as the file's cache (a sliding window is the mask's)
+        past = Int8KVCache(model, full=True) if not float_cache and kv_cache_ready(model) else FloatCache()
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                    **{cache_argument(model): past if past is not None else DynamicCache()})
+                    **{cache_argument(model): past})
     return out.logits, _cache_pairs(out)
+
+
+def _int8_layer(points: nn.Module, keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
+    """A cache layer of the export copy holding int8 codes: each update stores only the new tokens' codes
+    (``QuantizeLinear``), concatenates them to the past codes, and hands attention their values
+    (``DequantizeLinear``), which its K and V points round back to the same codes: a pass of the fuse step
+    (:func:`softq.export.fuse_layout.drop_requantize`) then lets the cores read the cache's codes directly."""
+    from softq.export.functions import CacheLoadFn, CacheStoreFn
+
+    k, v = points.k, points.v
+
+    class Layer(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN202
+            keys, values = super().update(CacheStoreFn.apply(key_states, k.scale, k.zp, k.qmin, k.qmax),
+                                          CacheStoreFn.apply(value_states, v.scale, v.zp, v.qmin, v.qmax),
+                                          *args, **kwargs)
+            return CacheLoadFn.apply(keys, k.scale, k.zp), CacheLoadFn.apply(values, v.scale, v.zp)
+
+    layer = Layer()
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    return layer
 
 
 class CachedDecoder(nn.Module):
@@ -74,13 +107,26 @@ class CachedDecoder(nn.Module):
         self.model = model
         self.layout = layout
         self.cache_argument = cache_argument(model)
+        self.points = None
+        if layout.dtype == "int8":
+            from softq.models import attention_modules
+
+            self.points = [m.softq for _, m in attention_modules(model)]
+            if len(self.points) != layout.layers:
+                raise ExportError(f"the model has {len(self.points)} softq attention layers for {layout.layers} "
+                                  "cache layers: an int8 cache is exported for decoders whose every layer caches")
+            for p in self.points:
+                if not (hasattr(p.k, "store_in_cache") and hasattr(p.v, "store_in_cache")):
+                    raise ExportError("an int8 KV cache exports from a quantized model's K and V points")
+                p.k.store_in_cache()
+                p.v.store_in_cache()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        from transformers import DynamicCache
-
         # no config: every layer a full DynamicLayer (a sliding window is the mask's, see the module's docstring)
         cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(self.layout.layers)])
+        if self.points is not None:
+            cache.layers = [_int8_layer(p, past[2 * i], past[2 * i + 1]) for i, p in enumerate(self.points)]
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, **{self.cache_argument: cache})
         present = [t for pair in _cache_pairs(out) for t in pair]
@@ -115,7 +161,16 @@ def example_ids(example_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.long(), mask.long()
 
 
-def trace_inputs(model: nn.Module, export_model: nn.Module, example_inputs: Any
+def cache_kind(kv_cache: bool | str) -> bool:
+    """Whether a ``kv_cache`` export argument keeps the cache float (``"float"``) rather than the model's own
+    (``True``: the int8 codes of a model whose ``QuantConfig.kv_cache`` resolves to int8); one line otherwise."""
+    if kv_cache is True or kv_cache == "float":
+        return kv_cache == "float"
+    raise ExportError(f"kv_cache must be False, True (the model's own cache: int8 codes where it stores them) or "
+                      f"'float' (a float cache, e.g. for onnxruntime-genai), got {kv_cache!r}")
+
+
+def trace_inputs(model: nn.Module, export_model: nn.Module, example_inputs: Any, float_cache: bool = False
                  ) -> tuple[CachedDecoder, list[str], list[str], dict[str, torch.Tensor], dict[str, dict[int, str]]]:
     """The traced module, its input and output names, the feeds it is traced on (the example's second half after
     a past of its first half, computed by ``model``) and the dynamic axes."""
@@ -135,7 +190,7 @@ def trace_inputs(model: nn.Module, export_model: nn.Module, example_inputs: Any
         raise ExportError(str(err)) from err
     split = ids.shape[1] // 2
     try:
-        _, pairs = run_cached(model, ids[:, :split], mask[:, :split])
+        _, pairs = run_cached(model, ids[:, :split], mask[:, :split], float_cache=float_cache)
     except (RuntimeError, IndexError, ValueError) as err:
         raise ExportError(f"example input_ids {tuple(ids.shape)} do not run through the model with a cache: {err}") from err
     try:
@@ -144,7 +199,8 @@ def trace_inputs(model: nn.Module, export_model: nn.Module, example_inputs: Any
         raise ExportError(str(err)) from err
     wrapper = CachedDecoder(export_model, layout).eval()
     feeds = {"input_ids": ids[:, split:], "attention_mask": mask, "position_ids": positions(mask)[:, split:]}
-    feeds.update(zip(layout.past_names(), (t.detach().float() for pair in pairs for t in pair)))
+    feeds.update(zip(layout.past_names(), (t.detach() if t.dtype == torch.int8 else t.detach().float()
+                                           for pair in pairs for t in pair)))
     return wrapper, layout.input_names(), layout.output_names(), feeds, layout.dynamic_axes()
 
 
@@ -159,21 +215,33 @@ class CachedCheck:
     layout: CacheLayout
     prefill: list[np.ndarray]  # logits, then the cache pairs flattened
     decode: list[np.ndarray]
+    grids: dict[str, tuple[float, float]]  # "{layer}.key" / "{layer}.value": (scale, stored zero point) of int8 codes
 
     @classmethod
     def of(cls, model: nn.Module, example_inputs: Any, layout: CacheLayout) -> CachedCheck:
         ids, mask = example_ids(example_inputs)
-        logits, pairs = run_cached(model, ids, mask)
+        float_cache = layout.dtype != "int8"
+        logits, pairs = run_cached(model, ids, mask, float_cache=float_cache)
         nxt = logits[:, -1:].argmax(-1)
         full = torch.cat([ids, nxt], 1)
         full_mask = torch.cat([mask, torch.ones_like(nxt)], 1)
-        step_logits, step_pairs = run_cached(model, full, full_mask)  # the full pass: what a decode step equals
-        flat = lambda ls, ps: [ls.float().numpy(), *(t.float().numpy() for p in ps for t in p)]  # noqa: E731
+        step_logits, step_pairs = run_cached(model, full, full_mask, float_cache=float_cache)  # the full pass: what a decode step equals
+        flat = lambda ls, ps: [ls.float().numpy(), *(t.numpy() if t.dtype == torch.int8 else t.float().numpy()  # noqa: E731
+                                                     for p in ps for t in p)]
+        grids = {}
+        if not float_cache:
+            from softq.quant.kv_cache import layer_points, stored_zero_point
+
+            for i, points in layer_points(model).items():
+                grids.update({f"{i}.{part}": (float(p.scale), float(stored_zero_point(p)))
+                              for part, p in (("key", points.k), ("value", points.v))})
         return cls(ids.numpy(), mask.numpy(), nxt.numpy(), layout, flat(logits, pairs),
-                   flat(step_logits[:, -1:], step_pairs))
+                   flat(step_logits[:, -1:], step_pairs), grids)
 
     def errors(self, path: str | Path) -> dict[str, float]:
-        """Relative L2 errors of the file's prefill and decode-step logits and caches (valid tokens only)."""
+        """Relative L2 errors of the file's prefill and decode-step logits and caches (valid tokens only; int8
+        caches as the values of their codes: equal codes on the tiny and reference Llamas, a few codes apart past the
+        first layer where the layers before differ by float rounding, as the logits do)."""
         from softq.export import onnx_utils
 
         session = onnx_utils.session(str(path))
@@ -193,6 +261,9 @@ class CachedCheck:
                                       f"{b.shape}: the export does not compute this model, and nothing was written")
                 if name == "logits" and rows is not None:
                     a, b = a[rows], b[rows]
+                if a.dtype == np.int8:  # int8 codes: judged by the values they stand for
+                    scale, zero = self.grids[name.split(".", 1)[1]]
+                    a, b = (a.astype(np.float32) - zero) * scale, (b.astype(np.float32) - zero) * scale
                 errors[f"{step} {name}"] = float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), 1e-30))
         return errors
 

@@ -177,3 +177,43 @@ class EmbeddingLookupFn(torch.autograd.Function):
     def symbolic(g, ids, codes, scale):  # noqa: ANN001
         rows = g.op("Gather", codes, ids, axis_i=0)
         return g.op("Mul", g.op("Cast", rows, to_i=TensorProto.FLOAT), g.op("Gather", scale, ids, axis_i=0))
+
+
+def stored_grid(zp: int, qmin: int, qmax: int, signed: bool) -> tuple[int, int, int]:
+    """(zero point, qmin, qmax) of a per-tensor point's codes as the int8 KV cache stores them: asymmetric 0..255
+    codes shifted by -128 (:data:`softq.quant.kv_cache.UNSIGNED_SHIFT`), signed ones as they are."""
+    shift = 0 if signed else 128
+    return zp - shift, qmin - shift, qmax - shift
+
+
+class CacheStoreFn(torch.autograd.Function):
+    """New keys or values as the int8 codes the cache stores (``QuantizeLinear`` with the stored int8 zero point)."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float, zp: int, qmin: int, qmax: int):  # noqa: ANN001 (stored grid)
+        # no "+ 0" / "- 0" (a zero point of 0): the TorchScript peephole pass crashes on it inside this op's block
+        codes = torch.round(x / torch.tensor(scale, dtype=x.dtype))
+        return torch.clamp(codes + zp if zp else codes, qmin, qmax).to(torch.int8)
+
+    @staticmethod
+    def symbolic(g, x, scale: float, zp: int, qmin: int, qmax: int):  # noqa: ANN001
+        s = g.op("Constant", value_t=torch.tensor(scale, dtype=torch.float32))
+        z = g.op("Constant", value_t=_zp_tensor(zp, True))
+        if qmin > -128:  # symmetric codes stop at -127: clip the float input first, as QDQFn
+            bound = float(np.float32(qmax * np.float32(scale)))
+            x = g.op("Clip", x, g.op("Constant", value_t=torch.tensor(-bound, dtype=torch.float32)),
+                     g.op("Constant", value_t=torch.tensor(bound, dtype=torch.float32)))
+        return g.op("QuantizeLinear", x, s, z)
+
+
+class CacheLoadFn(torch.autograd.Function):
+    """The cache's int8 codes as the float values the K or V point outputs (``DequantizeLinear``)."""
+
+    @staticmethod
+    def forward(ctx, codes, scale: float, zp: int):  # noqa: ANN001
+        return ((codes.float() - zp) if zp else codes.float()) * scale
+
+    @staticmethod
+    def symbolic(g, codes, scale: float, zp: int):  # noqa: ANN001
+        s = g.op("Constant", value_t=torch.tensor(scale, dtype=torch.float32))
+        return g.op("DequantizeLinear", codes, s, g.op("Constant", value_t=_zp_tensor(zp, True)))

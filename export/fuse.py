@@ -40,6 +40,9 @@ onnxruntime's CPU fusions absorb:
   columns that add exact zeros to the scores): 3 nodes fewer per layer, the same outputs.
 * :func:`quantize_before_layout`: a per-tensor ``QuantizeLinear`` after Reshape/Transpose nodes (the
   attention output merged from its heads) moves before them: the same codes, a quarter of the bytes moved.
+* :func:`drop_requantize`: ``QuantizeLinear(DequantizeLinear(c))`` on one grid is ``c`` (a decoder's int8 KV
+  cache read by the K and V points); a cached decoder's file then reads its cache per K/V head
+  (:func:`softq.export.fuse_cache.group_query_heads`, run by the exporter after these passes).
 * :func:`static_reshapes`: ``Reshape`` targets the exporter builds at run time
   (``Shape -> Gather -> Unsqueeze -> Concat``, e.g. ``[batch, seq, heads, head_dim]``) become
   constants, with 0 ("copy this dimension") where ONNX shape inference shows that the gathered
@@ -59,7 +62,7 @@ from __future__ import annotations
 import onnx
 
 from softq.export import onnx_utils
-from softq.export.fuse_layout import fold_sum_columns, merge_head_splits, quantize_before_layout
+from softq.export.fuse_layout import drop_requantize, fold_sum_columns, merge_head_splits, quantize_before_layout
 from softq.export.fuse_linear import fold_split_quantizers, fuse_linears, fuse_shared_linears
 from softq.export.fuse_scales import (fold_attention_output_scales, fold_layernorm_scales, fold_matmul_scales,
                                       fold_quantizer_input_scales, fold_row_scales)
@@ -81,4 +84,5 @@ def fuse(model: onnx.ModelProto, linears: bool = True, dynamic: bool = False) ->
     done["row_scales"] = fold_row_scales(model)
     done["head_splits"] = merge_head_splits(model) if linears else 0
     done["layout_quantizers"] = quantize_before_layout(model) if linears else 0
+    done["requantize"] = drop_requantize(model)
     return done

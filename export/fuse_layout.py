@@ -286,3 +286,49 @@ def quantize_before_layout(model: onnx.ModelProto) -> int:
     g.replace(replaced)
     sort_nodes(g.graph)  # Shape nodes that read a moved output may sit before its new place
     return sum(1 for nodes in replaced.values() if nodes)
+
+
+def drop_requantize(model: onnx.ModelProto, flip_sign: bool = False) -> int:
+    """``QuantizeLinear(DequantizeLinear(c, s, z), s, z)`` with equal constant per-tensor parameters is ``c``; returns
+    how many were dropped.
+
+    The int8 KV cache (:mod:`softq.export.decoder_export`) hands attention the values of its codes, which the K and V
+    points quantize again on the same grid (with ``flip_sign``, the cached file's, also the row core's V on the uint8
+    grid 128 higher: a ``BitwiseXor`` of the sign bit, which onnxruntime runs and other runtimes may not): after :func:`quantize_before_layout` the point's ``QuantizeLinear`` reads
+    the cache's ``DequantizeLinear``, and the cores read the cache's codes directly (no float pass over the cache per
+    step).  Exact: ``round(((c - z) * s) / s) + z`` is ``c`` for every int8 ``c`` at float32 scales.
+    """
+    g = Graph(model, "requant")
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for ql in list(g.graph.node):
+        if ql.op_type != "QuantizeLinear" or len(ql.input) != 3 or ql.attribute:
+            continue
+        dq = g.made_by(ql.input[0], "DequantizeLinear")
+        if dq is None or len(dq.input) != 3 or dq.attribute:
+            continue
+        params = [g.const(n) for n in (*ql.input[1:], *dq.input[1:])]
+        if any(p is None or p.size != 1 for p in params):
+            continue
+        s1, z1, s2, z2 = params
+        if s1.dtype != s2.dtype or s1.item() != s2.item() or ql.output[0] in g.outputs:
+            continue
+        if z1.dtype == z2.dtype and z1.item() == z2.item():
+            g.rename_uses(ql.output[0], dq.input[0])
+            replaced[id(ql)] = []
+        elif flip_sign and z2.dtype == np.int8 and z1.dtype == np.uint8 and int(z1.item()) == int(z2.item()) + 128:
+            # int8 codes onto the unsigned grid 128 higher (the int8 cache's V read by a core on uint8 codes): the
+            # same bits with the sign bit flipped, read as uint8
+            flipped = f"{ql.output[0]}/sign_flipped"
+            mask = g.add_const("sign_bit", np.array(-128, np.int8))
+            replaced[id(ql)] = [helper.make_node("BitwiseXor", [dq.input[0], mask], [flipped]),
+                                helper.make_node("Cast", [flipped], [ql.output[0]], to=onnx.TensorProto.UINT8)]
+    g.replace(replaced)
+    dropped = len(replaced)
+    if dropped:  # a DequantizeLinear left with Shape readers only: they read the codes' shape (the same)
+        g = Graph(model, "requant_shape")
+        for dq in g.graph.node:
+            readers = g.readers.get(dq.output[0], []) if dq.op_type == "DequantizeLinear" else []
+            if readers and dq.output[0] not in g.outputs and all(r.op_type == "Shape" for r in readers):
+                for r in readers:
+                    r.input[0] = dq.input[0]
+    return dropped

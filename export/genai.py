@@ -4,7 +4,8 @@ onnxruntime-genai runs any decoder graph whose inputs and outputs its config nam
 (:mod:`softq.export.cache_layout`: ``input_ids``, ``attention_mask``, ``position_ids``, ``past_key_values.%d.key``
 ... -> ``logits``, ``present.%d.key`` ...) needs no GroupQueryAttention or other contrib op, only the config.  The
 cache is past-and-present (``past_present_share_buffer: false``): each step's present, one token longer, is the next
-past, as softq's file computes it.  Layers, heads and sizes are read from the file itself; the model type and the
+past, as softq's file computes it; an int8 cache runs as it is (the generator allocates the cache tensors with
+the element type the file declares: the same greedy tokens as softq's loop, tests/test_export_cache.py).  Layers, heads and sizes are read from the file itself; the model type and the
 special tokens from the model's Hugging Face config (onnxruntime-genai accepts the decoder types it knows:
 llama, mistral, qwen2, phi3, gemma2...).
 """
@@ -27,8 +28,6 @@ def genai_config(path: str | os.PathLike, hf_config: Any) -> dict[str, Any]:
 
     session = onnx_utils.session(str(path))
     layout = CacheLayout.of_inputs(session.get_inputs())
-    if layout.dtype != "float32":
-        raise ValueError(f"onnxruntime-genai takes float caches; this file's is {layout.dtype}")
     vocab = session.get_outputs()[0].shape[-1]
     heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
     hidden = int(getattr(hf_config, "hidden_size", 0) or 0)

@@ -69,7 +69,9 @@ from softq.export.cores import ALL_FORMS, FORMS_FOR, check_exportable_ops, check
 from softq.export.errors import ExportError
 from softq.export.functions import MARKER_DOMAIN, STATE, TORCH_OPSET
 from softq.export.prepare import as_float32, export_copy
-from softq.export.decoder_export import CachedCheck, trace_inputs
+from softq.export.decoder_export import CachedCheck, cache_kind, trace_inputs
+from softq.export.fuse_cache import group_query_heads
+from softq.export.fuse_layout import drop_requantize
 from softq.export.verify import ExportCheck
 from softq.export.wrappers import example_feeds, unwrap_sentence_transformer, wrap_for_export
 from softq.models import is_causal, max_tokens
@@ -129,7 +131,7 @@ def _trace(wrapper: nn.Module, feeds: dict[str, torch.Tensor], names: list[str],
 
 def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = None, probs_outputs: bool = False,
                weight_storage: str = "int8", embeddings: str | None = None, pooling: str | None = None,
-               normalize: bool = False, linears: str = "integer", kv_cache: bool = False) -> onnx.ModelProto:
+               normalize: bool = False, linears: str = "integer", kv_cache: bool | str = False) -> onnx.ModelProto:
     """The checked ONNX model of a softq-quantized model (not written anywhere)."""
     return _build_checked(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling,
                           normalize, linears, verify=False, kv_cache=kv_cache)[0]
@@ -137,7 +139,7 @@ def build_onnx(qmodel: nn.Module, example_inputs: Any, softmax: str | None = Non
 
 def _build_checked(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_outputs: bool,
                    weight_storage: str, embeddings: str | None, pooling: str | None, normalize: bool,
-                   linears: str, verify: bool = True, kv_cache: bool = False
+                   linears: str, verify: bool = True, kv_cache: bool | str = False
                    ) -> tuple[onnx.ModelProto, ExportCheck | CachedCheck | None]:
     """:func:`build_onnx`, and with ``verify`` what the written file must reproduce (:class:`ExportCheck`, one
     forward of the quantized model on the example; None without ``verify``)."""
@@ -197,7 +199,7 @@ def _quantization_off(qmodel: nn.Module) -> list[str]:
 
 def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_outputs: bool, weight_storage: str,
            embeddings: str | None, pooling: str | None, normalize: bool, linears: str, verify: bool,
-           kv_cache: bool = False) -> tuple[onnx.ModelProto, ExportCheck | CachedCheck | None]:
+           kv_cache: bool | str = False) -> tuple[onnx.ModelProto, ExportCheck | CachedCheck | None]:
     """:func:`build_onnx` after its argument checks, with the quantized torch model's outputs on the example."""
     model, layers = export_copy(qmodel, weight_storage, embeddings)
     representations = list(dict.fromkeys(info["representation"] for info in layers.values()))
@@ -212,7 +214,7 @@ def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_ou
     if kv_cache:
         if pooling is not None:
             raise ExportError("kv_cache exports a language model's logits; pooling takes a headless encoder")
-        wrapper, names, outputs, feeds, dynamic = trace_inputs(qmodel, model, example_inputs)
+        wrapper, names, outputs, feeds, dynamic = trace_inputs(qmodel, model, example_inputs, cache_kind(kv_cache))
     else:
         wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
         feeds = example_feeds(qmodel, example_inputs, names)
@@ -239,6 +241,9 @@ def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_ou
     onnx_model = replace_markers(onnx_model, layers, softmax, probs_outputs)
     onnx_model, _ = onnx_utils.dedupe(onnx_utils.prune(onnx_model))
     fuse.fuse(onnx_model, linears=linears != "qdq", dynamic=linears == "dynamic")  # fewer nodes around the integer linears (export/fuse.py)
+    if kv_cache and linears != "qdq":  # attention reads the cache's codes per K/V head (export/fuse_cache.py)
+        drop_requantize(onnx_model, flip_sign=True)
+        group_query_heads(onnx_model)
     onnx_model = onnx_utils.prune(onnx_model)
     check_exportable_ops(onnx_model, softmax)
     onnx_model.producer_name = "softq"
@@ -254,7 +259,7 @@ def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_ou
 
 
 def build_onnx_float(model: nn.Module, example_inputs: Any, pooling: str | None = None,
-                     normalize: bool = False, kv_cache: bool = False) -> onnx.ModelProto:
+                     normalize: bool = False, kv_cache: bool | str = False) -> onnx.ModelProto:
     """The float ONNX model (softq attention, no quantization) with the same inputs and outputs (``kv_cache``:
     a decoder's file with past and present keys and values, as :func:`to_onnx`)."""
     from softq.attention import configure_attention
@@ -267,6 +272,7 @@ def build_onnx_float(model: nn.Module, example_inputs: Any, pooling: str | None 
     configure_attention(model)
     dynamic = None
     if kv_cache:
+        cache_kind(kv_cache)
         wrapper, names, outputs, feeds, dynamic = trace_inputs(model, model, example_inputs)
     else:
         wrapper, names, outputs = wrap_for_export(model, pooling, normalize)
@@ -321,7 +327,7 @@ def _run_once(wrapper: nn.Module, feeds: dict[str, torch.Tensor], what: str) -> 
 def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | None = None, overwrite: bool = False,
             probs_outputs: bool = False, weight_storage: str = "int8", embeddings: str | None = None,
             pooling: str | None = None, normalize: bool = False, linears: str = "integer",
-            names: str = "short", verify: bool = True, kv_cache: bool = False) -> str:
+            names: str = "short", verify: bool = True, kv_cache: bool | str = False) -> str:
     """Export a softq-quantized model to ONNX with an integer softmax; returns the path written.
 
     The file checks itself before it replaces anything at ``path``: onnxruntime runs it on ``example_inputs`` and
@@ -391,6 +397,9 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
     ``.value`` per layer, outputs ``logits`` and ``present.{i}.key`` / ``.value``; one file for the prefill (a past
     of 0 tokens) and the decode steps, the same integer softmax cores; the check runs a prefill of
     ``example_inputs`` (at least 2 tokens) and one decode step.  :func:`softq.export.generate.generate` runs it.
+    The cache is the model's own: int8 codes where its ``QuantConfig.kv_cache`` resolves to int8 (each step
+    quantizes only the new tokens, the cores read the codes; the check wants the torch cache's codes, equal or one
+    apart); ``kv_cache="float"`` keeps it float (onnxruntime-genai takes float caches only).
 
     ``names``: ``"short"`` (default) gives every internal tensor a short name and
     drops node names (:func:`softq.export.onnx_utils.compact_names`; inputs and
@@ -409,7 +418,7 @@ def to_onnx(qmodel: nn.Module, path: str, example_inputs: Any, softmax: str | No
 
 
 def to_onnx_float(model: nn.Module, path: str, example_inputs: Any, overwrite: bool = False,
-                  pooling: str | None = None, normalize: bool = False, kv_cache: bool = False) -> str:
+                  pooling: str | None = None, normalize: bool = False, kv_cache: bool | str = False) -> str:
     """Export the float model with the same interface (the FP32 baseline of the benchmarks)."""
     onnx_utils.check_writable(path, overwrite)
     return str(onnx_utils.save_atomic(build_onnx_float(model, example_inputs, pooling, normalize, kv_cache), path,

@@ -14,7 +14,7 @@ from torch import nn
 
 from softq.export.errors import ExportError
 from softq.export.functions import (STATE, TORCH_OPSET, AttentionMarkerFn, EmbeddingLookupFn, GroupQDQFn, QDQFn,
-                                    WeightDQFn, WeightOnlyFn)
+                                    WeightDQFn, WeightOnlyFn, stored_grid)
 from softq.quant.quantizers import weight_codes
 
 
@@ -60,6 +60,13 @@ class ExportAct(nn.Module):
         # prefix-token rows (QuantConfig.residual_prefix): Slice -> their own Q/DQ -> Concat, as in torch
         self.prefix = nn.ModuleList(ExportAct(row, -(key * 16 + i + 1))
                                     for i, row in enumerate(getattr(quantizer, "prefix", ())))
+
+    def store_in_cache(self) -> None:
+        """Emit this K or V point's codes on the int8 KV cache's grid (unsigned codes shifted to int8 with the
+        zero point; the same float values), so that the cache's codes and this point's are one tensor."""
+        if not self.signed:
+            self.zp, self.qmin, self.qmax = stored_grid(self.zp, self.qmin, self.qmax, self.signed)
+            self.signed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.prefix) and x.dim() >= 3:

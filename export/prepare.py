@@ -144,6 +144,10 @@ def export_copy(qmodel: nn.Module, weight_storage: str = "int8",
     model = as_float32(copy.deepcopy(qmodel, shared).eval())
     layers: dict[int, dict[str, Any]] = {}
     for key, (name, points) in enumerate(attention_points(model)):
+        if any(getattr(getattr(points, p, None), "granularity", "tensor") != "tensor" for p in ("k", "v")):
+            raise ExportError(f"softq exports K and V points with one scale per tensor; this model's have one per "
+                              f"{points.k.granularity} (kv_scales={qmodel.softq_quant_config.kv_scales!r}): quantize "
+                              "with kv_scales='tensor' to export it")
         layers[key] = info = _softmax_params(name, points, key)
         if info["representation"] == "edge":
             # rows past the calibrated ones take the per-head beta (SoftmaxOutputQuantizer.beta_for)

@@ -191,7 +191,7 @@ class Int8SlidingWindowLayer(_Int8Layer, DynamicSlidingWindowLayer):
 _INT8_LAYERS = {DynamicLayer: Int8DynamicLayer, DynamicSlidingWindowLayer: Int8SlidingWindowLayer}
 
 
-def _layer_points(model: nn.Module) -> dict[int, nn.Module]:
+def layer_points(model: nn.Module) -> dict[int, nn.Module]:
     """The ``AttentionPoints`` of each cache layer index (the attention module's ``layer_idx``, else its order)."""
     from softq.models import attention_modules
 
@@ -201,12 +201,15 @@ def _layer_points(model: nn.Module) -> dict[int, nn.Module]:
 
 class Int8KVCache(DynamicCache):
     """A ``DynamicCache`` of ``model`` whose full-attention and sliding-window layers store int8 codes (other layer
-    kinds, such as linear attention states, stay as Hugging Face makes them)."""
+    kinds, such as linear attention states, stay as Hugging Face makes them).  ``full``: sliding-window layers keep
+    every token too (the window is the mask's), as an exported decoder file's cache does."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, full: bool = False) -> None:
         super().__init__(config=model.config.get_text_config(decoder=True))
-        points = _layer_points(model)
+        points = layer_points(model)
         for idx, layer in enumerate(self.layers):
+            if full and type(layer) is DynamicSlidingWindowLayer:
+                layer = DynamicLayer()
             int8 = _INT8_LAYERS.get(type(layer))
             if int8 is not None and idx in points:
                 new = int8.__new__(int8)
@@ -227,8 +230,14 @@ def kv_cache(model: nn.Module) -> Int8KVCache:
     return Int8KVCache(model)
 
 
+def kv_cache_ready(model: nn.Module) -> bool:
+    """Whether ``model``'s cached calls store int8 codes (its config asks for them and its K/V points are ready)."""
+    config = getattr(model, "softq_quant_config", None)
+    return bool(getattr(config, "int8_kv_cache", False)) and _ready(model)
+
+
 def _ready(model: nn.Module) -> bool:
-    points = _layer_points(model)
+    points = layer_points(model)
     return bool(points) and all(getattr(p.k, "mode", None) == "quant" and getattr(p.v, "mode", None) == "quant"
                                 for p in points.values())
 

@@ -162,3 +162,78 @@ def test_onnxruntime_genai_runs_the_file_with_its_config(cached, tmp_path):
         generator.generate_next_token()
     want = generate(path, [[50, 60, 70, 11, 12]], 10, eos_token_id=EOS)[0]
     np.testing.assert_array_equal(np.asarray(generator.get_sequence(0), np.int64), want)
+
+
+def test_the_file_caches_the_torch_int8_codes(cached):
+    """A model whose cache is int8 (QuantConfig().kv_cache resolves so at 8 bits) exports int8 past and present
+    tensors: after a prefill and a decode step they are the codes of the torch model's Int8KVCache (within one
+    code, a rounding tie), and no DequantizeLinear reads the whole cache: the cores read its codes, grouped per K/V
+    head rather than repeated to the query heads."""
+    import onnx
+
+    qmodel, path, _ = cached
+    session = onnx_utils.session(path)
+    assert {i.type for i in session.get_inputs()[3:]} == {"tensor(int8)"}
+    ids = _prompt(11, 2, 7)
+    with torch.no_grad():
+        out = qmodel(input_ids=torch.from_numpy(ids), use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        out = qmodel(input_ids=nxt, cache=out.past_key_values, use_cache=True)
+    want = [t.numpy() for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+    assert want[0].dtype == np.int8
+    full = np.concatenate([ids, nxt.numpy()], 1)
+    got = generate(path, full, 1)  # a prefill of the prompt and the next token's decode step, through the file
+    np.testing.assert_array_equal(got[:, :-1], full)
+    layers = qmodel.config.num_hidden_layers
+    names = ["logits", *(f"present.{i}.{p}" for i in range(layers) for p in ("key", "value"))]
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.tile(np.arange(7), (2, 1)),
+             **{f"past_key_values.{i}.{p}": np.zeros((2, qmodel.config.num_key_value_heads, 0, 8), np.int8)
+                for i in range(layers) for p in ("key", "value")}}
+    first = session.run(names, feeds)
+    feeds.update({"input_ids": nxt.numpy(), "attention_mask": np.ones_like(full), "position_ids": np.full((2, 1), 7)})
+    feeds.update(zip((n.replace("present", "past_key_values") for n in names[1:]), first[1:]))
+    second = session.run(names, feeds)
+    for a, b in zip(second[1:], want):
+        assert a.dtype == np.int8 and a.shape == b.shape
+        gap = np.abs(a.astype(np.int32) - b.astype(np.int32))
+        assert gap.max() <= 1 and (gap == 0).mean() > 0.999
+    graph = onnx.load(path).graph
+    cache = {i.name for i in graph.input[3:]} | {o.name for o in graph.output[1:]}
+    assert not [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in cache]
+    assert not [n for n in graph.node if n.op_type == "Tile"]  # 2 query heads per K/V head: grouped, not repeated
+
+
+def test_a_float_cache_on_request_and_per_head_scales_refused(cached, tmp_path):
+    """``kv_cache="float"`` keeps the file's cache float (the same greedy tokens as the int8 file); a model with
+    per-head K/V scales is refused in one line naming kv_scales, as is an unknown kv_cache value."""
+    qmodel, path, _ = cached
+    example = torch.from_numpy(_prompt(5, 1, 8))
+    floats = to_onnx(qmodel, str(tmp_path / "float.onnx"), example, kv_cache="float")
+    assert onnx_utils.session(floats).get_inputs()[3].type == "tensor(float)"
+    ids = _prompt(12, 2, 6)
+    np.testing.assert_array_equal(generate(floats, ids, 6), generate(path, ids, 6))
+    with pytest.raises(ExportError, match=r"^kv_cache must be False, True .* got 'int4'$"):
+        to_onnx(qmodel, str(tmp_path / "x.onnx"), example, kv_cache="int4")
+    model = build("llama").eval()
+    calib = [{k: torch.from_numpy(v) for k, v in inputs(model, 0, 2, 12, padded=False).items()}]
+    heads = softq.quantize(model, calib, softq.QuantConfig(kv_scales="head"))
+    with pytest.raises(ExportError, match=r"^softq exports K and V points with one scale per tensor; .*"
+                                          r"kv_scales='head'.*kv_scales='tensor' to export it$"):
+        to_onnx(heads, str(tmp_path / "h.onnx"), example, kv_cache=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["float.onnx"]
+
+
+def test_a_sliding_window_model_exports_its_int8_cache(tmp_path):
+    """Mistral's sliding window is the mask's in the file, whose int8 cache keeps every token: the check's torch
+    reference keeps them too, and the file generates the torch model's greedy tokens past the window."""
+    model = build("mistral").eval()
+    assert model.config.sliding_window < 12
+    calib = [{k: torch.from_numpy(v) for k, v in inputs(model, 0, 2, 12, padded=False).items()}]
+    qmodel = softq.quantize(model, calib, softq.QuantConfig())
+    path = to_onnx(qmodel, str(tmp_path / "m.onnx"), torch.from_numpy(inputs(model, 9, 2, 12, padded=False)["input_ids"]),
+                   kv_cache=True)
+    ids = _prompt(13, 1, 6)
+    with torch.no_grad():
+        want = qmodel.generate(torch.from_numpy(ids), max_new_tokens=10, do_sample=False, pad_token_id=EOS,
+                               eos_token_id=EOS).numpy()
+    np.testing.assert_array_equal(generate(path, ids, 10, eos_token_id=EOS), want)

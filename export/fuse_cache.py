@@ -1,0 +1,118 @@
+"""Graph passes of a decoder file with an int8 KV cache: attention reads the cache's codes per K/V head.
+
+A grouped-query layer's trace repeats each cached K/V head to its query heads (``Unsqueeze -> Tile -> Reshape``,
+Hugging Face's ``repeat_kv``) before the score and P.V matmuls, over the whole cache at every decode step.
+:func:`group_query_heads` computes both matmuls with the queries grouped per K/V head instead: the query codes
+``[b, heads, q, d]`` read as ``[b, kv_heads, rep * q, d]`` (query head ``h`` reads K/V head ``h // rep``, so each
+group's heads are adjacent), one matmul per K/V head, the result read back as ``[b, heads, q, keys]`` (a model
+with as many K/V heads as query heads gets the same integer score GEMM on its cache's codes).  The scores
+become one ``MatMulInteger`` of the query codes and the cache's transposed K codes (onnxruntime fuses it with the
+``Cast -> Mul`` of the scales into ``MatMulIntegerToFloat``): no repeated, dequantized or re-quantized copy of the
+cache.  V's conversion to the core's grid and its row-sum column run on the cache's own heads.  Exact: the same
+products, summed in the same integer or float order per row; the export's check compares the file with torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from softq.export.fuse_graph import Graph, dq_params, perm_of, sort_nodes
+
+
+# per-element conversions of V's codes to the core's grid (a requantization, or the sign flip of drop_requantize)
+ELEMENTWISE = ("DequantizeLinear", "QuantizeLinear", "Cast", "BitwiseXor")
+
+
+def _repeated(g: Graph, name: str) -> str | None:
+    """The K/V codes ``[b, kv_heads, t, d]`` that ``name`` repeats to the query heads (``Unsqueeze(axis 2) -> Tile
+    -> Reshape``), else None."""
+    reshape = g.made_by(name, "Reshape")
+    tile = g.made_by(reshape.input[0], "Tile") if reshape is not None else None
+    unsqueeze = g.made_by(tile.input[0], "Unsqueeze") if tile is not None else None
+    if unsqueeze is None or len(unsqueeze.input) != 2:
+        return None
+    axes = g.const(unsqueeze.input[1])
+    return unsqueeze.input[0] if axes is not None and axes.reshape(-1).tolist() == [2] else None
+
+
+class _Nodes:
+    """New nodes and constants with unique names."""
+
+    def __init__(self, g: Graph, tag: str) -> None:
+        self.g, self.tag, self.nodes = g, tag, []
+
+    def op(self, op: str, inputs: list[str], **attrs) -> str:  # noqa: ANN003
+        out = f"softq/fuse/gqa/{self.tag}/{len(self.nodes)}"
+        self.nodes.append(helper.make_node(op, inputs, [out], **attrs))
+        return out
+
+    def dims(self, name: str, start: int, end: int) -> str:
+        return self.op("Shape", [name], start=start, end=end)
+
+    def grouped(self, codes: str, kv: str) -> str:
+        """``codes`` [b, heads, q, x] as [b, kv_heads, rep * q, x] (``kv`` the K/V codes)."""
+        minus = self.g.add_const("minus_one", np.array([-1], np.int64))
+        shape = self.op("Concat", [self.dims(kv, 0, 2), minus, self.dims(codes, 3, 4)], axis=0)
+        return self.op("Reshape", [codes, shape])
+
+    def ungrouped(self, out: str, codes: str, name: str) -> None:
+        """``out`` [b, kv_heads, rep * q, y] back to [b, heads, q, y], written to ``name``."""
+        minus = self.g.add_const("minus_one", np.array([-1], np.int64))
+        shape = self.op("Concat", [self.dims(codes, 0, 3), minus], axis=0)
+        self.nodes.append(helper.make_node("Reshape", [out, shape], [name]))
+
+
+def group_query_heads(model: onnx.ModelProto) -> int:
+    """Scores and P.V of grouped-query layers per K/V head (see the module docstring); returns the matmuls
+    rewritten."""
+    g = Graph(model, "gqa")
+    added: list[onnx.NodeProto] = []
+    stale: set[str] = set()  # tensors whose recorded shapes no longer hold (per K/V head now)
+    done = 0
+    for mm in list(g.graph.node):
+        if mm.op_type != "MatMul":
+            continue
+        a_dq, b_in = g.made_by(mm.input[0], "DequantizeLinear"), mm.input[1]
+        a = dq_params(g, a_dq)
+        if a is None or a[0].size != 1 or a[1].size != 1:
+            continue
+        transpose = g.made_by(b_in, "Transpose")
+        if transpose is not None and perm_of(transpose) == [0, 1, 3, 2]:  # scores: Q codes . K codes^T
+            k_dq = g.made_by(transpose.input[0], "DequantizeLinear")
+            k = dq_params(g, k_dq)
+            if k is None or k[0].size != 1 or k[1].size != 1:
+                continue
+            # one query head per K/V head: the codes as they are (the same integer GEMM, no grouping needed)
+            codes = _repeated(g, k_dq.input[0]) or k_dq.input[0]
+            n = _Nodes(g, f"scores{done}")
+            kt = n.op("Transpose", [codes], perm=[0, 1, 3, 2])
+            product = n.op("MatMulInteger", [n.grouped(a_dq.input[0], codes), kt, a_dq.input[2], k_dq.input[2]])
+            scale = g.add_const("scale", np.array(a[0].item() * k[0].item(), np.float32))
+            scores = n.op("Mul", [n.op("Cast", [product], to=TensorProto.FLOAT), scale])
+            n.ungrouped(scores, a_dq.input[0], mm.output[0])
+        else:  # P.V: row codes . V on the core's grid (with its row-sum column)
+            v_dq = g.made_by(b_in, "DequantizeLinear")
+            pad = g.made_by(v_dq.input[0], "Pad") if v_dq is not None else None
+            chain = [pad, v_dq] if pad is not None else []
+            while chain and chain[0].input[0] in g.producer and g.producer[chain[0].input[0]].op_type in ELEMENTWISE:
+                chain.insert(0, g.producer[chain[0].input[0]])
+            codes = _repeated(g, chain[0].input[0]) if len(chain) > 2 else None
+            if codes is None or any(g.only_reader(op.output[0]) is None for op in chain):
+                continue
+            chain[0].input[0] = codes  # the conversion to the core's grid and the row-sum column on the cache's heads
+            stale.update(op.output[0] for op in chain)
+            n = _Nodes(g, f"pv{done}")
+            rows = n.op("DequantizeLinear", [n.grouped(a_dq.input[0], codes), *a_dq.input[1:]])
+            n.ungrouped(n.op("MatMul", [rows, b_in]), a_dq.input[0], mm.output[0])
+        added.extend(n.nodes)
+        mm.output[0] = f"{mm.output[0]}/replaced"  # dead: pruned
+        done += 1
+    if done:
+        g.graph.node.extend(added)
+        sort_nodes(g.graph)
+        kept = [v for v in g.graph.value_info if v.name not in stale]
+        del g.graph.value_info[:]
+        g.graph.value_info.extend(kept)
+    return done
