@@ -53,11 +53,11 @@ def load(model_dir: str):  # noqa: ANN201
 
 def calibrate_softq(model, calib, linears_only: bool = False) -> object:  # noqa: ANN001
     """softq's default ``QuantConfig()``; ``linears_only``: ``softmax_bits=None``, the softmax and P.V float as in
-    llm-compressor's W8A8."""
+    llm-compressor's W8A8.  In place, as llm-compressor's ``oneshot`` quantizes the model it is given."""
     import softq
 
     config = softq.QuantConfig(softmax_bits=None) if linears_only else softq.QuantConfig()
-    return softq.quantize(model, [{"input_ids": row.unsqueeze(0)} for row in calib], config)
+    return softq.quantize(model, [{"input_ids": row.unsqueeze(0)} for row in calib], config, inplace=True)
 
 
 def id_tokenizer(vocab_size: int):  # noqa: ANN201 - a PreTrainedTokenizerFast
