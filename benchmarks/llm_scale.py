@@ -5,7 +5,8 @@
 Each section is copied, unchanged but for its heading level, from the results file its own benchmark wrote
 (they take from minutes to half an hour each, so they run separately; rerun one and then this script):
 
-* calibration memory, block by block and whole-model, up to a 1.1B-parameter Llama: ``bench_llm_memory.py``;
+* calibration memory, block by block at 1.1B parameters, and against the whole model at 4 layers:
+  ``bench_llm_memory.py``;
 * decoder ONNX files with a KV cache: greedy tokens and decode latency per token: ``bench_generate.py``;
 * the INT8 KV cache: perplexity at context 1024 and cache bytes: ``bench_kv_cache.py``;
 * the peers, llm-compressor's W8A8 and optimum's KV-cache export with ``quantize_dynamic``: ``bench_llm_peers.py``.
@@ -26,6 +27,8 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 # (results file, the question it answers, the benchmark that writes it)
 SECTIONS = (
     ("llm_memory.md", "Calibration memory: does a decoder quantize in one block's memory?", "bench_llm_memory.py"),
+    ("llm_memory_4layers.md", "Calibration memory at 4 layers: block by block against the whole model",
+     "bench_llm_memory.py --layers 4 --variants blocks,model --output docs/results/llm_memory_4layers.md"),
     ("generate.md", "Generation from the ONNX file with a KV cache: the same tokens, and how fast per token?",
      "bench_generate.py"),
     ("kv_cache.md", "INT8 KV cache: how many bytes, and what does it cost in perplexity?", "bench_kv_cache.py"),
