@@ -29,7 +29,9 @@ left alone.  :func:`kv_cache` builds one for passing explicitly.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -236,7 +238,23 @@ def kv_cache_ready(model: nn.Module) -> bool:
     return bool(getattr(config, "int8_kv_cache", False)) and _ready(model)
 
 
+_CALIBRATING = [0]  # depth of softq.quantize calls running: their passes read K and V as the points see them
+
+
+@contextlib.contextmanager
+def calibrating() -> Iterator[None]:
+    """No int8 cache inside ``softq.quantize``: a pass after the ranges are fixed (the fold into V, the bias
+    corrections) must see the float K and V that reach the points, not codes a cache already rounded."""
+    _CALIBRATING[0] += 1
+    try:
+        yield
+    finally:
+        _CALIBRATING[0] -= 1
+
+
 def _ready(model: nn.Module) -> bool:
+    if _CALIBRATING[0]:
+        return False
     points = layer_points(model)
     return bool(points) and all(getattr(p.k, "mode", None) == "quant" and getattr(p.v, "mode", None) == "quant"
                                 for p in points.values())

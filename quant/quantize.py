@@ -48,7 +48,7 @@ from softq.quant.config import (AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUT
 from softq.quant.copies import _collect, independent_copy
 from softq.quant.held_out import _held_out_split, _outputs
 from softq.quant.layers import QLinear
-from softq.quant import sequential
+from softq.quant import kv_cache, sequential
 from softq.quant.points import _finish, prepare, residual_prefix, set_mode
 from softq.quant.quantizers import SoftmaxOutputQuantizer
 from softq.quant.smoothing_search import _scope, _search_smoothing, _smooth_observed
@@ -77,7 +77,7 @@ def quantize(
         return _quantize_sentence_transformer(model, calib_data, config, inplace)
     # no dequantized-weight caches while calibrating: each model run here (the search's candidates above all) kept
     # a float copy of its weights; the quantized model makes its cache when it is first run
-    with uncached_weights():
+    with uncached_weights(), kv_cache.calibrating():
         return _quantize(model, calib_data, config, inplace)
 
 
