@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchutil import command_line, interleaved, write_atomic  # noqa: E402
