@@ -1,4 +1,4 @@
-"""Directories written atomically: readers see the old directory or the new one, never a half-written one."""
+"""Files and directories written atomically: readers see the old one or the new one, never a half-written one."""
 
 from __future__ import annotations
 
@@ -45,6 +45,23 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+@contextmanager
+def atomic_file(target: str | os.PathLike, mode: str = "w") -> Iterator:
+    """An open temporary file beside ``target`` that replaces ``target`` when the block ends without an error
+    (removed otherwise), with the mode ``open`` would have given it."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
+            yield fh
+        default_mode(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def error_line(err: BaseException) -> str:

@@ -16,15 +16,13 @@ heads, the behaviour that removes outliers.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from softq._files import default_mode, error_line
+from softq._files import atomic_file, error_line
 from softq.models import attention_modules
 
 def _projection_layer(module: nn.Module) -> bool:
@@ -137,15 +135,8 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         "losses": list(losses),
         "run": dict(run),
     }
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(payload, fh)
-        default_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, "wb") as fh:
+        torch.save(payload, fh)
     return path
 
 

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from softq._files import atomic_file
 from softq.export.cache_layout import INPUTS, LOGITS, PARTS, PAST, PRESENT, CacheLayout
 
 CONFIG_NAME = "genai_config.json"
@@ -74,18 +75,6 @@ def write_genai_config(path: str | os.PathLike, hf_config: Any) -> Path:
     target = Path(path).parent / CONFIG_NAME
     check_writable(target, overwrite=True)
     text = json.dumps(genai_config(path, hf_config), indent=2) + "\n"
-    import tempfile
-
-    from softq._files import default_mode
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{CONFIG_NAME}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        default_mode(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(target) as f:
+        f.write(text)
     return target
