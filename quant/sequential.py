@@ -24,7 +24,9 @@ scale and bias shift (tests/test_sequential.py).  What differs:
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -168,23 +170,34 @@ def _run_tail(shared: _Shared, tail: dict[str, nn.Module], batch: Batch, x: torc
         return forward
 
     before = _swap(model, tail)
+    try:
+        with _forwards(blocks, skip):
+            return model(**batch, **_no_cache(model))
+    finally:
+        _swap(model, before)
+
+
+@contextlib.contextmanager
+def _forwards(blocks: list[nn.Module], make: Callable[[int], Callable]) -> Iterator[None]:
+    """Block ``j`` runs ``make(j)`` instead of its forward inside the block; its own forward (an instance attribute
+    such as accelerate's hook wrapper, or the class's) comes back after."""
     saved = [b.__dict__.get("forward") for b in blocks]
     try:
         for j, b in enumerate(blocks):
-            b.forward = skip(j)
-        return model(**batch, **_no_cache(model))
+            b.forward = make(j)
+        yield
     finally:
         for b, f in zip(blocks, saved):
             if f is None:
                 del b.forward
             else:
                 b.forward = f
-        _swap(model, before)
 
 
 def _capture(model: nn.Module, blocks: list[nn.Module], batches: list[Batch]) -> tuple[list[list], list[torch.Tensor], object]:
-    """Every block's (args, kwargs) on every batch (without the hidden states), the first block's hidden states, from one forward per batch stopped at the last block, and the form
-    of a block's output (the first block run once on the first batch).  A block that returns its hidden states alone
+    """Every block's (args, kwargs) on every batch (without the hidden states), the first block's hidden states,
+    from one forward per batch stopped at the last block, and the form of a block's output (the first block run
+    once on the first batch).  A block that returns its hidden states alone
     is skipped (its input handed on): what the next block is given besides comes from the model, not from it.  A
     block that returns more (T5 hands its position bias on) runs."""
     calls: list[list] = [[None] * len(batches) for _ in blocks]
@@ -210,23 +223,13 @@ def _capture(model: nn.Module, blocks: list[nn.Module], batches: list[Batch]) ->
             return real[j](*args, **kwargs)
         return forward
 
-    saved = [b.__dict__.get("forward") for b in blocks]
-    try:
-        for j, b in enumerate(blocks):
-            b.forward = recorder(j)
-        with torch.no_grad():
-            for i, batch in enumerate(batches):
-                state["i"] = i
-                try:
-                    model(**batch, **_no_cache(model))
-                except _Stop:
-                    pass
-    finally:
-        for b, f in zip(blocks, saved):
-            if f is None:
-                del b.forward
-            else:
-                b.forward = f
+    with _forwards(blocks, recorder), torch.no_grad():
+        for i, batch in enumerate(batches):
+            state["i"] = i
+            try:
+                model(**batch, **_no_cache(model))
+            except _Stop:
+                pass
     if state["template"] is None:  # a single block: it never handed anything on
         args, kwargs = _with_hidden(*calls[0][0], first[0], _batch_size(batches[0]))
         with torch.no_grad():
