@@ -228,7 +228,8 @@ def kv_cache(model: nn.Module) -> Int8KVCache:
         raise ValueError("softq.kv_cache stores the codes of a quantized model's K and V points; pass a model "
                          "returned by softq.quantize (or softq.quant.load)")
     if not _ready(model):
-        raise ValueError("softq.kv_cache: the model's K and V points are still calibrating (not in 'quant' mode)")
+        raise ValueError("softq.kv_cache: the model's K and V points are still calibrating (not in 'quant' mode); "
+                         "make the cache once softq.quantize has returned")
     return Int8KVCache(model)
 
 
