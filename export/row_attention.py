@@ -337,6 +337,7 @@ def _cap(b: _Builder, valid: str, dtype: type, masked: int, base: str, low: bool
 def build_row_attention(
     form: str, x: str, v: str, y: str, rq: RowQuant, valid: str | None = None, probs: str | None = None,
     prefix: str = "softq_attn/", opset: int = 21, empty_rows: bool = True,
+    v_affine: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """Nodes computing ``y = P.V`` (float) from score codes ``x`` and uint8 V codes ``v``.
 
@@ -344,8 +345,13 @@ def build_row_attention(
     names an extra float output with the effective probabilities (parity checks).
     ``empty_rows=False`` promises that every row has a key of code E > 0 (a model without
     masks: each row's max gets the top code), so the row sum needs no guard against 0.
+    ``v_affine``: ``(z, s)``, V's zero points and scales per head (``[1, h, 1, 1]``) or per head and channel
+    (``[1, h, 1, d]``) on the codes ``v - rq.v_zero_point`` (``rq.v_scale`` 1; ``row`` and ``row_log``): the
+    zero points' term outside the integer GEMM, ``E.(v - z) = E.v - z sum(E)``, and ``y = num / (sum(E) / s)``.
     """
     rq.check_form(form)
+    if v_affine is not None and (not rq.sums_codes or rq.v_scale != 1.0):
+        raise ValueError("per-head V scales take row or row_log codes on V codes of scale 1")
     if opset < 13:
         raise ValueError(f"softq's row-code attention needs ONNX opset >= 13, got {opset}")
     q = rq.scores
@@ -416,14 +422,18 @@ def build_row_attention(
         den_f = b.op("Slice", [acc_f, b.const("m1b", [-1], np.int64), b.const("big", [INT32_MAX], np.int64), axes])
         if sign < 0:
             den_f = b.op("Neg", [den_f])
+        if v_affine is not None and np.any(v_affine[0]):  # E.(v - z) = E.v - z sum(E): 0 in a fully masked row
+            num_f = b.op("Sub", [num_f, b.op("Mul", [den_f, b.const("v_offset", v_affine[0], np.float32)])])
         if empty_rows:  # a fully masked row: all E = 0, so 0 / 1 = 0
             den_f = b.at_least(den_f, "one_f", 1.0, np.float32)
     else:
         num_f = gemm(v)
-    scaled = b.op("Mul", [den_f, b.const("c", rq.den_factor(form), np.float32)])
+    c = rq.den_factor(form) if v_affine is None else (np.float32(1.0) / v_affine[1]).astype(np.float32)
+    scaled = b.op("Mul", [den_f, b.const("c", c, np.float32)])
     b.op("Div", [num_f, scaled], out=y)
     if probs is not None:  # effective probabilities E / den (the scale 1/S_v of c removed again)
-        p_den = b.op("Mul", [scaled, b.const("v_scale", np.float32(rq.v_scale), np.float32)])
+        p_den = den_f if v_affine is not None else b.op("Mul", [scaled, b.const("v_scale", np.float32(rq.v_scale),
+                                                                                  np.float32)])
         b.op("Div", [b.op("Cast", [e], to=TensorProto.FLOAT), p_den], out=probs)
     return b.nodes, b.inits
 
