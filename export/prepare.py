@@ -20,7 +20,7 @@ from softq.export.modules import (AttentionMarker, ExportAct, ExportEmbedding, E
                                   ExportWeightOnly, FloatEmbedding, ScoresTap, ValidTap)
 from softq.export.row_attention import RowQuant
 from softq.models import max_tokens
-from softq.quant.config import FLOAT_INPUT_OUTPUTS, SUM_OF_CODES
+from softq.quant.config import FLOAT_INPUT_OUTPUTS
 
 EXPORTABLE_SOFTMAX = ("softmax",)
 
@@ -109,10 +109,6 @@ def _row_quant(name: str, points: nn.Module, q: SoftmaxQuant | None) -> RowQuant
     lo, hi = ((-(2 ** (v.bits - 1)) + 1, 2 ** (v.bits - 1) - 1) if v.signed else (0, 2**v.bits - 1))
     scale, zero_point = (float(v.scale), int(round(float(v.zero_point)))) if v.scale.numel() == 1 else (1.0, None)
     if zero_point is None:  # per head or channel: the core reads the stored int8 codes (ExportKV), 128 higher
-        if probs.representation not in SUM_OF_CODES:
-            raise ExportError(f"attention layer '{name}': V with per-{v.granularity} scales exports with the row "
-                              f"sums of the codes (softmax_output 'row' or 'row_log'), this layer uses "
-                              f"'{probs.representation}'; quantize with kv_scales='tensor' to export it")
         zero_point, shift = 0, 128
         lo, hi = (-127, 127) if v.signed else (-128, 127)
     try:

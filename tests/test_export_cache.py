@@ -18,7 +18,9 @@ from softq.export import onnx_utils
 from softq.export.decoder_export import CachedDecoder
 from softq.export.errors import ExportError
 from softq.export.generate import generate
+from softq.export.kv_reference import cache_attention
 from softq.export.model_export import to_onnx
+from softq.quant.kv_cache import stored_zero_point
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 EOS = 2  # the tiny Llama's end-of-sequence id (LlamaConfig's default)
@@ -221,7 +223,8 @@ def test_a_float_cache_on_request(cached, tmp_path):
 def test_per_head_and_per_channel_kv_scales_export(tmp_path, scales):
     """K and V points with a scale and zero point per K/V head (or per head and channel) export, with and without
     the cache: the cached file's present tensors after a prefill and a decode step are the torch model's int8 codes
-    (each K/V head on its own grid), its greedy tokens torch's, and the full-sequence file's logits torch's.  Per
+    (each K/V head on its own grid), from which the numpy integer reference (export/kv_reference.py) computes the
+    torch step's P.V; its greedy tokens are torch's, and the full-sequence file's logits torch's.  Per
     head, the scores stay one MatMulInteger of the query codes and the cache's K codes per K/V head (no Tile, no
     DequantizeLinear of the cache), the scales outside; per channel, K's scale does not factor out of Q.K^T, and
     the scores are a float MatMul of the cache's values (repeated to the query heads)."""
@@ -236,10 +239,18 @@ def test_per_head_and_per_channel_kv_scales_export(tmp_path, scales):
     example = torch.from_numpy(_prompt(5, 2, 8))
     path = to_onnx(qmodel, str(tmp_path / "cached.onnx"), example, kv_cache=True)
     ids = _prompt(11, 2, 7)
+    points = [layer.self_attn.softq for layer in qmodel.model.layers]
+    seen = {}
     with torch.no_grad():
         out = qmodel(input_ids=torch.from_numpy(ids), use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
+        hooks = [p.q.register_forward_hook(lambda m, i, o, k=k: seen.__setitem__(("q", k), o.numpy()))
+                 for k, p in enumerate(points)]
+        hooks += [p.pv.register_forward_hook(lambda m, i, o, k=k: seen.__setitem__(("pv", k), o.numpy()))
+                  for k, p in enumerate(points)]
         step = qmodel(input_ids=nxt, cache=out.past_key_values, use_cache=True)
+        for h in hooks:
+            h.remove()
         full_logits = qmodel(input_ids=torch.from_numpy(ids), use_cache=False).logits.numpy()
     want = [t.numpy() for layer in step.past_key_values.layers for t in (layer.keys, layer.values)]
     layers = qmodel.config.num_hidden_layers
@@ -257,6 +268,11 @@ def test_per_head_and_per_channel_kv_scales_export(tmp_path, scales):
         assert a.dtype == b.dtype == np.int8
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(second[0][:, -1], step.logits[:, -1].numpy(), rtol=1e-4, atol=1e-5)
+    for k, p in enumerate(points):  # the numpy integer reference on the file's codes: torch's P.V of the step
+        grid = lambda point: (point.scale.numpy(), stored_zero_point(point).numpy())  # noqa: E731
+        ref = cache_attention(seen["q", k], second[1 + 2 * k], *grid(p.k), second[2 + 2 * k], *grid(p.v),
+                              qmodel.model.layers[k].self_attn.scaling)
+        np.testing.assert_allclose(ref, seen["pv", k], rtol=1e-5, atol=1e-6)
     prompt = _prompt(12, 1, 5)
     with torch.no_grad():
         greedy = qmodel.generate(torch.from_numpy(prompt), max_new_tokens=6, do_sample=False).numpy()
