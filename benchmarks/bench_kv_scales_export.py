@@ -139,8 +139,8 @@ def markdown(task, rows: dict, medians: dict, rounds: int, windows: int, command
         f"{cfg.hidden_size // cfg.num_attention_heads}, quantized with `QuantConfig(kv_scales=...)` (8-bit row "
         "softmax, int8 cache) on 16 training windows; each exported with `to_onnx(qmodel, path, example, "
         "kv_cache=True)` (int8 past/present codes; per-head K: the scores one MatMulInteger per K/V head with the "
-        "scales and zero points outside; per-channel K: a float MatMul of the cache's values; V per head or channel: "
-        "the row core's integer GEMM, zero points and scales outside).",
+        "scales and zero points outside; per-channel K: a float MatMul per K/V head of the queries times the scales "
+        "and the K codes; V per head or channel: the row core's integer GEMM, zero points and scales outside).",
         "",
         f"Perplexity: {windows} held-out windows of 1024 characters, each one prefill of the file from an empty "
         "cache (onnxruntime), beside the quantized torch model on the same windows; 'logit diff': the largest "

@@ -89,13 +89,15 @@ class ExportKV(nn.Module):
     point 0, the grid a per-tensor point's codes have in the graph, so the integer GEMMs read them as they read a
     per-tensor point's.  The per-head scale and zero point are factors outside those GEMMs:
 
-    * K per head: :meth:`key_product` is the score matmul, ``(q . codes^T - q . z^T) * s`` (``q . z^T`` is
-      ``z * sum(q)`` per head), in place of ``q . k^T``;
+    * K: :meth:`key_product` is the score matmul in place of ``q . k^T``: per head ``(q . codes^T - z * sum(q)) * s``
+      (an integer GEMM of the query and K codes); per channel, whose scale varies along the contracted dimension
+      and so does not factor out of it, ``(q * s) . codes^T - (q * s) . z^T`` (a float GEMM of the scaled queries
+      and the codes, what torch computes to float rounding);
     * V (per head or channel): the row attention core subtracts ``z * sum(E)`` from ``E . codes`` and divides by
       ``sum(E) / s`` (``prepare.export_copy`` hands it ``z`` and ``s``; :class:`AttentionMarker` computes the same in
       torch);
-    * ``dequantize`` (K per channel, whose scale does not factor out of ``q . k^T``; V of a float or edge softmax,
-      whose P.V is a float MatMul): the point outputs the values ``(codes - z) * s``, which the float matmul reads.
+    * ``dequantize`` (V of a float or edge softmax, whose P.V is a float MatMul): the point outputs the values
+      ``(codes - z) * s``, which the float matmul reads.
 
     ``s`` and ``z`` are ``[heads, 1, 1 | head_dim]``, the key/value heads' repeated to the ``heads`` query heads.
     In a cached decoder (:meth:`store_in_cache`) the point reads the stored codes themselves (the cache layer hands
@@ -140,14 +142,15 @@ class ExportKV(nn.Module):
         return self.values(codes) if self.dequantize else codes
 
     def key_product(self, q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """``q . k^T`` from the K codes: the integer GEMM of the codes, the zero point's term and the per-head
-        scale outside it (a per-channel K point dequantizes: a float matmul)."""
-        product = torch.matmul(q, codes.transpose(-1, -2))
-        if self.dequantize:
-            return product
-        if self.offset:
-            product = product - q.sum(-1, keepdim=True) * self.z
-        return product * self.s
+        """``q . k^T`` from the K codes (see the class docstring)."""
+        if self.granularity == "head":  # per head: the zero point's term and the scale outside the integer GEMM
+            product = torch.matmul(q, codes.transpose(-1, -2))
+            if self.offset:
+                product = product - q.sum(-1, keepdim=True) * self.z
+            return product * self.s
+        scaled = q * self.s  # per channel: the scale on each query channel
+        product = torch.matmul(scaled, codes.transpose(-1, -2))
+        return product - torch.matmul(scaled, self.z.transpose(-1, -2)) if self.offset else product
 
 
 class ExportLinear(nn.Module):

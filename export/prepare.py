@@ -119,14 +119,13 @@ def _row_quant(name: str, points: nn.Module, q: SoftmaxQuant | None) -> RowQuant
 
 def _per_head_points(points: nn.Module, info: dict[str, Any]) -> ExportKV | None:
     """K and V points with per-head or per-channel scales swapped for :class:`ExportKV`: their codes go through the
-    integer GEMMs with the scales outside (K per head, V of a row core), or their values through a float matmul
-    (K per channel, whose scale does not factor out of Q.K^T; V of a float or edge softmax).  Returns the V point
-    whose codes the row core reads, whose zero points and scales go in ``info["v_affine"]``."""
+    GEMMs with the scales outside (K; V of a row core), or their values through a float matmul (V of a float or
+    edge softmax).  Returns the V point whose codes the row core reads, whose zero points and scales go in
+    ``info["v_affine"]``."""
     for part in ("k", "v"):
         point = getattr(points, part)
         if getattr(point, "granularity", "tensor") != "tensor":
-            dequantize = (point.granularity == "channel" if part == "k"
-                          else info["representation"] in ("float", "edge"))
+            dequantize = part == "v" and info["representation"] in ("float", "edge")
             setattr(points, part, ExportKV(point, points.num_heads, dequantize))
     v = points.v
     if not isinstance(v, ExportKV) or v.dequantize:
