@@ -13,9 +13,7 @@ Linear layers those hooks sit on, so for each block with offloaded weights (:cla
 * once calibrated, the quantized block (weights, scales, bias shifts) is written back: to
   ``<offload folder>/softq-quantized/<block>/`` with accelerate's ``offload_state_dict`` where it came from disk, to
   a CPU state dict where it came from CPU, and one accelerate ``AlignDevicesHook`` on the block loads it for each
-  call (:meth:`store`); a CPU state dict's float tensors of the block are dropped from it (the model is quantized
-  in place), so the float and quantized blocks are not held together.  So peak memory stays near one block, during
-  calibration and at inference.
+  call (:meth:`store`).  So peak memory stays near one block, during calibration and at inference.
 
 Before anything is loaded: one line where a disk-offloaded tensor's file is gone, or where an offloaded block has a
 hook other than accelerate's ``AlignDevicesHook`` (it would be dropped with the block's hooks).
@@ -131,18 +129,6 @@ def check(model: nn.Module, config: QuantConfig) -> None:
                                  "offload folder was deleted or moved; load and dispatch the model again")
 
 
-def _drop(weights: object, key: str) -> None:
-    """Drop the float tensor ``weights[key]`` from the CPU state dict that holds it, once its block is written back
-    quantized (the model is quantized in place, and its offloaded weights with it): else every block's float
-    weights would stay in memory beside the quantized ones.  Files on disk are left as they are."""
-    if _file(weights, key) is not None:
-        return
-    dataset = getattr(weights, "dataset", weights)
-    held = getattr(dataset, "state_dict", dataset)
-    if isinstance(held, dict):
-        held.pop(f"{getattr(weights, 'prefix', '')}{key}", None)
-
-
 class Offloaded:
     """The offload of one ``quantize`` call: its checks, and each block's loading and writing back (module
     docstring).  ``blocks`` are ``sequential.blocks_of(model)``."""
@@ -182,7 +168,8 @@ class Offloaded:
                 done[id(old)] = getattr(m, name)
             for hook in _hooks(m):
                 if getattr(hook, "offload", False):
-                    hook.offload, hook.weights_map = False, None  # the map would keep every float weight alive
+                    # the map (a CPU state dict of every offloaded weight) would stay alive with the hook
+                    hook.offload, hook.weights_map = False, None
 
     def detach(self) -> None:
         """Before ``prepare``: each offloaded block's sources kept, its hooks removed without loading anything."""
@@ -266,8 +253,6 @@ class Offloaded:
         self.hooks.add_hook_to_module(block, self.hooks.AlignDevicesHook(
             execution_device=self.devices[j], offload=True, io_same_device=False, weights_map=weights,
             offload_buffers=True, place_submodules=True))
-        for source, key in self.sources[j].values():
-            _drop(source, key)
         self.sources[j] = {}
 
     def to_device(self, j: int, value: object) -> object:
