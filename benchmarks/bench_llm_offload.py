@@ -4,9 +4,13 @@ A ``LlamaForCausalLM`` with random weights (default: 8 layers of width 1024, int
 vocabulary, so the blocks hold most of the weights) is saved once with ``save_pretrained``; then, each in a fresh
 process, it is loaded by ``from_pretrained`` either whole (``loaded``) or with every block offloaded to disk
 (``device_map`` with ``model.layers.*`` on ``"disk"`` and an ``offload_folder``: ``offload``), and quantized with
-``QuantConfig()`` (block by block, "auto" searches on).  The two variants alternate, ``--repeats`` times, medians
-reported.  Peak: the process's peak resident memory (``ru_maxrss``) over loading and quantizing; loaded: the resident
-memory once the model is loaded.  Both results' logits are compared on held-out random sequences.
+``QuantConfig()`` (block by block, "auto" searches on).  The two variants alternate, ``--repeats`` times, run i of
+each with ``PYTHONHASHSEED=i`` (the peak depends on it), medians reported.  Peak: the process's peak resident memory
+(``ru_maxrss``) over loading and quantizing.  ``from_pretrained`` maps the safetensors file and its pages count as
+resident only once read, so the resident memory right after loading says little: reported instead are the bytes of
+the model's tensors not on the meta device, the resident memory before loading (the libraries) and the resident
+memory once every loaded tensor has been read.  Both results' logits are
+compared on held-out random sequences.
 
     python benchmarks/bench_llm_offload.py          # writes docs/results/llm_offload.md
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -32,6 +37,19 @@ VARIANTS = ("loaded", "offload")
 
 def _rss() -> int:
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+
+
+def _read(model) -> int:  # noqa: ANN001
+    """Bytes of ``model``'s tensors not on the meta device, each read once (its mapped pages made resident)."""
+    import torch
+
+    total = 0
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            if not t.is_meta:
+                t.sum()
+                total += t.numel() * t.element_size()
+    return total
 
 
 def _config(args: argparse.Namespace):  # noqa: ANN202
@@ -53,11 +71,13 @@ def child(variant: str, args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     kwargs = {}
+    before = _rss()
     if variant == "offload":
         device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
                       **{f"model.layers.{i}": "disk" for i in range(args.layers)}}
         kwargs = {"device_map": device_map, "offload_folder": tempfile.mkdtemp(prefix="softq-offload-")}
     model = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32, **kwargs).eval()
+    tensors = _read(model)
     loaded = _rss()
     g = torch.Generator().manual_seed(1)
     calib = [{"input_ids": torch.randint(3, args.vocab, (args.batch, args.tokens), generator=g)}
@@ -71,15 +91,16 @@ def child(variant: str, args: argparse.Namespace) -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with torch.no_grad():
         torch.save(qmodel(**test).logits, Path(args.model) / f"logits-{variant}.pt")
-    print(json.dumps({"variant": variant, "loaded": loaded, "peak": peak, "seconds": seconds}))
+    print(json.dumps({"variant": variant, "before": before, "tensors": tensors, "loaded": loaded, "peak": peak,
+                      "seconds": seconds}))
 
 
-def run(variant: str, args: argparse.Namespace) -> dict:
+def run(variant: str, args: argparse.Namespace, seed: int) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, "--model", str(args.model), "--vocab", str(args.vocab),
            "--hidden", str(args.hidden), "--intermediate", str(args.intermediate), "--layers", str(args.layers),
            "--sequences", str(args.sequences), "--tokens", str(args.tokens), "--batch", str(args.batch),
            "--threads", str(args.threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": str(seed)})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         raise SystemExit(f"{variant}: exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
@@ -116,14 +137,15 @@ def main() -> None:
         del model
         args.model = Path(folder)
         rows = {v: [] for v in VARIANTS}
-        for _ in range(args.repeats):
+        for seed in range(args.repeats):
             for variant in VARIANTS:
-                rows[variant].append(run(variant, args))
+                rows[variant].append(run(variant, args, seed))
         logits = {v: torch.load(Path(folder) / f"logits-{v}.pt") for v in VARIANTS}
     same = torch.equal(logits["loaded"], logits["offload"])
     gap = float((logits["loaded"] - logits["offload"]).abs().max())
     minutes = (time.perf_counter() - start) / 60
-    med = {v: {k: statistics.median(r[k] for r in rows[v]) for k in ("loaded", "peak", "seconds")} for v in VARIANTS}
+    med = {v: {k: statistics.median(r[k] for r in rows[v]) for k in ("before", "tensors", "loaded", "peak", "seconds")}
+           for v in VARIANTS}
     names = {"loaded": "loaded whole (`from_pretrained(dir)`)",
              "offload": "blocks offloaded to disk (`device_map`, `offload_folder`)"}
     lines = ["# Calibration memory of a disk-offloaded Llama", "",
@@ -135,16 +157,23 @@ def main() -> None:
              f"{weights / 1e6:.0f} MB, one block {block / 1e6:.0f} MB. Quantized by `softq.quantize(model, calib, "
              f"QuantConfig(), inplace=True)` (block by block, the \"auto\" searches on) on {args.sequences} random "
              f"sequences of {args.tokens} tokens in batches of {args.batch}. Each run a fresh process; the variants "
-             f"alternate, {args.repeats} runs each, medians. Peak: the process's peak resident memory (`ru_maxrss`) "
-             "over loading and quantizing; loaded: resident memory once `from_pretrained` returns (libraries "
-             "included). The offloaded model's quantized blocks are written back to the offload folder and loaded "
-             "per call.", "",
-             "| variant | loaded MB | peak MB | peak - loaded MB | peak / FP32 weights | quantize s |",
-             "|---|---|---|---|---|---|"]
+             f"alternate, {args.repeats} runs each, medians (the peak's range in brackets). Run i of either variant has "
+             f"`PYTHONHASHSEED={{i}}`: the peak moved by up to 300 MB from one hash seed to another and by under 5 MB "
+             "between two runs with the same seed, so the variants are compared seed for seed. In memory: the bytes of the loaded model's tensors not on "
+             "the meta device. Before loading: the process's resident memory once torch, transformers and softq are "
+             "imported. Loaded, read: its resident memory once `from_pretrained` has returned and every tensor in "
+             "memory has been read once (`from_pretrained` maps the safetensors file, whose pages count only once "
+             "read). Peak: the process's peak resident memory (`ru_maxrss`) over loading and quantizing. The "
+             "offloaded model's quantized blocks are written back to the offload folder and loaded per call.", "",
+             "| variant | in memory MB | before loading MB | loaded, read MB | peak MB | peak - before loading MB "
+             "| (peak - before loading) / FP32 weights | quantize s |",
+             "|---|---|---|---|---|---|---|---|"]
     for v in VARIANTS:
         m = med[v]
-        lines.append(f"| {names[v]} | {m['loaded'] / 1e6:.0f} | {m['peak'] / 1e6:.0f} | "
-                     f"{(m['peak'] - m['loaded']) / 1e6:.0f} | {m['peak'] / weights:.2f} | {m['seconds']:.0f} |")
+        lines.append(f"| {names[v]} | {m['tensors'] / 1e6:.0f} | {m['before'] / 1e6:.0f} | {m['loaded'] / 1e6:.0f} | "
+                     f"{m['peak'] / 1e6:.0f} ({min(r['peak'] for r in rows[v]) / 1e6:.0f}-"
+                     f"{max(r['peak'] for r in rows[v]) / 1e6:.0f}) | {(m['peak'] - m['before']) / 1e6:.0f} | "
+                     f"{(m['peak'] - m['before']) / weights:.2f} | {m['seconds']:.0f} |")
     lines += ["", f"Offloaded peak / loaded peak: **{med['offload']['peak'] / med['loaded']['peak']:.2f}x**. "
               f"Logits of the two quantized models on two held-out random sequences: "
               f"{'bit-identical' if same else f'max difference {gap:.3g}'}."]

@@ -40,4 +40,16 @@ def independent_copy(model: nn.Module) -> nn.Module:
         cls = module.__class__
         if parametrize.is_parametrized(module):
             module.__class__ = type(cls.__name__, cls.__bases__, dict(cls.__dict__))
+        _drop_foreign_wrappers(module)
     return copied
+
+
+def _drop_foreign_wrappers(module: nn.Module) -> None:
+    """Remove the instance attributes of a copied ``module`` that wrap another module's bound method.  A deep copy
+    keeps functions as they are, so such a wrapper still calls the original: accelerate's ``dispatch_model`` wraps
+    ``model.to`` (and ``.cuda``) with a warning, and the copy's ``.to`` would move the original model.  Without the
+    attribute, the copy's own method (the class's) is used."""
+    for name, value in list(vars(module).items()):
+        bound = getattr(getattr(value, "__wrapped__", None), "__self__", None)
+        if isinstance(bound, nn.Module) and bound is not module:
+            delattr(module, name)

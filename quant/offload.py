@@ -15,6 +15,9 @@ Linear layers those hooks sit on, so for each block with offloaded weights (:cla
   a CPU state dict where it came from CPU, and one accelerate ``AlignDevicesHook`` on the block loads it for each
   call (:meth:`store`).  So peak memory stays near one block, during calibration and at inference.
 
+Before anything is loaded: one line where a disk-offloaded tensor's file is gone, or where an offloaded block has a
+hook other than accelerate's ``AlignDevicesHook`` (it would be dropped with the block's hooks).
+
 Modules outside the blocks (embeddings, final norm, ``lm_head``) that are offloaded are loaded onto their execution
 device once, and stay loaded: calibration runs them on every batch.  Blocks that are not offloaded (a ``device_map``
 placing them on ``cuda:0``, ``cuda:1``, ``cpu``) keep their hooks; the modules ``prepare`` adds to them are moved to
@@ -81,6 +84,17 @@ def execution_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _file(weights: object, key: str) -> str | None:
+    """The file accelerate reads ``weights[key]`` from (a ``.dat`` in the offload folder, or the checkpoint's
+    safetensors file), or None where the weights map holds the tensor in memory (a CPU state dict)."""
+    dataset = getattr(weights, "dataset", weights)
+    key = f"{getattr(weights, 'prefix', '')}{key}"
+    index = getattr(dataset, "index", None) or {}
+    if key in (getattr(dataset, "state_dict", None) or {}) or key not in index:
+        return None
+    return index[key].get("safetensors_file") or os.path.join(str(dataset.save_folder), f"{key}.dat")
+
+
 def _offloaded_tensors(module: nn.Module) -> Iterator[tuple[str, object, str, bool]]:
     """``(name, weights map, key, from disk)`` of each of ``module``'s own tensors an offloading hook loads."""
     for hook in _hooks(module):
@@ -90,32 +104,48 @@ def _offloaded_tensors(module: nn.Module) -> Iterator[tuple[str, object, str, bo
         own = dict(module.named_parameters(recurse=False))
         if getattr(hook, "offload_buffers", False):
             own.update(module.named_buffers(recurse=False))
-        dataset = getattr(weights, "dataset", weights)
-        prefix = getattr(weights, "prefix", "")
-        index = getattr(dataset, "index", {}) or {}
         for name, t in own.items():
             if t.is_meta:
-                yield name, weights, name, f"{prefix}{name}" in index
+                yield name, weights, name, _file(weights, name) is not None
+
+
+def check(model: nn.Module, config: QuantConfig) -> None:
+    """One line, before anything is loaded or changed, where ``model`` (offloaded) cannot be quantized as asked: a
+    setting that needs every weight at once, or a tensor accelerate offloaded to disk whose file is gone (the
+    offload folder deleted or moved)."""
+    _accelerate()
+    if config.calibration == "model":
+        raise ValueError("the model's weights are offloaded by accelerate (on the meta device): "
+                         "calibration='model' would load them all at once; use calibration='blocks' (or 'auto')")
+    if config.smoothquant_alpha is not None or (config.input_smoothing is not None and config.observer != "minmax"):
+        raise ValueError("the model's weights are offloaded by accelerate: smoothquant_alpha (and input smoothing "
+                         "with a percentile or mse observer) edit every weight before calibration; use "
+                         "smoothquant_alpha=None and observer='minmax'")
+    for path, m in model.named_modules():
+        for name, weights, key, _ in _offloaded_tensors(m):
+            file = _file(weights, key)
+            if file is not None and not os.path.isfile(file):
+                raise ValueError(f"{path}.{name} is offloaded by accelerate to {file}, which does not exist: the "
+                                 "offload folder was deleted or moved; load and dispatch the model again")
 
 
 class Offloaded:
     """The offload of one ``quantize`` call: its checks, and each block's loading and writing back (module
     docstring).  ``blocks`` are ``sequential.blocks_of(model)``."""
 
-    def __init__(self, model: nn.Module, config: QuantConfig, blocks: list[tuple[str, nn.Module]]) -> None:
+    def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> None:
         self.hooks, self.utils = _accelerate()
-        offloaded = has_meta(model)
-        if offloaded and config.calibration == "model":
-            raise ValueError("the model's weights are offloaded by accelerate (on the meta device): "
-                             "calibration='model' would load them all at once; use calibration='blocks' (or 'auto')")
-        if offloaded and (config.smoothquant_alpha is not None or (config.input_smoothing is not None and config.observer != "minmax")):
-            raise ValueError("the model's weights are offloaded by accelerate: smoothquant_alpha (and input smoothing "
-                             "with a percentile or mse observer) edit every weight before calibration; use "
-                             "smoothquant_alpha=None and observer='minmax'")
         self.blocks = blocks
+        self.managed = [has_meta(b) for _, b in blocks]
+        for (name, block), managed in zip(blocks, self.managed):
+            unknown = [type(h).__name__ for m in block.modules() for h in _hooks(m)
+                       if managed and not isinstance(h, self.hooks.AlignDevicesHook)]
+            if unknown:  # detach removes an offloaded block's hooks, and store puts back only its own
+                raise ValueError(f"{name} is offloaded by accelerate and has a {unknown[0]}, an accelerate hook softq "
+                                 "does not know and would drop when it writes the block back: quantize the model "
+                                 "without that hook and add it after")
         inside = {id(m) for _, b in blocks for m in b.modules()}
         self._load_outside(model, inside)
-        self.managed = [has_meta(b) for _, b in blocks]
         self.devices = [execution_device(b) for _, b in blocks]
         self.sources: list[dict[str, tuple[object, str]]] = [{} for _ in blocks]
         self.paths: list[dict[int, str]] = [{} for _ in blocks]
@@ -138,7 +168,8 @@ class Offloaded:
                 done[id(old)] = getattr(m, name)
             for hook in _hooks(m):
                 if getattr(hook, "offload", False):
-                    hook.offload = False
+                    # the map (a CPU state dict of every offloaded weight) would stay alive with the hook
+                    hook.offload, hook.weights_map = False, None
 
     def detach(self) -> None:
         """Before ``prepare``: each offloaded block's sources kept, its hooks removed without loading anything."""
@@ -222,6 +253,7 @@ class Offloaded:
         self.hooks.add_hook_to_module(block, self.hooks.AlignDevicesHook(
             execution_device=self.devices[j], offload=True, io_same_device=False, weights_map=weights,
             offload_buffers=True, place_submodules=True))
+        self.sources[j] = {}
 
     def to_device(self, j: int, value: object) -> object:
         """``value`` (a block call's inputs) on block ``j``'s execution device."""

@@ -95,6 +95,8 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     if offloaded and not offload.dispatched(model):
         raise ValueError("the model's weights are on the meta device (no values): load real weights first "
                          "(e.g. from_pretrained without device_map='meta', or model.to_empty() and load_state_dict)")
+    if offloaded:
+        offload.check(model, config)  # settings that need every weight, a deleted offload folder
     names = [name for name, _ in model.named_modules()]
     unmatched = [pattern for pattern in config.exclude if not any(pattern in name for name in names)]
     if unmatched:
@@ -104,18 +106,17 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     discover(model, batches[0])  # finds the attention modules, or one line on what stops softq
     residual_prefix(model, config)  # and for a prefix a causal LM cannot have
     _try_forward(model, batches[0])
-    # accelerate's device_map / offload: calibrated block by block, each block loaded on its execution device
-    dispatch = (offload.Offloaded(model, config, sequential.blocks_of(model))
-                if offload.dispatched(model) and (offloaded or sequential.wanted(model, config)) else None)
-    if not inplace and offloaded:
-        warnings.warn("softq.quantize: the model's weights are offloaded by accelerate; quantizing it in place "
-                      "(inplace=True), each block written back to where it was offloaded", UserWarning, stacklevel=3)
-        inplace = True
-    if not inplace and not sequential.copy_fits(model):
+    if not inplace and not offloaded and not sequential.copy_fits(model):
         warnings.warn(f"softq.quantize: a copy of the model ({sequential.model_bytes(model) / 1e9:.1f} GB) would not "
                       "fit in the free memory; quantizing it in place (inplace=True)", UserWarning, stacklevel=3)
         inplace = True
-    qmodel = model if inplace else independent_copy(model)
+    qmodel = model if inplace or offloaded else independent_copy(model)
+    # accelerate's device_map / offload: calibrated block by block, each block loaded on its execution device
+    dispatch = (offload.Offloaded(qmodel, sequential.blocks_of(qmodel))
+                if offload.dispatched(qmodel) and (offloaded or sequential.wanted(qmodel, config)) else None)
+    if not inplace and offloaded:
+        warnings.warn("softq.quantize: the model's weights are offloaded by accelerate; quantizing it in place "
+                      "(inplace=True), each block written back to where it was offloaded", UserWarning, stacklevel=3)
     qmodel.eval()
     conv1d_to_linear(qmodel)
     attention_points(qmodel)  # switches to softq attention, keeps an already chosen variant
@@ -162,8 +163,6 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     else:
         reference = _outputs(qmodel, split[1]) if split is not None else None
     if dispatch is not None:
-        if not inplace:  # the copy's blocks
-            dispatch = offload.Offloaded(qmodel, config, sequential.blocks_of(qmodel))
         dispatch.detach()
     prepare(qmodel, config)
     skip = config.exclude + tuple(name for name, m in qmodel.named_modules()

@@ -3,6 +3,9 @@ whole-model path: bit-identical where the passes see the same inputs, within a s
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -139,31 +142,81 @@ def _dispatched(tmp_path, devices: dict[int, str] | None = None) -> torch.nn.Mod
     return accelerate.dispatch_model(model, device_map, offload_dir=str(tmp_path))
 
 
-def test_disk_offloaded_model_equals_the_loaded_one(tmp_path) -> None:
-    # accelerate's disk offload: each block loaded while it is calibrated, then written back quantized to the
-    # offload folder and loaded per call by one hook; forward and generate equal the model quantized loaded
-    calib = _calib(96, 4)
-    loaded = softq.quantize(build("llama").eval(), calib, softq.QuantConfig(calibration="blocks"))
-    model = _dispatched(tmp_path)
-    with pytest.warns(UserWarning, match="offloaded by accelerate; quantizing it in place"):
-        offloaded = softq.quantize(model, calib, softq.QuantConfig())
-    assert offloaded is model and offloaded.softq_block_smoothing == loaded.softq_block_smoothing
-    layers = offloaded.model.layers
-    assert all(t.is_meta for t in layers.state_dict().values())  # kept offloaded: nothing of the blocks in memory
-    assert (tmp_path / "softq-quantized" / "model.layers.1" / "index.json").is_file()
+@pytest.fixture(scope="module")
+def loaded_blocks(one_thread) -> torch.nn.Module:
+    """The tiny Llama quantized loaded, block by block: what an offloaded or dispatched one must equal."""
+    return softq.quantize(build("llama").eval(), _calib(96, 4), softq.QuantConfig(calibration="blocks"))
+
+
+def _same_as_loaded(loaded: torch.nn.Module, model: torch.nn.Module) -> None:
     test = _calib(96, 1)[0]
-    assert torch.equal(_output(loaded, test), _output(offloaded, test))
+    assert torch.equal(_output(loaded, test), _output(model, test))
     ids = test["input_ids"][:1, :6]
     assert torch.equal(loaded.generate(ids, max_new_tokens=6, do_sample=False),
-                       offloaded.generate(ids, max_new_tokens=6, do_sample=False))
+                       model.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize("where", ["disk", "cpu"])
+def test_offloaded_model_equals_the_loaded_one(tmp_path, loaded_blocks, where: str) -> None:
+    # accelerate's disk offload (.dat files) and CPU offload (a CPU state dict): each block loaded while it is
+    # calibrated, then written back quantized where it came from and loaded per call by one hook; forward and
+    # generate equal the model quantized loaded
+    accelerate = pytest.importorskip("accelerate")
+    if where == "disk":
+        model = _dispatched(tmp_path)
+    else:
+        model = build("llama").eval()
+        weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        floats = [weakref.ref(t) for n, t in weights.items() if n.startswith("model.layers.")]
+        model = accelerate.cpu_offload(model, execution_device="cpu", state_dict=weights)
+        del weights  # held by accelerate's hooks alone
+    with pytest.warns(UserWarning, match="offloaded by accelerate; quantizing it in place"):
+        offloaded = softq.quantize(model, _calib(96, 4), softq.QuantConfig())
+    assert offloaded is model and offloaded.softq_block_smoothing == loaded_blocks.softq_block_smoothing
+    layers = offloaded.model.layers
+    assert all(t.is_meta for t in layers.state_dict().values())  # kept offloaded: nothing of the blocks in memory
+    if where == "disk":
+        assert (tmp_path / "softq-quantized" / "model.layers.1" / "index.json").is_file()
+    else:  # the float CPU state dict accelerate loaded from is not kept alive (by the hooks outside the blocks)
+        gc.collect()
+        assert floats and not any(ref() is not None for ref in floats)
+    _same_as_loaded(loaded_blocks, offloaded)
     assert all(t.is_meta for t in layers.state_dict().values())
     with pytest.raises(ValueError, match="offloaded by accelerate .* quantize the model loaded without offload"):
         softq.quant.save(offloaded, tmp_path / "q")
 
 
-def test_offloaded_model_refuses_whole_model_calibration_in_one_line(tmp_path) -> None:
+def test_dispatched_model_is_copied_with_hooks_of_its_own(loaded_blocks) -> None:
+    # dispatched by accelerate, nothing offloaded, inplace=False: the copy is quantized (its hooks deep-copied with
+    # it), the original keeps its weights and outputs, and the copy's .to moves the copy (accelerate's wrapper of
+    # .to is bound to the original)
+    accelerate = pytest.importorskip("accelerate")
+    model = build("llama").eval()
+    model = accelerate.dispatch_model(model, {"": "cpu"}, force_hooks=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    qmodel = softq.quantize(model, _calib(96, 4), softq.QuantConfig(calibration="blocks"))
+    assert qmodel is not model and _identical(qmodel, loaded_blocks)
+    _same_as_loaded(loaded_blocks, qmodel)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    qmodel.to(torch.float64)
+    assert model.lm_head.weight.dtype == torch.float32 and qmodel.lm_head.weight.dtype == torch.float64
+
+
+def test_offloaded_model_refuses_in_one_line(tmp_path) -> None:
     with pytest.raises(ValueError, match="calibration='model' would load them all at once; use calibration='blocks'"):
         softq.quantize(_dispatched(tmp_path), _calib(96, 2), softq.QuantConfig(calibration="model"))
+    model = _dispatched(tmp_path / "gone")
+    (tmp_path / "gone" / "model.layers.1.mlp.up_proj.weight.dat").unlink()
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight is offloaded by accelerate to .*\.dat, "
+                                         "which does not exist: the offload folder was deleted or moved"):
+        softq.quantize(model, _calib(96, 2), softq.QuantConfig())
+    model = _dispatched(tmp_path / "hooked")
+    hooks = pytest.importorskip("accelerate.hooks")
+    hooks.add_hook_to_module(model.model.layers[0].mlp, hooks.ModelHook(), append=True)
+    with pytest.raises(ValueError, match="model.layers.0 is offloaded by accelerate and has a ModelHook, an accelerate "
+                                         "hook softq does not know"):
+        softq.quantize(model, _calib(96, 2), softq.QuantConfig())
 
 
 def test_meta_weights_without_accelerate_hooks_are_refused_in_one_line() -> None:
