@@ -73,9 +73,9 @@ def test_auto_search_block_by_block_copies_one_block_and_stays_near_the_whole_mo
     copied: list[int] = []
     from softq.quant import copies, smoothing_search, v_fold
 
-    def counting(m: torch.nn.Module) -> torch.nn.Module:
-        copied.append(sum(p.numel() for p in m.parameters()))
-        return copies.independent_copy(m)
+    def counting(m: torch.nn.Module, shared: tuple = ()) -> torch.nn.Module:
+        copied.append(sum(p.numel() for p in m.parameters() if not any(p is s for s in shared)))
+        return copies.independent_copy(m, shared)
 
     monkeypatch.setattr(smoothing_search, "independent_copy", counting)
     monkeypatch.setattr(v_fold, "independent_copy", counting)
