@@ -240,8 +240,8 @@ def scale_only(args: argparse.Namespace) -> int:
     section.insert(3, "")
     text = args.output.read_text()
     begin = text.index(SCALE_HEADING)
-    end = text.find("\n## ", begin + 1)
-    text = text[:begin] + "\n".join(section) + (text[end + 1:] if end >= 0 else "")
+    end = text.index("\n\n", text.index("Medians over", begin)) + 2  # the table's note ends the section
+    text = text[:begin] + "\n".join(section) + "\n" + text[end:]
     write_atomic(args.output, text)
     print(f"wrote {args.output} ({(time.time() - start) / 60:.1f} min)")
     return 0
