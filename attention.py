@@ -211,7 +211,9 @@ def softq_attention(
     if plain and points is not None and not module.training and _observing_only(points):
         return _observing_attention(points, query, key, value, valid, scaling)
     q, k = (query, key) if points is None else (points.q(query), points.k(key))
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scaling)  # matmul's grad needs no output
+    # an exported K point with per-head scales hands over its codes and computes Q.K^T from them
+    product = getattr(points.k, "key_product", None) if points is not None else None
+    scores = (torch.matmul(q, k.transpose(-1, -2)) if product is None else product(q, k)).mul_(scaling)
     if bias is not None:
         scores = scores + bias.to(scores.dtype)
     if softcap is not None:

@@ -237,7 +237,7 @@ def _quantized_core(p: str, info: dict[str, Any], form: str, scores: str, v: str
     core_valid = None if q is None or q.relative and (rq.sums_codes or form == "int") else valid_b
     core, core_inits = build_row_attention(form, codes, f"{p}vcodes", out, rq, core_valid,
                                            probs if probs_outputs else None, prefix=f"{p}core/", opset=opset,
-                                           empty_rows=valid_b is not None)
+                                           empty_rows=valid_b is not None, v_affine=info.get("v_affine"))
     return nodes + core, inits + core_inits, {}
 
 

@@ -85,11 +85,13 @@ def _int8_layer(points: nn.Module, keys: torch.Tensor, values: torch.Tensor) -> 
     from softq.export.functions import CacheLoadFn, CacheStoreFn
 
     k, v = points.k, points.v
+    # per-head or per-channel points (ExportKV) round to the stored codes themselves, whose grid is scale 1
+    k_grid, v_grid = (getattr(p, "to_grid", lambda x: x) for p in (k, v))
 
     class Layer(DynamicLayer):
         def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN202
-            keys, values = super().update(CacheStoreFn.apply(key_states, k.scale, k.zp, k.qmin, k.qmax),
-                                          CacheStoreFn.apply(value_states, v.scale, v.zp, v.qmin, v.qmax),
+            keys, values = super().update(CacheStoreFn.apply(k_grid(key_states), k.scale, k.zp, k.qmin, k.qmax),
+                                          CacheStoreFn.apply(v_grid(value_states), v.scale, v.zp, v.qmin, v.qmax),
                                           *args, **kwargs)
             return CacheLoadFn.apply(keys, k.scale, k.zp), CacheLoadFn.apply(values, v.scale, v.zp)
 
@@ -215,7 +217,8 @@ class CachedCheck:
     layout: CacheLayout
     prefill: list[np.ndarray]  # logits, then the cache pairs flattened
     decode: list[np.ndarray]
-    grids: dict[str, tuple[float, float]]  # "{layer}.key" / "{layer}.value": (scale, stored zero point) of int8 codes
+    # "{layer}.key" / "{layer}.value": (scale, stored zero point) of int8 codes, [] or [kv_heads, 1, 1 | head_dim]
+    grids: dict[str, tuple[np.ndarray, np.ndarray]]
 
     @classmethod
     def of(cls, model: nn.Module, example_inputs: Any, layout: CacheLayout) -> CachedCheck:
@@ -233,7 +236,8 @@ class CachedCheck:
             from softq.quant.kv_cache import layer_points, stored_zero_point
 
             for i, points in layer_points(model).items():
-                grids.update({f"{i}.{part}": (float(p.scale), float(stored_zero_point(p)))
+                grids.update({f"{i}.{part}": (p.scale.detach().float().numpy(),
+                                              stored_zero_point(p).detach().float().numpy())
                               for part, p in (("key", points.k), ("value", points.v))})
         return cls(ids.numpy(), mask.numpy(), nxt.numpy(), layout, flat(logits, pairs),
                    flat(step_logits[:, -1:], step_pairs), grids)

@@ -8,7 +8,9 @@ group's heads are adjacent), one matmul per K/V head, the result read back as ``
 with as many K/V heads as query heads gets the same integer score GEMM on its cache's codes).  The scores
 become one ``MatMulInteger`` of the query codes and the cache's transposed K codes (onnxruntime fuses it with the
 ``Cast -> Mul`` of the scales into ``MatMulIntegerToFloat``): no repeated, dequantized or re-quantized copy of the
-cache.  V's conversion to the core's grid and its row-sum column run on the cache's own heads.  Exact: the same
+cache.  Float queries (a K point with per-channel scales folds them into the queries) get one float MatMul per
+K/V head with the cache's dequantized K codes instead.  V's conversion to the core's grid and its row-sum column
+run on the cache's own heads.  Exact: the same
 products, summed in the same integer or float order per row; the export's check compares the file with torch.
 """
 
@@ -64,6 +66,23 @@ class _Nodes:
         self.nodes.append(helper.make_node("Reshape", [out, shape], [name]))
 
 
+def _float_scores(g: Graph, mm: onnx.NodeProto, transpose: onnx.NodeProto | None, tag: str,
+                  added: list[onnx.NodeProto], stale: set[str]) -> bool:
+    """``MatMul(queries, Transpose(DQ(repeated K codes)))`` with float queries as one float MatMul per K/V head
+    of the grouped queries and the cache's dequantized codes (no repeated copy); whether it was rewritten."""
+    k_dq = g.made_by(transpose.input[0], "DequantizeLinear") if perm_of(transpose) == [0, 1, 3, 2] else None
+    k = dq_params(g, k_dq)
+    codes = _repeated(g, k_dq.input[0]) if k is not None and k[0].size == 1 and k[1].size == 1 else None
+    if codes is None:
+        return False
+    n = _Nodes(g, tag)
+    keys = n.op("DequantizeLinear", [n.op("Transpose", [codes], perm=[0, 1, 3, 2]), *k_dq.input[1:]])
+    n.ungrouped(n.op("MatMul", [n.grouped(mm.input[0], codes), keys]), mm.input[0], mm.output[0])
+    added.extend(n.nodes)
+    mm.output[0] = f"{mm.output[0]}/replaced"  # dead: pruned
+    return True
+
+
 def group_query_heads(model: onnx.ModelProto) -> int:
     """Scores and P.V of grouped-query layers per K/V head (see the module docstring); returns the matmuls
     rewritten."""
@@ -76,9 +95,13 @@ def group_query_heads(model: onnx.ModelProto) -> int:
             continue
         a_dq, b_in = g.made_by(mm.input[0], "DequantizeLinear"), mm.input[1]
         a = dq_params(g, a_dq)
-        if a is None or a[0].size != 1 or a[1].size != 1:
-            continue
         transpose = g.made_by(b_in, "Transpose")
+        if a is None:  # float queries (K per channel: its scales on the queries) . the cache's K codes^T
+            if _float_scores(g, mm, transpose, f"scores{done}", added, stale):
+                done += 1
+            continue
+        if a[0].size != 1 or a[1].size != 1:
+            continue
         if transpose is not None and perm_of(transpose) == [0, 1, 3, 2]:  # scores: Q codes . K codes^T
             k_dq = g.made_by(transpose.input[0], "DequantizeLinear")
             k = dq_params(g, k_dq)

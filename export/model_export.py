@@ -143,8 +143,9 @@ def _build_checked(qmodel: nn.Module, example_inputs: Any, softmax: str | None, 
                    ) -> tuple[onnx.ModelProto, ExportCheck | CachedCheck | None]:
     """:func:`build_onnx`, and with ``verify`` what the written file must reproduce (:class:`ExportCheck`, one
     forward of the quantized model on the example; None without ``verify``)."""
-    from softq.quant import is_quantized
+    from softq.quant import is_quantized, offload
 
+    offload.refuse(qmodel, "the ONNX export")
     if softmax is not None and softmax not in ALL_FORMS:
         raise ValueError(f"unknown softmax form {softmax!r}; choose one of {', '.join(ALL_FORMS)}")
     if weight_storage not in WEIGHT_STORAGE:

@@ -80,6 +80,79 @@ class ExportAct(nn.Module):
         return QDQFn.apply(x, self.scale, self.zp, self.qmin, self.qmax, self.signed)
 
 
+class ExportKV(nn.Module):
+    """Stands in for a K or V point with one scale and zero point per key/value head or per head and channel
+    (:class:`softq.quant.kv_cache.KVQuantizer`, ``QuantConfig.kv_scales``).
+
+    It emits the int8 cache's stored codes (the point's codes, minus 128 where asymmetric: ``round(x / s) + z``,
+    clipped, as the point rounds) as one per-tensor ``QuantizeLinear -> DequantizeLinear`` pair of scale 1 and zero
+    point 0, the grid a per-tensor point's codes have in the graph, so the integer GEMMs read them as they read a
+    per-tensor point's.  The per-head scale and zero point are factors outside those GEMMs:
+
+    * K: :meth:`key_product` is the score matmul in place of ``q . k^T``: per head ``(q . codes^T - z * sum(q)) * s``
+      (an integer GEMM of the query and K codes); per channel, whose scale varies along the contracted dimension
+      and so does not factor out of it, ``(q * s) . codes^T - (q * s) . z^T`` (a float GEMM of the scaled queries
+      and the codes, what torch computes to float rounding);
+    * V (per head or channel): the row attention core subtracts ``z * sum(E)`` from ``E . codes`` and divides by
+      ``sum(E) / s`` (``prepare.export_copy`` hands it ``z`` and ``s``; :class:`AttentionMarker` computes the same in
+      torch);
+    * ``dequantize`` (V of a float or edge softmax, whose P.V is a float MatMul): the point outputs the values
+      ``(codes - z) * s``, which the float matmul reads.
+
+    ``s`` and ``z`` are ``[heads, 1, 1 | head_dim]``, the key/value heads' repeated to the ``heads`` query heads.
+    In a cached decoder (:meth:`store_in_cache`) the point reads the stored codes themselves (the cache layer hands
+    it ``DequantizeLinear(codes, 1, 0)``), so its pair is the one a per-tensor point's cache read becomes."""
+
+    def __init__(self, quantizer: nn.Module, heads: int, dequantize: bool) -> None:
+        super().__init__()
+        from softq.quant.kv_cache import stored_zero_point
+
+        bits = int(quantizer.bits)
+        if bits != 8:
+            raise ExportError(f"K and V points with per-{quantizer.granularity} scales export at 8 bits; got {bits}")
+        self.signed = True  # the stored int8 grid (zero point 0, scale 1: the codes themselves)
+        self.scale, self.zp = 1.0, 0
+        self.qmin, self.qmax = (-127, 127) if quantizer.signed else (-128, 127)
+        self.register_buffer("s", quantizer._expand(quantizer.scale.detach().float(), heads).clone())
+        self.register_buffer("z", quantizer._expand(stored_zero_point(quantizer).detach().float(), heads).clone())
+        # the key/value heads' own (a cache stores the keys and values before they are repeated to the query heads)
+        self.register_buffer("s_kv", quantizer.scale.detach().float().clone())
+        self.register_buffer("z_kv", stored_zero_point(quantizer).detach().float().clone())
+        self.granularity = quantizer.granularity
+        self.offset = bool(self.z.any())  # a zero point's term in the score GEMM (asymmetric K)
+        self.dequantize = dequantize
+        self.cached = False
+
+    def store_in_cache(self) -> None:
+        """Read the cache's stored codes (see the class docstring) instead of float keys or values."""
+        self.cached = True
+
+    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """The stored codes of ``x`` (float, ``[batch, heads or kv_heads, tokens, head_dim]``): round, then add
+        the zero point, as the point rounds."""
+        s, z = (self.s, self.z) if x.shape[1] == self.s.shape[0] else (self.s_kv, self.z_kv)
+        return torch.clamp(torch.round(x / s) + z, self.qmin, self.qmax)
+
+    def values(self, codes: torch.Tensor) -> torch.Tensor:
+        """What the codes stand for, ``(codes - z) * s``."""
+        return (codes - self.z) * self.s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        codes = QDQFn.apply(x if self.cached else self.to_grid(x), 1.0, 0, self.qmin, self.qmax, True)
+        return self.values(codes) if self.dequantize else codes
+
+    def key_product(self, q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """``q . k^T`` from the K codes (see the class docstring)."""
+        if self.granularity == "head":  # per head: the zero point's term and the scale outside the integer GEMM
+            product = torch.matmul(q, codes.transpose(-1, -2))
+            if self.offset:
+                product = product - q.sum(-1, keepdim=True) * self.z
+            return product * self.s
+        scaled = q * self.s  # per channel: the scale on each query channel
+        product = torch.matmul(scaled, codes.transpose(-1, -2))
+        return product - torch.matmul(scaled, self.z.transpose(-1, -2)) if self.offset else product
+
+
 class ExportLinear(nn.Module):
     def __init__(self, layer: nn.Module, storage: str) -> None:
         super().__init__()
@@ -205,15 +278,18 @@ class ValidTap(nn.Module):
 class AttentionMarker(nn.Module):
     """Replaces the P.V matmul: one marker from (scores, V, valid) to P.V."""
 
-    def __init__(self, tap: ScoresTap, key: int) -> None:
+    def __init__(self, tap: ScoresTap, key: int, values: ExportKV | None = None) -> None:
         super().__init__()
         self.tap = [tap]
         self.key = key
+        self.values = [values]  # a list: not a submodule (V as per-head codes: their values, for torch)
 
     def forward(self, probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         tap = self.tap[0]
-        out = torch.matmul(probs, value)
+        codes = self.values[0]
+        out = torch.matmul(probs, value if codes is None else codes.values(value))
         extra = tap.seen.shape[-1] - value.shape[-2]
         if extra > 0:  # learned sink logits (s_aux): score columns no value reads, so the core reads zero rows there
-            value = torch.cat([value, torch.zeros_like(value[..., :extra, :])], dim=-2)
+            zero = torch.zeros_like(value[..., :extra, :])
+            value = torch.cat([value, zero if codes is None else zero + codes.z], dim=-2)  # codes of the value 0
         return AttentionMarkerFn.apply(tap.seen, value, tap.valid, out, self.key)

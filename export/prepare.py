@@ -16,8 +16,8 @@ from torch import nn
 
 from softq.export.errors import ExportError
 from softq.export.int_softmax import OUT_SCALE, SoftmaxQuant
-from softq.export.modules import (AttentionMarker, ExportAct, ExportEmbedding, ExportLinear, ExportWeightOnly,
-                                  FloatEmbedding, ScoresTap, ValidTap)
+from softq.export.modules import (AttentionMarker, ExportAct, ExportEmbedding, ExportKV, ExportLinear,
+                                  ExportWeightOnly, FloatEmbedding, ScoresTap, ValidTap)
 from softq.export.row_attention import RowQuant
 from softq.models import max_tokens
 from softq.quant.config import FLOAT_INPUT_OUTPUTS
@@ -107,11 +107,31 @@ def _row_quant(name: str, points: nn.Module, q: SoftmaxQuant | None) -> RowQuant
         raise ExportError(f"attention layer '{name}': the row-code attention needs V quantized to at most 8 bits")
     shift = 128 if v.signed else 0
     lo, hi = ((-(2 ** (v.bits - 1)) + 1, 2 ** (v.bits - 1) - 1) if v.signed else (0, 2**v.bits - 1))
+    scale, zero_point = (float(v.scale), int(round(float(v.zero_point)))) if v.scale.numel() == 1 else (1.0, None)
+    if zero_point is None:  # per head or channel: the core reads the stored int8 codes (ExportKV), 128 higher
+        zero_point, shift = 0, 128
+        lo, hi = (-127, 127) if v.signed else (-128, 127)
     try:
-        return RowQuant(q, float(v.scale), int(round(float(v.zero_point))) + shift, int(probs.bits),
-                        probs.representation, lo + shift, hi + shift)
+        return RowQuant(q, scale, zero_point + shift, int(probs.bits), probs.representation, lo + shift, hi + shift)
     except ValueError as err:
         raise ExportError(f"attention layer '{name}': {err}") from err
+
+
+def _per_head_points(points: nn.Module, info: dict[str, Any]) -> ExportKV | None:
+    """K and V points with per-head or per-channel scales swapped for :class:`ExportKV`: their codes go through the
+    GEMMs with the scales outside (K; V of a row core), or their values through a float matmul (V of a float or
+    edge softmax).  Returns the V point whose codes the row core reads, whose zero points and scales go in
+    ``info["v_affine"]``."""
+    for part in ("k", "v"):
+        point = getattr(points, part)
+        if getattr(point, "granularity", "tensor") != "tensor":
+            dequantize = part == "v" and info["representation"] in ("float", "edge")
+            setattr(points, part, ExportKV(point, points.num_heads, dequantize))
+    v = points.v
+    if not isinstance(v, ExportKV) or v.dequantize:
+        return None
+    info["v_affine"] = (v.z.numpy()[None], v.s.numpy()[None])  # [1, heads, 1, 1 | head_dim]
+    return v
 
 
 def _max_positions(model: nn.Module) -> int:
@@ -144,11 +164,8 @@ def export_copy(qmodel: nn.Module, weight_storage: str = "int8",
     model = as_float32(copy.deepcopy(qmodel, shared).eval())
     layers: dict[int, dict[str, Any]] = {}
     for key, (name, points) in enumerate(attention_points(model)):
-        if any(getattr(getattr(points, p, None), "granularity", "tensor") != "tensor" for p in ("k", "v")):
-            raise ExportError(f"softq exports K and V points with one scale per tensor; this model's have one per "
-                              f"{points.k.granularity} (kv_scales={qmodel.softq_quant_config.kv_scales!r}): quantize "
-                              "with kv_scales='tensor' to export it")
         layers[key] = info = _softmax_params(name, points, key)
+        values = _per_head_points(points, info)
         if info["representation"] == "edge":
             # rows past the calibrated ones take the per-head beta (SoftmaxOutputQuantizer.beta_for)
             info["beta_rows"] = 0 if info["beta"] is None else info["beta"].shape[2]
@@ -163,7 +180,7 @@ def export_copy(qmodel: nn.Module, weight_storage: str = "int8",
         tap = ScoresTap()
         points.scores = tap
         points.probs = ValidTap(tap)
-        points.pv = AttentionMarker(tap, key)
+        points.pv = AttentionMarker(tap, key, values)
     counter = iter(range(10**9))
     _replace_children(model, lambda m: isinstance(m, QLinear), lambda m: ExportLinear(m, weight_storage))
     _replace_children(model, _is_act_quantizer, lambda m: ExportAct(m, next(counter)))

@@ -337,6 +337,7 @@ def _cap(b: _Builder, valid: str, dtype: type, masked: int, base: str, low: bool
 def build_row_attention(
     form: str, x: str, v: str, y: str, rq: RowQuant, valid: str | None = None, probs: str | None = None,
     prefix: str = "softq_attn/", opset: int = 21, empty_rows: bool = True,
+    v_affine: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """Nodes computing ``y = P.V`` (float) from score codes ``x`` and uint8 V codes ``v``.
 
@@ -344,8 +345,14 @@ def build_row_attention(
     names an extra float output with the effective probabilities (parity checks).
     ``empty_rows=False`` promises that every row has a key of code E > 0 (a model without
     masks: each row's max gets the top code), so the row sum needs no guard against 0.
+    ``v_affine``: ``(z, s)``, V's zero points and scales per head (``[1, h, 1, 1]``) or per head and channel
+    (``[1, h, 1, d]``) on the codes ``v - rq.v_zero_point`` (``rq.v_scale`` 1): the zero points' term outside the
+    integer GEMM, ``E.(v - z) = E.v - z sum(E)`` (``sum(E)`` from the GEMM's appended column, as ``row``'s), and
+    ``s`` in the final division's factor, ``y = num / (den * c / s)``.
     """
     rq.check_form(form)
+    if v_affine is not None and rq.v_scale != 1.0:
+        raise ValueError("per-head V scales take V codes of scale 1")
     if opset < 13:
         raise ValueError(f"softq's row-code attention needs ONNX opset >= 13, got {opset}")
     q = rq.scores
@@ -404,7 +411,7 @@ def build_row_attention(
             return b.op("MatMul", [b.op("DequantizeLinear", [e, one, e_zp]), b.op("DequantizeLinear", [values, one, v_zp])])
         return b.op("Cast", [b.op("MatMulInteger", [e, values, e_zp, v_zp])], to=TensorProto.FLOAT)
 
-    if rq.sums_codes:
+    if rq.sums_codes or v_affine is not None:
         code, sign = rq.sum_column
         # V [b, h, k, d] padded with one column of ``code`` at the end of d: one Pad instead of
         # Shape/Slice/Concat/Expand/Concat
@@ -413,27 +420,33 @@ def build_row_attention(
         acc_f = gemm(v_col)  # one GEMM of the [..., d + 1] accumulators, numerators and row sums
         axes = b.const("last", [-1], np.int64)
         num_f = b.op("Slice", [acc_f, b.const("zero64", [0], np.int64), b.const("m1", [-1], np.int64), axes])
-        den_f = b.op("Slice", [acc_f, b.const("m1b", [-1], np.int64), b.const("big", [INT32_MAX], np.int64), axes])
+        sum_e = b.op("Slice", [acc_f, b.const("m1b", [-1], np.int64), b.const("big", [INT32_MAX], np.int64), axes])
         if sign < 0:
-            den_f = b.op("Neg", [den_f])
-        if empty_rows:  # a fully masked row: all E = 0, so 0 / 1 = 0
-            den_f = b.at_least(den_f, "one_f", 1.0, np.float32)
+            sum_e = b.op("Neg", [sum_e])
+        if v_affine is not None and np.any(v_affine[0]):  # E.(v - z) = E.v - z sum(E): 0 in a fully masked row
+            num_f = b.op("Sub", [num_f, b.op("Mul", [sum_e, b.const("v_offset", v_affine[0], np.float32)])])
+        if rq.sums_codes:
+            den_f = b.at_least(sum_e, "one_f", 1.0, np.float32) if empty_rows else sum_e  # masked row: 0 / 1 = 0
     else:
         num_f = gemm(v)
-    scaled = b.op("Mul", [den_f, b.const("c", rq.den_factor(form), np.float32)])
+    c = rq.den_factor(form) if v_affine is None else (rq.den_factor(form) / v_affine[1]).astype(np.float32)
+    scaled = b.op("Mul", [den_f, b.const("c", c, np.float32)])
     b.op("Div", [num_f, scaled], out=y)
     if probs is not None:  # effective probabilities E / den (the scale 1/S_v of c removed again)
-        p_den = b.op("Mul", [scaled, b.const("v_scale", np.float32(rq.v_scale), np.float32)])
+        p_den = b.op("Mul", [scaled, b.const("v_scale", np.float32(rq.v_scale), np.float32)]) if v_affine is None \
+            else b.op("Mul", [den_f, b.const("p_c", rq.den_factor(form), np.float32)])  # (v_scale 1)
         b.op("Div", [b.op("Cast", [e], to=TensorProto.FLOAT), p_den], out=probs)
     return b.nodes, b.inits
 
 
 def row_attention_model(form: str, rq: RowQuant, with_valid: bool = False, probs: bool = False,
-                        opset: int = 21, empty_rows: bool = True) -> onnx.ModelProto:
+                        opset: int = 21, empty_rows: bool = True,
+                        v_affine: tuple[np.ndarray, np.ndarray] | None = None) -> onnx.ModelProto:
     """A standalone core ``x [b,h,q,k], v [b,h,k,d][, valid] -> y [b,h,q,d]`` (dynamic dims; tests, benchmarks).
     With float scores ``x`` is ``s - rowmax`` (float32; the mask already in it, no ``valid``)."""
     nodes, inits = build_row_attention(form, "x", "v", "y", rq, "valid" if with_valid else None,
-                                       "probs" if probs else None, opset=opset, empty_rows=empty_rows)
+                                       "probs" if probs else None, opset=opset, empty_rows=empty_rows,
+                                       v_affine=v_affine)
     x_type = TensorProto.FLOAT if rq.float_scores else rq.scores.in_onnx_type
     inputs = [helper.make_tensor_value_info("x", x_type, ["b", "h", "q", "k"]),
               helper.make_tensor_value_info("v", TensorProto.UINT8, ["b", "h", "k", "d"])]

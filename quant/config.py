@@ -126,8 +126,8 @@ class QuantConfig:
             holds 0.250x the FP32 bytes at the float cache's perplexity exactly (docs/results/kv_cache.md).
         kv_scales: the scales of the K and V points (and of the int8 cache): one per ``tensor``, per key/value
             ``head``, or per head and ``channel`` (min-max).  ``tensor`` by measurement: per head or channel moved
-            the reference Llama's perplexity by +0.011% (8-bit softmax) and -0.027% (4-bit ``row_log``), and the
-            ONNX export reads per-tensor K and V scales.
+            the reference Llama's perplexity by +0.011% (8-bit softmax) and -0.027% (4-bit ``row_log``); all three
+            export (per-channel K's scores as a float matmul: docs/results/kv_scales_export.md).
         calibration: ``model`` runs every pass on the whole model; ``blocks`` one transformer block at a time on the
             inputs captured at its entrance (peak memory: the model and one block's working set); ``auto``: blocks
             from 256 MiB of weights or where the whole-model path's copies would not fit in free memory.

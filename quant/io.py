@@ -40,6 +40,7 @@ from torch.nn.utils import parametrize
 from softq._files import atomic_directory, error_line
 from softq.attention import configure_from_config
 from softq.quant.config import BIAS_CORRECTION_GRANULARITIES, DEFAULT_PERCENTILE, EMBEDDING_MIN_ROWS, QuantConfig
+from softq.quant import offload
 from softq.quant.layers import BiasShift, QEmbedding, QLinear, WeightOnly
 from softq.quant.points import prepare, set_mode
 from softq.quant.quantize import is_quantized
@@ -68,6 +69,7 @@ def save(qmodel: nn.Module, path: str | os.PathLike, overwrite: bool = False,
 
     if not is_quantized(qmodel):
         raise ValueError("softq.quant.save expects a model returned by softq.quantize")
+    offload.refuse(qmodel, "softq.quant.save")
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMATS))}, got {weights!r}")
     sentence = qmodel if is_sentence_transformer(qmodel) else None  # its model, tokenizer and pooling files

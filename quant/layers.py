@@ -147,13 +147,21 @@ class QLinear(_NotPickled, _DequantizedCache, _CopiedWeights, QuantLinear):
     def __init__(self, linear: nn.Linear, weight_bits: int, per_channel: bool, act: ActQuantizer,
                  adopt: bool = False) -> None:
         weight_quant = Int8WeightPerChannelFloat if per_channel else Int8WeightPerTensorFloat
+        # an offloaded layer (weights on the meta device, softq.quant.offload): built on the CPU, where Brevitas'
+        # constants get their values, then given meta weights that its block's loading fills
+        offloaded = linear.weight.is_meta
         with _copying(QLinear):
             super().__init__(
                 linear.in_features, linear.out_features, bias=linear.bias is not None,
                 weight_quant=weight_quant, weight_bit_width=weight_bits, return_quant_tensor=False,
-                device=linear.weight.device, dtype=linear.weight.dtype,
+                device="cpu" if offloaded else linear.weight.device, dtype=linear.weight.dtype,
             )
-        _take_parameters(self, linear, ("weight", "bias"), adopt)
+        if offloaded:  # into _parameters: assigning the attribute makes Brevitas rebuild its quantizer on meta
+            self._parameters["weight"] = nn.Parameter(torch.empty_like(linear.weight))
+            if linear.bias is not None:
+                self._parameters["bias"] = nn.Parameter(torch.empty_like(linear.bias))
+        else:
+            _take_parameters(self, linear, ("weight", "bias"), adopt)
         self.input_act = act
         self.weight_bits, self.per_channel = weight_bits, per_channel
         # per-input-channel 1/s of input smoothing (softq.calib.smoothquant.smooth_inputs); empty: none

@@ -48,7 +48,7 @@ from softq.quant.config import (AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUT
 from softq.quant.copies import _collect, independent_copy, prompt_release
 from softq.quant.held_out import _held_out_split, _outputs
 from softq.quant.layers import QLinear
-from softq.quant import kv_cache, sequential
+from softq.quant import kv_cache, offload, sequential
 from softq.quant.points import _finish, prepare, residual_prefix, set_mode
 from softq.quant.quantizers import SoftmaxOutputQuantizer
 from softq.quant.smoothing_search import _scope, _search_smoothing, _smooth_observed
@@ -92,11 +92,8 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
         raise TypeError(f"model must be a torch.nn.Module, got a {type(model).__name__}")
     if is_quantized(model):
         raise ValueError("the model is already quantized (returned by softq.quantize); pass the float model")
-    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        if any(hasattr(m, "_hf_hook") for m in model.modules()):
-            raise ValueError("the model is dispatched by accelerate with weights offloaded to CPU or disk (their "
-                             "parameters are on the meta device): softq calibrates a model whose weights are all loaded; "
-                             "load it without offload (device_map=None, or one device that holds it)")
+    offloaded = offload.has_meta(model)
+    if offloaded and not offload.dispatched(model):
         raise ValueError("the model's weights are on the meta device (no values): load real weights first "
                          "(e.g. from_pretrained without device_map='meta', or model.to_empty() and load_state_dict)")
     names = [name for name, _ in model.named_modules()]
@@ -108,6 +105,13 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     discover(model, batches[0])  # finds the attention modules, or one line on what stops softq
     residual_prefix(model, config)  # and for a prefix a causal LM cannot have
     _try_forward(model, batches[0])
+    # accelerate's device_map / offload: calibrated block by block, each block loaded on its execution device
+    dispatch = (offload.Offloaded(model, config, sequential.blocks_of(model))
+                if offload.dispatched(model) and (offloaded or sequential.wanted(model, config)) else None)
+    if not inplace and offloaded:
+        warnings.warn("softq.quantize: the model's weights are offloaded by accelerate; quantizing it in place "
+                      "(inplace=True), each block written back to where it was offloaded", UserWarning, stacklevel=3)
+        inplace = True
     if not inplace and not sequential.copy_fits(model):
         warnings.warn(f"softq.quantize: a copy of the model ({sequential.model_bytes(model) / 1e9:.1f} GB) would not "
                       "fit in the free memory; quantizing it in place (inplace=True)", UserWarning, stacklevel=3)
@@ -150,7 +154,7 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
         smoothed = smooth_inputs(qmodel, batches, alphas[0], min_ratio, exclude=config.exclude)
         alphas = (alphas[0] if smoothed else None,)
     fit, held = split if search else (batches, [])
-    blocks = sequential.wanted(qmodel, config)
+    blocks = offloaded or sequential.wanted(qmodel, config)
     # the float model's outputs on the held-out batches (before prepare: an inplace model is qmodel), and block by
     # block each block's outputs there
     block_refs = last = None
@@ -158,13 +162,22 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
         reference, block_refs, last = sequential.float_references(qmodel, split[1])
     else:
         reference = _outputs(qmodel, split[1]) if split is not None else None
+    if dispatch is not None:
+        if not inplace:  # the copy's blocks
+            dispatch = offload.Offloaded(qmodel, config, sequential.blocks_of(qmodel))
+        dispatch.detach()
     prepare(qmodel, config)
     skip = config.exclude + tuple(name for name, m in qmodel.named_modules()
                                          if isinstance(m, nn.Linear) and not isinstance(m, QLinear))
-    if blocks and sequential.runs_blocks(qmodel, config):
+    runs = blocks and sequential.runs_blocks(qmodel, config)
+    if offloaded and not runs:
+        raise ValueError("the model's weights are offloaded by accelerate, which softq calibrates block by block, but "
+                         f"{sequential.outside_blocks_quantized(qmodel)[0]} is quantized and runs before the first "
+                         "block: load the model without offload")
+    if runs:
         plan = sequential.Plan(alphas, search, min_ratio, one_pass, foldable, fold_auto, skip)
         sequential.calibrate(qmodel, config, batches, fit, held, split[1] if split else [], reference, block_refs,
-                             plan, last)
+                             plan, dispatch, last)
         sequential.report(qmodel, plan, unjudged)
         if config.bias_correction is not None and not any(isinstance(m, SoftmaxOutputQuantizer)
                                                           for m in qmodel.modules()):

@@ -40,6 +40,7 @@ from softq.quant.config import QuantConfig
 from softq.quant.copies import COLLECT_ABOVE_BYTES, _collect, _trim
 from softq.quant.held_out import _outputs
 from softq.quant.layers import QEmbedding, QLinear
+from softq.quant.offload import Offloaded
 from softq.quant.points import _finish, act_quantizers, set_mode
 from softq.quant.quantizers import SoftmaxOutputQuantizer
 from softq.quant.smoothing_search import _scope, _search_smoothing, _smooth_observed
@@ -155,6 +156,8 @@ class _Stage(nn.Module):
         if self.index is not None:
             args, kwargs = shared.calls[self.index][i]
             args, kwargs = _with_hidden(args, kwargs, hidden_states, shared.sizes[i])
+            if shared.dispatch is not None:
+                args, kwargs = shared.dispatch.to_device(self.index, (args, kwargs))
             out = next(iter(self.parts.values()))(*args, **kwargs)
             y = out if isinstance(out, torch.Tensor) else out[0]
             return SimpleNamespace(last_hidden_state=y, logits=None, hidden_states=None)
@@ -212,17 +215,25 @@ def _forwards(blocks: list[nn.Module], make: Callable[[int], Callable]) -> Itera
                 b.forward = f
 
 
-def _capture(model: nn.Module, blocks: list[nn.Module], batches: list[Batch]) -> tuple[list[list], list[torch.Tensor], object]:
+def _capture(model: nn.Module, blocks: list[nn.Module], batches: list[Batch],
+             dispatch: Offloaded | None = None) -> tuple[list[list], list[torch.Tensor], object]:
     """Every block's (args, kwargs) on every batch (without the hidden states), the first block's hidden states,
     from one forward per batch stopped at the last block, and the form of a block's output (the first block run
-    once on the first batch).  A block that returns its hidden states alone
+    once on the first batch; an offloaded block loaded for its run).  A block that returns its hidden states alone
     is skipped (its input handed on): what the next block is given besides comes from the model, not from it.  A
     block that returns more (T5 hands its position bias on) runs."""
     calls: list[list] = [[None] * len(batches) for _ in blocks]
     first: list[torch.Tensor | None] = [None] * len(batches)
     state: dict[str, object] = {"i": 0, "template": None}
     last = len(blocks) - 1
-    real = [b.forward for b in blocks]
+    forwards = [b.forward for b in blocks]
+
+    def real(j: int, *args: object, **kwargs: object) -> object:
+        if dispatch is None:
+            return forwards[j](*args, **kwargs)
+        with dispatch.loaded(j):
+            args, kwargs = dispatch.to_device(j, (args, kwargs))
+            return forwards[j](*args, **kwargs)
 
     def recorder(j: int):  # noqa: ANN202
         def forward(*args: object, **kwargs: object) -> object:
@@ -234,11 +245,11 @@ def _capture(model: nn.Module, blocks: list[nn.Module], batches: list[Batch]) ->
             if j == last:
                 raise _Stop
             if state["template"] is None:
-                state["template"] = out = real[j](*args, **kwargs)
+                state["template"] = out = real(j, *args, **kwargs)
                 return out
             if isinstance(state["template"], torch.Tensor):
                 return _hidden(args, kwargs)
-            return real[j](*args, **kwargs)
+            return real(j, *args, **kwargs)
         return forward
 
     with _forwards(blocks, recorder), torch.no_grad():
@@ -251,7 +262,7 @@ def _capture(model: nn.Module, blocks: list[nn.Module], batches: list[Batch]) ->
     if state["template"] is None:  # a single block: it never handed anything on
         args, kwargs = _with_hidden(*calls[0][0], first[0], _batch_size(batches[0]))
         with torch.no_grad():
-            state["template"] = blocks[0](*args, **kwargs)
+            state["template"] = real(0, *args, **kwargs)
     template = state["template"]
     if not isinstance(template, torch.Tensor):
         template = (template[0], *(None for _ in template[1:]))
@@ -437,12 +448,13 @@ def _run(stage: _Stage, batches: list[Batch], desc: str | None, into: list | Non
 
 def calibrate(qmodel: nn.Module, config: QuantConfig, batches: list[Batch], fit: list[Batch], held: list[Batch],
               judge: list[Batch], reference: list[torch.Tensor] | None, block_refs: list[list[torch.Tensor]] | None,
-              plan: Plan, last: list[torch.Tensor] | None = None) -> None:
+              plan: Plan, dispatch: Offloaded | None = None, last: list[torch.Tensor] | None = None) -> None:
     """Calibrate the prepared ``qmodel`` block by block (the module docstring).  The batches play the parts they play
     in the whole-model path: ranges observed on ``fit`` then ``held`` (after the search), the corrections measured on
     ``batches``, "auto"'s candidates judged on ``judge`` against the float model's outputs there, ``reference``
     (the model's; None: computed from ``last``, the float model's last-block outputs there, by
-    :class:`_TailReference`) and ``block_refs`` (each block's)."""
+    :class:`_TailReference`) and ``block_refs`` (each block's).  ``dispatch``: a model dispatched by accelerate, each
+    block loaded on its execution device while calibrated, then written back (``offload.py``)."""
     from tqdm.auto import tqdm
 
     pool = list(batches)
@@ -457,11 +469,11 @@ def calibrate(qmodel: nn.Module, config: QuantConfig, batches: list[Batch], fit:
     named = blocks_of(qmodel)
     blocks = [b for _, b in named]
     set_mode(qmodel, "float")
-    calls, first, template = _capture(qmodel, blocks, pool)
+    calls, first, template = _capture(qmodel, blocks, pool, dispatch)
     head = qmodel.get_output_embeddings() if hasattr(qmodel, "get_output_embeddings") else None
     vocab = getattr(head, "out_features", None)
     shared = _Shared(model=qmodel, blocks=blocks, calls=calls, template=template, batches=pool,
-                     sizes=[_batch_size(b) for b in pool], tail_names=[],
+                     sizes=[_batch_size(b) for b in pool], tail_names=[], dispatch=dispatch,
                      pieces=reference is None and bool(vocab), vocab=vocab or 1)
     streams = {"obs": list(first), "q0": list(first), "q1": list(first), "q": list(first)}
     first = None  # the streams hold them
@@ -480,7 +492,11 @@ def calibrate(qmodel: nn.Module, config: QuantConfig, batches: list[Batch], fit:
             for k, i in enumerate(idx["judge"]):
                 xs[i] = last[k]
             ref = _TailReference(stage, _stage_batches(xs, pool, idx["judge"]))
+        if dispatch is not None and j < len(blocks):
+            dispatch.load(j)
         _calibrate_stage(qmodel, stage, config, plan, streams, pool, idx, ref, last=j == len(stages) - 1)
+        if dispatch is not None and j < len(blocks):
+            dispatch.store(j)
         ref = None
         if block_refs is not None and j < len(blocks):
             block_refs[j] = None  # read by this block's candidates only

@@ -111,7 +111,9 @@ class _DequantizedCache:
         return not torch.jit.is_tracing() and not torch.compiler.is_compiling() and not _caching.get()
 
     def _cached_dequantized(self, bits: int, per_channel: bool) -> torch.Tensor:
-        if torch.jit.is_tracing() or torch.compiler.is_compiling() or not _caching.get():
+        # an offloaded layer (softq.quant.offload) is loaded for each call: a kept copy would keep every block loaded
+        if (torch.jit.is_tracing() or torch.compiler.is_compiling() or not _caching.get()
+                or getattr(self, "softq_uncached", False)):
             return dequantized_weight(self.weight, bits, per_channel)
         key = (self.weight._version, self.weight.data_ptr(), _optimizer_steps)
         if self._cache is None or self._cache[0] != key:

@@ -18,7 +18,9 @@ from softq.export import onnx_utils
 from softq.export.decoder_export import CachedDecoder
 from softq.export.errors import ExportError
 from softq.export.generate import generate
+from softq.export.kv_reference import cache_attention
 from softq.export.model_export import to_onnx
+from softq.quant.kv_cache import stored_zero_point
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 EOS = 2  # the tiny Llama's end-of-sequence id (LlamaConfig's default)
@@ -203,9 +205,9 @@ def test_the_file_caches_the_torch_int8_codes(cached):
     assert not [n for n in graph.node if n.op_type == "Tile"]  # 2 query heads per K/V head: grouped, not repeated
 
 
-def test_a_float_cache_on_request_and_per_head_scales_refused(cached, tmp_path):
-    """``kv_cache="float"`` keeps the file's cache float (the same greedy tokens as the int8 file); a model with
-    per-head K/V scales is refused in one line naming kv_scales, as is an unknown kv_cache value."""
+def test_a_float_cache_on_request(cached, tmp_path):
+    """``kv_cache="float"`` keeps the file's cache float (the same greedy tokens as the int8 file); an unknown
+    kv_cache value is refused in one line."""
     qmodel, path, _ = cached
     example = torch.from_numpy(_prompt(5, 1, 8))
     floats = to_onnx(qmodel, str(tmp_path / "float.onnx"), example, kv_cache="float")
@@ -214,13 +216,77 @@ def test_a_float_cache_on_request_and_per_head_scales_refused(cached, tmp_path):
     np.testing.assert_array_equal(generate(floats, ids, 6), generate(path, ids, 6))
     with pytest.raises(ExportError, match=r"^kv_cache must be False, True .* got 'int4'$"):
         to_onnx(qmodel, str(tmp_path / "x.onnx"), example, kv_cache="int4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["float.onnx"]
+
+
+@pytest.mark.parametrize("scales", ["head", "channel"])
+def test_per_head_and_per_channel_kv_scales_export(tmp_path, scales):
+    """K and V points with a scale and zero point per K/V head (or per head and channel) export, with and without
+    the cache: the cached file's present tensors after a prefill and a decode step are the torch model's int8 codes
+    (each K/V head on its own grid), from which the numpy integer reference (export/kv_reference.py) computes the
+    torch step's P.V; its greedy tokens are torch's, and the full-sequence file's logits torch's.  Per
+    head, the scores stay one MatMulInteger of the query codes and the cache's K codes per K/V head (no Tile, no
+    DequantizeLinear of the cache), the scales outside; per channel, K's scale does not factor out of Q.K^T, and
+    the scores are a float MatMul per K/V head of the queries times the scales and the cache's K codes."""
+    import onnx
+
     model = build("llama").eval()
     calib = [{k: torch.from_numpy(v) for k, v in inputs(model, 0, 2, 12, padded=False).items()}]
-    heads = softq.quantize(model, calib, softq.QuantConfig(kv_scales="head"))
-    with pytest.raises(ExportError, match=r"^softq exports K and V points with one scale per tensor; .*"
-                                          r"kv_scales='head'.*kv_scales='tensor' to export it$"):
-        to_onnx(heads, str(tmp_path / "h.onnx"), example, kv_cache=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["float.onnx"]
+    qmodel = softq.quantize(model, calib, softq.QuantConfig(kv_scales=scales, input_smoothing=None,
+                                                            weight_bias_correction=False))
+    kv = qmodel.config.num_key_value_heads
+    assert tuple(qmodel.model.layers[0].self_attn.softq.k.scale.shape) == ((kv, 1, 1) if scales == "head" else (kv, 1, 8))
+    example = torch.from_numpy(_prompt(5, 2, 8))
+    path = to_onnx(qmodel, str(tmp_path / "cached.onnx"), example, kv_cache=True)
+    ids = _prompt(11, 2, 7)
+    points = [layer.self_attn.softq for layer in qmodel.model.layers]
+    seen = {}
+    with torch.no_grad():
+        out = qmodel(input_ids=torch.from_numpy(ids), use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        hooks = [p.q.register_forward_hook(lambda m, i, o, k=k: seen.__setitem__(("q", k), o.numpy()))
+                 for k, p in enumerate(points)]
+        hooks += [p.pv.register_forward_hook(lambda m, i, o, k=k: seen.__setitem__(("pv", k), o.numpy()))
+                  for k, p in enumerate(points)]
+        step = qmodel(input_ids=nxt, cache=out.past_key_values, use_cache=True)
+        for h in hooks:
+            h.remove()
+        full_logits = qmodel(input_ids=torch.from_numpy(ids), use_cache=False).logits.numpy()
+    want = [t.numpy() for layer in step.past_key_values.layers for t in (layer.keys, layer.values)]
+    layers = qmodel.config.num_hidden_layers
+    names = ["logits", *(f"present.{i}.{p}" for i in range(layers) for p in ("key", "value"))]
+    session = onnx_utils.session(path)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.tile(np.arange(7), (2, 1)),
+             **{f"past_key_values.{i}.{p}": np.zeros((2, kv, 0, 8), np.int8) for i in range(layers)
+                for p in ("key", "value")}}
+    first = session.run(names, feeds)
+    feeds.update({"input_ids": nxt.numpy(), "attention_mask": np.ones((2, 8), np.int64),
+                  "position_ids": np.full((2, 1), 7)})
+    feeds.update(zip((n.replace("present", "past_key_values") for n in names[1:]), first[1:]))
+    second = session.run(names, feeds)
+    for a, b in zip(second[1:], want):
+        assert a.dtype == b.dtype == np.int8
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(second[0][:, -1], step.logits[:, -1].numpy(), rtol=1e-4, atol=1e-5)
+    for k, p in enumerate(points):  # the numpy integer reference on the file's codes: torch's P.V of the step
+        grid = lambda point: (point.scale.numpy(), stored_zero_point(point).numpy())  # noqa: E731
+        ref = cache_attention(seen["q", k], second[1 + 2 * k], *grid(p.k), second[2 + 2 * k], *grid(p.v),
+                              qmodel.model.layers[k].self_attn.scaling)
+        np.testing.assert_allclose(ref, seen["pv", k], rtol=1e-5, atol=1e-6)
+    prompt = _prompt(12, 1, 5)
+    with torch.no_grad():
+        greedy = qmodel.generate(torch.from_numpy(prompt), max_new_tokens=6, do_sample=False).numpy()
+    np.testing.assert_array_equal(generate(path, prompt, 6), greedy)
+    graph = onnx.load(path).graph
+    cache = {i.name for i in graph.input[3:]}
+    readers = [n for n in graph.node if set(n.input) & cache]
+    assert not [n for n in graph.node if n.op_type == "Tile"]  # the cache read per K/V head, never repeated
+    if scales == "head":
+        assert not [n for n in readers if n.op_type == "DequantizeLinear"]
+        assert sum(n.op_type == "MatMulInteger" for n in graph.node) == 2 * layers + 7  # 7 layers' projections
+    full = to_onnx(qmodel, str(tmp_path / "full.onnx"), example)
+    got = onnx_utils.session(full).run(["logits"], {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
+    np.testing.assert_allclose(got, full_logits, rtol=1e-4, atol=1e-5)
 
 
 def test_a_sliding_window_model_exports_its_int8_cache(tmp_path):

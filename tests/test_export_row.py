@@ -201,6 +201,28 @@ def test_unmasked_core_drops_the_empty_row_guard(form):
     assert np.isfinite(y).all() and np.all(y[0, :, 2] == 0)
 
 
+@pytest.mark.parametrize("representation", LINEAR_REPRESENTATIONS)
+@pytest.mark.parametrize("per", ["head", "channel"])
+def test_per_head_v_scales_outside_the_integer_gemm(representation, per):
+    """V codes with a zero point and scale per head (or per head and channel), as an exported K/V point with
+    ``kv_scales="head"`` hands them to the core: ``E.(v - z)`` is the integer GEMM of the codes minus ``z sum(E)``,
+    the scales divide the denominator; a fully masked row still gives 0."""
+    q = SoftmaxQuant(scale=0.05)
+    rq = RowQuant(q, 1.0, 128, 8, representation)  # the stored int8 codes, 128 higher, on a grid of scale 1
+    x, v, valid = _inputs(f"affine-{per}", q)
+    rng = np.random.default_rng(5)
+    shape = (1, x.shape[1], 1, 1 if per == "head" else v.shape[-1])
+    z = rng.integers(-100, 100, shape).astype(np.float32)
+    s = rng.uniform(0.01, 0.2, shape).astype(np.float32)
+    y = U.run(row_attention_model("int", rq, with_valid=True, v_affine=(z, s)),
+              {"x": x, "v": v, "valid": np.broadcast_to(valid, x.shape).copy()}, "all")[0]
+    num, den = accumulators(x, v, rq, valid)  # E.(v - 128) and the row's denominator
+    sum_e = row_codes(x, rq, valid).astype(np.int64).sum(-1, keepdims=True)
+    want = (num - z * sum_e) * s / (np.maximum(den, 1) * rq.den_factor("int"))
+    np.testing.assert_allclose(y, want, rtol=2e-6, atol=1e-6)
+    assert np.all(y[0, :, 2] == 0)
+
+
 def test_bad_parameters():
     q = SoftmaxQuant(scale=0.1)
     with pytest.raises(ValueError, match="representation must be one of"):

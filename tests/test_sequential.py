@@ -129,12 +129,47 @@ def test_gemma2_layers_keep_their_own_masks() -> None:
     assert _identical(whole, blocks)
 
 
-def test_offloaded_model_is_refused_in_one_line() -> None:
-    # accelerate's offload leaves the parameters on the meta device with a hook (``_hf_hook``) that loads them per call
+def _dispatched(tmp_path, devices: dict[int, str] | None = None) -> torch.nn.Module:
+    """The tiny Llama dispatched by accelerate, its blocks offloaded to disk in ``tmp_path`` (or on ``devices``)."""
+    accelerate = pytest.importorskip("accelerate")
+    model = build("llama").eval()
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    for i in range(len(model.model.layers)):
+        device_map[f"model.layers.{i}"] = (devices or {}).get(i, "disk")
+    return accelerate.dispatch_model(model, device_map, offload_dir=str(tmp_path))
+
+
+def test_disk_offloaded_model_equals_the_loaded_one(tmp_path) -> None:
+    # accelerate's disk offload: each block loaded while it is calibrated, then written back quantized to the
+    # offload folder and loaded per call by one hook; forward and generate equal the model quantized loaded
+    calib = _calib(96, 4)
+    loaded = softq.quantize(build("llama").eval(), calib, softq.QuantConfig(calibration="blocks"))
+    model = _dispatched(tmp_path)
+    with pytest.warns(UserWarning, match="offloaded by accelerate; quantizing it in place"):
+        offloaded = softq.quantize(model, calib, softq.QuantConfig())
+    assert offloaded is model and offloaded.softq_block_smoothing == loaded.softq_block_smoothing
+    layers = offloaded.model.layers
+    assert all(t.is_meta for t in layers.state_dict().values())  # kept offloaded: nothing of the blocks in memory
+    assert (tmp_path / "softq-quantized" / "model.layers.1" / "index.json").is_file()
+    test = _calib(96, 1)[0]
+    assert torch.equal(_output(loaded, test), _output(offloaded, test))
+    ids = test["input_ids"][:1, :6]
+    assert torch.equal(loaded.generate(ids, max_new_tokens=6, do_sample=False),
+                       offloaded.generate(ids, max_new_tokens=6, do_sample=False))
+    assert all(t.is_meta for t in layers.state_dict().values())
+    with pytest.raises(ValueError, match="offloaded by accelerate .* quantize the model loaded without offload"):
+        softq.quant.save(offloaded, tmp_path / "q")
+
+
+def test_offloaded_model_refuses_whole_model_calibration_in_one_line(tmp_path) -> None:
+    with pytest.raises(ValueError, match="calibration='model' would load them all at once; use calibration='blocks'"):
+        softq.quantize(_dispatched(tmp_path), _calib(96, 2), softq.QuantConfig(calibration="model"))
+
+
+def test_meta_weights_without_accelerate_hooks_are_refused_in_one_line() -> None:
     model = build("llama").eval()
     model.model.layers[1].to_empty(device="meta")
-    model.model.layers[1]._hf_hook = object()
-    with pytest.raises(ValueError, match="dispatched by accelerate with weights offloaded"):
+    with pytest.raises(ValueError, match="on the meta device .* load real weights first"):
         softq.quantize(model, _calib(96, 2), softq.QuantConfig(calibration="blocks"))
 
 
@@ -148,6 +183,19 @@ def test_blocks_on_cuda_equal_the_whole_model() -> None:
     blocks = softq.quantize(model, calib, softq.QuantConfig(calibration="blocks", **config))
     assert _identical(whole, blocks)
     assert all(t.is_cuda for t in blocks.state_dict().values() if t.numel())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs CUDA")
+def test_device_map_blocks_calibrate_on_their_own_devices(tmp_path) -> None:
+    # a device_map with blocks on cuda:0 (or cuda:1), cpu and disk: each block calibrated where it runs
+    devices = {0: "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0", 1: "cpu"}
+    calib = _calib(96, 4)
+    config = softq.QuantConfig(calibration="blocks", input_smoothing=0.8, smoothing_into_v=False)
+    loaded = softq.quantize(build("llama").eval(), calib, config)
+    mapped = softq.quantize(_dispatched(tmp_path, devices), calib, config)
+    assert all(t.device.type == "cuda" for t in mapped.model.layers[0].state_dict().values() if t.numel())
+    test = _calib(96, 1)[0]
+    torch.testing.assert_close(_output(mapped, test).cpu(), _output(loaded, test), rtol=1e-4, atol=1e-4)
 
 
 def test_pieces_judge_and_calibrate_as_the_whole_rows(monkeypatch) -> None:
