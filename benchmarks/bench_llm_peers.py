@@ -5,6 +5,8 @@ Writes docs/results/llm_peers.md (atomically) with the command that produced it.
     make peers                                   # the peers' two virtual environments (below), once
     python benchmarks/bench_llm_peers.py         # 3+3 calibration rounds, 5 decode rounds (17 min on 2 cores)
     python benchmarks/bench_llm_peers.py --quick # 1 calibration round, 2 decode rounds, 16 tokens: a smoke run
+    python benchmarks/bench_llm_peers.py --only scale  # the memory-at-scale section alone (12 min), rewritten in
+                                                       # place in the existing file with its own command
 
 * Calibration: llm-compressor's W8A8 example recipe (SmoothQuantModifier(smoothing_strength=0.8), then
   GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])) and softq's ``quantize`` with the default
@@ -196,6 +198,55 @@ def calibration_lines(title: str, results: dict[str, dict], rounds: int, weights
     return lines + [""]
 
 
+SCALE_HEADING = "## Calibration memory at scale"
+
+
+def scale_title(weights_mib: float) -> str:
+    return (f"{SCALE_HEADING[3:]}: the compute-bound shape below ({weights_mib:.0f} MiB of FP32 weights, random "
+            f"weights), {SCALE_CALIB[0]} random-id windows of {SCALE_CALIB[1]} tokens, 1 thread")
+
+
+def big_weights_mib() -> float:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):  # parameter count only
+        meta = LlamaForCausalLM(LlamaConfig(**BIG))
+    return sum(p.numel() for p in meta.parameters()) * 4 / 2**20
+
+
+def scale_only(args: argparse.Namespace) -> int:
+    """``--only scale``: the memory-at-scale calibrations (softq and llm-compressor in the same run), their section
+    of the existing output replaced, with this run's command and machine under its heading."""
+    if not args.output.exists() or SCALE_HEADING not in args.output.read_text():
+        print(f"--only scale replaces the section '{SCALE_HEADING}' of {args.output}, which has none: run the "
+              "full benchmark first", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    start = time.time()
+    from transformers import LlamaConfig
+
+    pythons = {"softq": sys.executable, "llmcompressor": str(args.peers_venv / "bin" / "python")}
+    with tempfile.TemporaryDirectory(prefix="softq-peers-") as tmp:
+        work = Path(tmp)
+        big_dir = plain_llama(LlamaConfig(**BIG), None, work / "big")
+        big_data = work / "big-data.pt"
+        torch.save({"calib": torch.randint(0, BIG["vocab_size"], SCALE_CALIB,
+                                           generator=torch.Generator().manual_seed(1))}, big_data)
+        results = calibrate_all(pythons, big_dir, big_data, args.scale_rounds, work, evaluate=False,
+                                tools=("softq", "llmcompressor"))
+    section = calibration_lines(scale_title(big_weights_mib()), results, args.scale_rounds, big_weights_mib())
+    section.insert(2, f"This section: `{command_line()}` ({cpu_description()}; took {(time.time() - start) / 60:.1f} "
+                      "min), softq and llm-compressor measured in the same run.")
+    section.insert(3, "")
+    text = args.output.read_text()
+    begin = text.index(SCALE_HEADING)
+    end = text.index("\n\n", text.index("Medians over", begin)) + 2  # the table's note ends the section
+    text = text[:begin] + "\n".join(section) + "\n" + text[end:]
+    write_atomic(args.output, text)
+    print(f"wrote {args.output} ({(time.time() - start) / 60:.1f} min)")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 calibration round, 2 decode rounds, 16 tokens")
@@ -209,7 +260,10 @@ def main() -> int:
     parser.add_argument("--onnx-venv", type=Path, default=Path("/work/peers-venv-onnx"),
                         help="optimum-onnx's virtual environment (make peers)")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "results" / "llm_peers.md")
+    parser.add_argument("--only", choices=("scale",), help="run one section and replace it in the existing output")
     args = parser.parse_args()
+    if args.only == "scale":
+        return scale_only(args)
     if args.quick:
         args.calib_rounds, args.scale_rounds, args.rounds, args.new_tokens = 1, 0, 2, 16
     torch.set_num_threads(1)
@@ -262,17 +316,11 @@ def main() -> int:
             f"{cfg.vocab_size}-character vocabulary). Calibration: its 16 training-split windows of 1024; "
             f"evaluation: its {len(task.eval_inputs)} held-out windows of 1024.", "",
         ]
-        with torch.device("meta"):  # parameter count only
-            big_meta = __import__("transformers").LlamaForCausalLM(LlamaConfig(**BIG))
-        mib = {name: sum(p.numel() for p in m.parameters()) * 4 / 2**20 for name, m in (
-            ("reference", task.model), ("big", big_meta))}
+        mib = {"reference": sum(p.numel() for p in task.model.parameters()) * 4 / 2**20, "big": big_weights_mib()}
         lines += calibration_lines("Calibration on the reference LM (16 windows of 1024 tokens, 1 thread)",
                                    calib, args.calib_rounds, mib["reference"])
         if big_calib is not None:
-            lines += calibration_lines(
-                f"Calibration memory at scale: the compute-bound shape below ({mib['big']:.0f} MiB of FP32 "
-                f"weights, random weights), {SCALE_CALIB[0]} random-id windows of {SCALE_CALIB[1]} "
-                "tokens, 1 thread", big_calib, args.scale_rounds, mib["big"])
+            lines += calibration_lines(scale_title(mib["big"]), big_calib, args.scale_rounds, mib["big"])
         llmc_versions = next((r["versions"] for r in calib["llmcompressor"]["runs"]), {})
         lines += [
             "What each one quantizes: llm-compressor's W8A8 scheme = int8 per-channel symmetric weights (GPTQ) "

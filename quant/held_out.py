@@ -8,6 +8,8 @@ mean cosine distance, is what they minimise.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -54,6 +56,20 @@ def _has_tokens(batch: Batch) -> bool:
     return not isinstance(mask, torch.Tensor) or bool(mask.any())
 
 
+def _rows_of(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The model's output rows on one batch (:func:`_outputs`)."""
+    result = model(**batch, output_hidden_states=True)
+    y = getattr(result, "logits", None)
+    if y is None or y.dim() < 3:
+        hidden = getattr(result, "hidden_states", None)
+        y = (result.last_hidden_state if getattr(result, "last_hidden_state", None) is not None
+             else hidden[-1] if hidden else result[0])
+    y = y.float()
+    mask = batch.get("attention_mask")
+    flat = y.reshape(-1, y.shape[-1])
+    return flat[mask.reshape(-1).bool()] if mask is not None and tuple(mask.shape) == tuple(y.shape[:-1]) else flat
+
+
 @torch.no_grad()
 def _outputs(model: nn.Module, batches: list[Batch]) -> list[torch.Tensor]:
     """The model's output rows on ``batches``, one row per token (valid tokens only): its logits where they have
@@ -62,25 +78,34 @@ def _outputs(model: nn.Module, batches: list[Batch]) -> list[torch.Tensor]:
     A classifier's logits are one row per example: a handful per held-out batch, too few to tell candidates
     apart (the reference ViT's 4 held-out images picked a smoothing that its 260 token rows, and its held-out
     loss, did not), so classifiers are judged on the tokens of the last hidden state their head reads."""
-    out = []
-    for batch in batches:
-        result = model(**batch, output_hidden_states=True)
-        y = getattr(result, "logits", None)
-        if y is None or y.dim() < 3:
-            hidden = getattr(result, "hidden_states", None)
-            y = (result.last_hidden_state if getattr(result, "last_hidden_state", None) is not None
-                 else hidden[-1] if hidden else result[0])
-        y = y.float()
-        mask = batch.get("attention_mask")
-        flat = y.reshape(-1, y.shape[-1])
-        out.append(flat[mask.reshape(-1).bool()] if mask is not None and tuple(mask.shape) == tuple(y.shape[:-1])
-                   else flat)
-    return out
+    return [_rows_of(model, batch) for batch in batches]
 
 
-def output_error(model: nn.Module, batches: list[Batch], reference: list[torch.Tensor]) -> float:
+@torch.no_grad()
+def output_error(model: nn.Module, batches: list[Batch], reference: Sequence[torch.Tensor]) -> float:
     """Mean cosine distance of ``model``'s output rows (:func:`_outputs`) to ``reference`` (the float model's):
-    what ``input_smoothing="auto"`` minimises on its held-out calibration batches."""
-    got = _outputs(model, batches)
-    dist = torch.cat([1.0 - nn.functional.cosine_similarity(a, b, dim=-1) for a, b in zip(got, reference)])
-    return float(dist.mean())
+    what ``input_smoothing="auto"`` minimises on its held-out calibration batches.
+
+    One batch at a time, compared and dropped: a language model's rows are vocabulary-wide (62 MiB per 512 tokens at
+    32000 words), so holding every batch's was the calibration's peak.  A model that computes its logits for a
+    subset of the positions (``softq_token_pieces``: the modules after the blocks of a block-by-block calibration,
+    through the model's ``logits_to_keep``) is compared a piece of positions at a time against ``reference.piece``,
+    each row's distance the same as from the whole batch's rows, and in the same order."""
+    dist = []
+    pieces_of = getattr(model, "softq_token_pieces", None)
+    for i, batch in enumerate(batches):
+        pieces = pieces_of(batch) if pieces_of is not None else None
+        if not pieces:
+            got, ref = _rows_of(model, batch), reference[i]
+            dist.append(1.0 - nn.functional.cosine_similarity(got, ref, dim=-1))
+            got = ref = None
+            continue
+        mask = batch.get("attention_mask")
+        rows = torch.empty(batch["hidden_states"].shape[:2])
+        for keep in pieces:
+            got = model(**batch, logits_to_keep=keep).logits.float()
+            rows[:, keep] = 1.0 - nn.functional.cosine_similarity(got, reference.piece(i, keep), dim=-1)
+            got = None
+        dist.append(rows.reshape(-1)[mask.reshape(-1).bool()] if mask is not None
+                    and tuple(mask.shape) == tuple(rows.shape) else rows.reshape(-1))
+    return float(torch.cat(dist).mean())

@@ -20,6 +20,10 @@ from softq.quant.quantizers import ActQuantizer, dequantized_weight, weight_code
 from softq.quant.weight_cache import _copying, _CopiedWeights, _DequantizedCache, _NotPickled
 from softq.softmax import HALF_DTYPES
 
+# a calibration run computes a large Linear's product (more than twice this many bytes of weights) a piece of output
+# channels of this many bytes of weights at a time (QLinear._linear_in_pieces)
+PIECE_BYTES = 2**22
+
 
 def _straight_through(weight: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
     """:func:`dequantized_weight` with an identity (straight-through) gradient, for float16 / bfloat16 weights: Brevitas'
@@ -94,6 +98,23 @@ def quantize_weight_only(model: nn.Module, weight_bits: int, table_bits: int | N
             parametrize.register_parametrization(module, "position_embeddings", WeightOnly(table_bits, axis=1))
 
 
+def _take_parameters(layer: nn.Module, source: nn.Module, names: tuple[str, ...], adopt: bool) -> None:
+    """``source``'s parameters in ``layer``: the same ``nn.Parameter`` objects (``adopt``: the layer replaces
+    ``source`` in its model, which shares them with no other module), else copies.  Adopting keeps the weights in
+    the memory they were loaded into: a copy of a model loaded from safetensors (memory-mapped pages, kept mapped
+    while any of its tensors lives) was the whole model twice in RSS (332 MiB more on bench_llm_peers.py's
+    87M-parameter Llama)."""
+    for name in names:
+        param = getattr(source, name)
+        if param is None:
+            continue
+        if adopt:
+            setattr(layer, name, param)
+        else:
+            with torch.no_grad():
+                getattr(layer, name).copy_(param)
+
+
 class QLayerNorm(nn.LayerNorm):
     """LayerNorm whose input (the residual stream) is quantized first."""
 
@@ -123,7 +144,8 @@ class QNorm(nn.Module):
 class QLinear(_NotPickled, _DequantizedCache, _CopiedWeights, QuantLinear):
     """Brevitas ``QuantLinear`` (int weights, float bias) behind a softq activation quantizer."""
 
-    def __init__(self, linear: nn.Linear, weight_bits: int, per_channel: bool, act: ActQuantizer) -> None:
+    def __init__(self, linear: nn.Linear, weight_bits: int, per_channel: bool, act: ActQuantizer,
+                 adopt: bool = False) -> None:
         weight_quant = Int8WeightPerChannelFloat if per_channel else Int8WeightPerTensorFloat
         # an offloaded layer (weights on the meta device, softq.quant.offload): built on the CPU, where Brevitas'
         # constants get their values, then given meta weights that its block's loading fills
@@ -134,15 +156,12 @@ class QLinear(_NotPickled, _DequantizedCache, _CopiedWeights, QuantLinear):
                 weight_quant=weight_quant, weight_bit_width=weight_bits, return_quant_tensor=False,
                 device="cpu" if offloaded else linear.weight.device, dtype=linear.weight.dtype,
             )
-        with torch.no_grad():
-            if offloaded:  # into _parameters: assigning the attribute makes Brevitas rebuild its quantizer on meta
-                self._parameters["weight"] = nn.Parameter(torch.empty_like(linear.weight))
-                if linear.bias is not None:
-                    self._parameters["bias"] = nn.Parameter(torch.empty_like(linear.bias))
-            else:
-                self.weight.copy_(linear.weight)
-                if linear.bias is not None:
-                    self.bias.copy_(linear.bias)
+        if offloaded:  # into _parameters: assigning the attribute makes Brevitas rebuild its quantizer on meta
+            self._parameters["weight"] = nn.Parameter(torch.empty_like(linear.weight))
+            if linear.bias is not None:
+                self._parameters["bias"] = nn.Parameter(torch.empty_like(linear.bias))
+        else:
+            _take_parameters(self, linear, ("weight", "bias"), adopt)
         self.input_act = act
         self.weight_bits, self.per_channel = weight_bits, per_channel
         # per-input-channel 1/s of input smoothing (softq.calib.smoothquant.smooth_inputs); empty: none
@@ -166,7 +185,35 @@ class QLinear(_NotPickled, _DequantizedCache, _CopiedWeights, QuantLinear):
             y = super().forward(x)
             return y + self.bias_shift if self.bias_shift.numel() and not self.weight_quant.disable_quant else y
         # inference: the same product on the dequantized weight, cached (tests check the outputs are equal)
+        if self.pieces_when_calibrating() and self._uncached() or "weight_factor" in self.__dict__:
+            return self._linear_in_pieces(x)
         return nn.functional.linear(x, self.dequantized_weight(), self.effective_bias())
+
+    def pieces_when_calibrating(self) -> bool:
+        """Whether calibration runs compute this layer's product in pieces (:meth:`_linear_in_pieces`): per-channel
+        weights of more than twice ``PIECE_BYTES``."""
+        return self.per_channel and self.weight.numel() * self.weight.element_size() > 2 * PIECE_BYTES
+
+    def _linear_in_pieces(self, x: torch.Tensor) -> torch.Tensor:
+        """The inference product computed a piece of output channels at a time, each piece's weight dequantized
+        just for it (per-channel codes: a row's depend on that row alone), so calibration, which keeps no
+        dequantized weight, never holds a whole one (94 MiB for a 32000-word lm_head of width 768).  Each output is
+        the same dot product as in the whole product.  A smoothing candidate that shares this weight with the model
+        (``smoothing_search``) has its per-input-channel factors in ``weight_factor``: each piece is scaled by them
+        first, as the weight itself would have been."""
+        bias = self.effective_bias()
+        w = self.weight.detach()
+        factor = self.__dict__.get("weight_factor")
+        if factor is not None and (torch.is_grad_enabled() or not self._uncached()):
+            raise RuntimeError("a smoothing candidate sharing its weight runs in calibration only")
+        step = 1 << max(0, (PIECE_BYTES // (4 * w.shape[1])).bit_length() - 1)  # a power of two channels
+        out = x.new_empty(*x.shape[:-1], w.shape[0])
+        for a in range(0, w.shape[0], step):
+            rows = slice(a, a + step)
+            piece = w[rows] if factor is None or not factor.numel() else w[rows] * factor
+            out[..., rows] = nn.functional.linear(x, dequantized_weight(piece, self.weight_bits, True),
+                                                  None if bias is None else bias[rows])
+        return out
 
     def effective_bias(self) -> torch.Tensor | None:
         """The bias the quantized layer adds: ``bias + bias_shift`` (weight bias correction) while its
@@ -197,13 +244,12 @@ class QEmbedding(_NotPickled, _DequantizedCache, _CopiedWeights, QuantEmbedding)
     computed once and cached (``_DequantizedCache``).
     """
 
-    def __init__(self, emb: nn.Embedding, bits: int) -> None:
+    def __init__(self, emb: nn.Embedding, bits: int, adopt: bool = False) -> None:
         with _copying(QEmbedding):
             super().__init__(emb.num_embeddings, emb.embedding_dim, padding_idx=emb.padding_idx,
                              weight_quant=Int8WeightPerChannelFloat, weight_bit_width=bits,
                              return_quant_tensor=False, device=emb.weight.device, dtype=emb.weight.dtype)
-        with torch.no_grad():
-            self.weight.copy_(emb.weight)
+        _take_parameters(self, emb, ("weight",), adopt)
         self.bits = bits
 
     def dequantized(self) -> torch.Tensor:
@@ -216,6 +262,13 @@ class QEmbedding(_NotPickled, _DequantizedCache, _CopiedWeights, QuantEmbedding)
         return self._cached_dequantized(self.bits, True)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if (not self.training and not (torch.is_grad_enabled() and self.weight.requires_grad)
+                and not self.weight_quant.disable_quant and self._uncached()):
+            # calibration keeps no dequantized table: the rows looked up, dequantized alone (per-row codes depend
+            # on their row only), where the whole table was a temporary of its size on every call (94 MiB at
+            # 32000 x 768, in each model run of calibration)
+            rows = self.weight.detach()[ids.reshape(-1)]
+            return dequantized_weight(rows, self.bits, True).reshape(*ids.shape, rows.shape[-1])
         return nn.functional.embedding(ids, self.dequantized(), self.padding_idx)
 
     def weight_scale(self) -> torch.Tensor:

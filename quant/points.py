@@ -10,6 +10,8 @@ Shared by ``quantize`` and the calibration passes that finish trial copies.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from torch import nn
 
 from softq.attention import AttentionPoints, attention_points
@@ -135,20 +137,28 @@ def _replace_modules(model: nn.Module, config: QuantConfig) -> None:
     # the parents only: a list holding the replaced layers too would keep every float weight alive until the end
     # (the whole model twice at once)
     parents = [(name, m) for name, m in model.named_modules() if next(m.children(), None) is not None]
+    # a parameter two modules share (a tied lm_head and token table) is copied: each quantized layer gets its own
+    # (smoothing scales one's weight columns); any other is adopted, not copied (layers._take_parameters)
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+
+    def own(layer: nn.Module) -> bool:
+        return all(uses[id(p)] == 1 for p in layer.parameters(recurse=False))
+
     for parent_name, parent in parents:
         for child_name, child in list(parent.named_children()):
             full = f"{parent_name}.{child_name}" if parent_name else child_name
             if any(pattern in full for pattern in config.exclude):
                 continue
             if type(child) is nn.Linear:
-                setattr(parent, child_name, QLinear(child, config.weight_bits, config.weight_per_channel, _act(config)))
+                setattr(parent, child_name, QLinear(child, config.weight_bits, config.weight_per_channel,
+                                                           _act(config), adopt=own(child)))
             elif type(child) is nn.LayerNorm and config.residual_quantized:
                 setattr(parent, child_name, QLayerNorm(child, _act(config, config.residual_groups, prefix)))
             elif id(child) in other_norms:
                 setattr(parent, child_name, QNorm(child, _act(config, config.residual_groups, prefix)))
             elif (type(child) is nn.Embedding and config.embedding_bits is not None
                   and child.num_embeddings >= config.embedding_min_rows):
-                setattr(parent, child_name, QEmbedding(child, config.embedding_bits))
+                setattr(parent, child_name, QEmbedding(child, config.embedding_bits, adopt=own(child)))
     quantize_weight_only(model, config.weight_bits, config.embedding_bits, config.exclude)
 
 

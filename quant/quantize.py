@@ -45,7 +45,7 @@ from softq.hf import (is_sentence_transformer, refuse_save_pretrained, sentence_
 from softq.models import conv1d_to_linear, discover
 from softq.quant.config import (AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN,
                                 AUTO_SMOOTHING_RATIO, AUTO_SMOOTHING_TIE, QuantConfig)
-from softq.quant.copies import _collect, independent_copy
+from softq.quant.copies import _collect, independent_copy, prompt_release
 from softq.quant.held_out import _held_out_split, _outputs
 from softq.quant.layers import QLinear
 from softq.quant import kv_cache, offload, sequential
@@ -77,7 +77,8 @@ def quantize(
         return _quantize_sentence_transformer(model, calib_data, config, inplace)
     # no dequantized-weight caches while calibrating: each model run here (the search's candidates above all) kept
     # a float copy of its weights; the quantized model makes its cache when it is first run
-    with uncached_weights(), kv_cache.calibrating():
+    # a large model's freed activations go back to the system at once (copies.prompt_release)
+    with uncached_weights(), kv_cache.calibrating(), prompt_release(model):
         return _quantize(model, calib_data, config, inplace)
 
 
@@ -157,9 +158,9 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     blocks = offloaded or sequential.wanted(qmodel, config)
     # the float model's outputs on the held-out batches (before prepare: an inplace model is qmodel), and block by
     # block each block's outputs there
-    block_refs = None
+    block_refs = last = None
     if split is not None and blocks:
-        reference, block_refs = sequential.float_references(qmodel, split[1])
+        reference, block_refs, last = sequential.float_references(qmodel, split[1])
     else:
         reference = _outputs(qmodel, split[1]) if split is not None else None
     if dispatch is not None:
@@ -175,7 +176,7 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     if runs:
         plan = sequential.Plan(alphas, search, min_ratio, one_pass, foldable, fold_auto, skip)
         sequential.calibrate(qmodel, config, batches, fit, held, split[1] if split else [], reference, block_refs,
-                             plan, dispatch)
+                             plan, dispatch, last)
         sequential.report(qmodel, plan, unjudged)
         if config.bias_correction is not None and not any(isinstance(m, SoftmaxOutputQuantizer)
                                                           for m in qmodel.modules()):
@@ -183,6 +184,9 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
         _collect(qmodel)
         return qmodel
 
+    if split is not None and reference is None:  # blocks were wanted but cannot run: the float outputs, unchanged yet
+        with sequential.floated(qmodel):
+            reference = _outputs(qmodel, split[1])
     set_mode(qmodel, "observe")
     recorder = InputRecorder(qmodel, smoothable_linears(qmodel)) if one_pass else None
     errors = folded_errors = None

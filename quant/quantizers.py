@@ -500,11 +500,16 @@ def weight_codes32(weight: torch.Tensor, bits: int, axis: int | None) -> tuple[t
     """:func:`weight_codes` in float32, before the cast to a float16 / bfloat16 weight's dtype (the scale the codes
     were divided by)."""
     w = _float32(weight.detach())
-    absmax = w.abs().max() if axis is None else w.abs().amax(
-        dim=tuple(d for d in range(w.dim()) if d != axis % w.dim()), keepdim=True)
+    # max |w| as max(max w, -min w), and the codes rounded and clamped in place: no temporary of the weight's size
+    # besides the codes (an lm_head of a 32000-token vocabulary is 94 MiB a copy)
+    if axis is None:
+        absmax = torch.maximum(w.max(), -w.min())
+    else:
+        dims = tuple(d for d in range(w.dim()) if d != axis % w.dim())
+        absmax = torch.maximum(w.amax(dim=dims, keepdim=True), -w.amin(dim=dims, keepdim=True))
     qmax = 2 ** (bits - 1) - 1
     scale = absmax.clamp_min(WEIGHT_SCALE_MIN) / qmax
-    return torch.clamp(torch.round(w / scale), -qmax, qmax), scale
+    return (w / scale).round_().clamp_(-qmax, qmax), scale
 
 
 def dequantized_weight(weight: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
@@ -512,4 +517,4 @@ def dequantized_weight(weight: torch.Tensor, bits: int, per_channel: bool) -> to
     as ``quant_weight().value``, computed in plain torch at about 4x its speed (timed ad hoc), for inference caches
     (tests check equality with Brevitas bit for bit): :func:`weight_codes` per row (output channel) or tensor."""
     codes, scale = weight_codes(weight, bits, 0 if per_channel else None)
-    return codes * scale
+    return codes.mul_(scale)  # codes is a new tensor: the product in its place

@@ -37,9 +37,9 @@ from softq.calib.data import Batch, run_batches
 from softq.calib.smoothquant import InputRecorder
 from softq.models import _NAMES, _no_cache, discover, probe_forward
 from softq.quant.config import QuantConfig
-from softq.quant.copies import COLLECT_ABOVE_BYTES, _collect
+from softq.quant.copies import COLLECT_ABOVE_BYTES, _collect, _trim
 from softq.quant.held_out import _outputs
-from softq.quant.layers import QLinear
+from softq.quant.layers import QEmbedding, QLinear
 from softq.quant.offload import Offloaded
 from softq.quant.points import _finish, act_quantizers, set_mode
 from softq.quant.quantizers import SoftmaxOutputQuantizer
@@ -52,6 +52,11 @@ from softq.quant.weight_bias import _weight_only_convs, correct_weight_bias
 # calibration="auto" goes block by block from this many bytes of weights (a 67M-parameter float32 model): the
 # whole-model path holds up to three copies of the model at once (bench_llm_memory.py measures both)
 BLOCKS_ABOVE_BYTES = 2**28
+
+
+# the modules after the blocks are judged a piece of positions at a time (held_out.output_error), at most this many
+# bytes of float32 logits a piece (the candidate's and the float reference's): 131 positions at 32000 words
+PIECE_BYTES = 2**24
 
 
 class _Stop(Exception):
@@ -133,8 +138,19 @@ class _Stage(nn.Module):
                            and type(getattr(sub, "softq")).__name__ == "AttentionPoints")
         self.__dict__[_NAMES] = configured  # models.discover's cache: the attention modules of this stage
 
+    def softq_token_pieces(self, batch: Batch) -> list[torch.Tensor] | None:
+        """The modules after the blocks, where the model computes logits for chosen positions (``logits_to_keep``):
+        the positions of ``batch`` in pieces of at most ``PIECE_BYTES`` of logits, for
+        :func:`~softq.quant.held_out.output_error` to compare one piece at a time; None for a block."""
+        if self.index is not None or not self.shared.pieces:
+            return None
+        n = batch["hidden_states"].shape[1]
+        step = max(1, PIECE_BYTES // (4 * batch["hidden_states"].shape[0] * self.shared.vocab))
+        step = 1 << (step.bit_length() - 1)  # a power of two positions
+        return [torch.arange(a, min(a + step, n)) for a in range(0, n, step)]
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                call: torch.Tensor | None = None, **_: object) -> object:
+                call: torch.Tensor | None = None, logits_to_keep: torch.Tensor | None = None, **_: object) -> object:
         i = int(call)
         shared = self.shared
         if self.index is not None:
@@ -146,6 +162,8 @@ class _Stage(nn.Module):
             y = out if isinstance(out, torch.Tensor) else out[0]
             return SimpleNamespace(last_hidden_state=y, logits=None, hidden_states=None)
         batch = {k: _cut(v, shared.sizes[i], hidden_states.shape[0]) for k, v in shared.batches[i].items()}
+        if logits_to_keep is not None:
+            batch["logits_to_keep"] = logits_to_keep
         return _run_tail(shared, dict(zip(shared.tail_names, self.parts.values())), batch, hidden_states)
 
 
@@ -270,17 +288,37 @@ def _rows(y: torch.Tensor, batch: Batch) -> torch.Tensor:
     return flat[mask.reshape(-1).bool()] if mask is not None and tuple(mask.shape) == tuple(y.shape[:-1]) else flat
 
 
+def keeps_logits(model: nn.Module) -> bool:
+    """Whether the model's forward computes its logits for chosen positions only (Hugging Face's ``logits_to_keep``,
+    which causal LMs take)."""
+    import inspect
+
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 @torch.no_grad()
-def float_references(model: nn.Module, held: list[Batch]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-    """The float model's outputs on the held-out batches (:func:`_outputs`) and, per block, its output rows there:
-    what each block's ``"auto"`` candidates are judged against.  Run before ``prepare``."""
+def float_references(model: nn.Module, held: list[Batch]) -> tuple[list[torch.Tensor] | None,
+                                                                   list[list[torch.Tensor]], list[torch.Tensor]]:
+    """The float model's outputs on the held-out batches (:func:`_outputs`), per block its output rows there (what
+    each block's ``"auto"`` candidates are judged against), and the last block's whole outputs.  Run before
+    ``prepare``.  Where the model computes logits for chosen positions (:func:`keeps_logits`), its outputs are not
+    kept (None): vocabulary-wide rows, 62 MiB per 512 tokens at 32000 words; the modules after the blocks are judged
+    against :class:`_TailReference`, the float tail run on the last block's outputs a piece of positions at a
+    time."""
     blocks = [b for _, b in blocks_of(model)]
     per_block: list[list[torch.Tensor]] = [[] for _ in blocks]
+    last: list[torch.Tensor] = []
     current: dict[str, Batch] = {}
 
     def hook(j: int):  # noqa: ANN202
         def record(_m: nn.Module, _args: tuple, out: object) -> None:
-            per_block[j].append(_rows(out if isinstance(out, torch.Tensor) else out[0], current["batch"]))
+            y = out if isinstance(out, torch.Tensor) else out[0]
+            per_block[j].append(_rows(y, current["batch"]))
+            if j == len(blocks) - 1:
+                last.append(y)
         return record
 
     def batch_of(_m: nn.Module, _args: tuple, kwargs: dict) -> None:
@@ -289,11 +327,57 @@ def float_references(model: nn.Module, held: list[Batch]) -> tuple[list[torch.Te
     handles = [b.register_forward_hook(hook(j)) for j, b in enumerate(blocks)]
     handles.append(model.register_forward_pre_hook(batch_of, with_kwargs=True))
     try:
-        reference = _outputs(model, held)
+        if keeps_logits(model):
+            reference = None
+            for batch in held:  # the logits of one position: the blocks' outputs are what is kept
+                model(**batch, **_no_cache(model), logits_to_keep=1)
+        else:
+            reference = _outputs(model, held)
     finally:
         for h in handles:
             h.remove()
-    return reference, per_block
+    return reference, per_block, last
+
+
+@contextlib.contextmanager
+def floated(module: nn.Module) -> Iterator[None]:
+    """``module`` computing in float inside: every activation point in float mode, every quantized layer's weight
+    unquantized (its weights as they are: before any calibration pass changed them, the float model's outputs)."""
+    quantizers = act_quantizers(module)
+    weights = [m.weight_quant for m in module.modules() if isinstance(m, (QLinear, QEmbedding))]
+    modes, off = [q.mode for q in quantizers], [w.disable_quant for w in weights]
+    try:
+        for q in quantizers:
+            q.mode = "float"
+        for w in weights:
+            w.disable_quant = True
+        yield
+    finally:
+        for q, mode in zip(quantizers, modes):
+            q.mode = mode
+        for w, was in zip(weights, off):
+            w.disable_quant = was
+
+
+class _TailReference:
+    """The float model's logits on the held-out batches, computed when asked (:func:`float_references`): the tail
+    stage, before its own calibration changes its weights, run :func:`floated` on the float model's last-block
+    outputs.  ``piece(i, keep)``: held-out batch ``i``'s logits at positions ``keep`` (None: all)."""
+
+    def __init__(self, stage: _Stage, judge: list[Batch]) -> None:
+        self.stage, self.judge = stage, judge  # the judge batches' stage inputs: the float last-block outputs
+
+    @torch.no_grad()
+    def piece(self, i: int, keep: torch.Tensor | None) -> torch.Tensor:
+        with floated(self.stage):
+            return self.stage(**self.judge[i], logits_to_keep=keep).logits.float()
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """Batch ``i``'s rows, as :func:`_outputs` gives them (valid tokens only)."""
+        return _rows(self.piece(i, None), self.judge[i])
+
+    def __len__(self) -> int:
+        return len(self.judge)
 
 
 def outside_blocks_quantized(model: nn.Module) -> list[str]:
@@ -364,12 +448,13 @@ def _run(stage: _Stage, batches: list[Batch], desc: str | None, into: list | Non
 
 def calibrate(qmodel: nn.Module, config: QuantConfig, batches: list[Batch], fit: list[Batch], held: list[Batch],
               judge: list[Batch], reference: list[torch.Tensor] | None, block_refs: list[list[torch.Tensor]] | None,
-              plan: Plan, dispatch: Offloaded | None = None) -> None:
+              plan: Plan, dispatch: Offloaded | None = None, last: list[torch.Tensor] | None = None) -> None:
     """Calibrate the prepared ``qmodel`` block by block (the module docstring).  The batches play the parts they play
     in the whole-model path: ranges observed on ``fit`` then ``held`` (after the search), the corrections measured on
     ``batches``, "auto"'s candidates judged on ``judge`` against the float model's outputs there, ``reference``
-    (the model's) and ``block_refs`` (each block's).  ``dispatch``: a model dispatched by accelerate, each block
-    loaded on its execution device while calibrated, then written back (``offload.py``)."""
+    (the model's; None: computed from ``last``, the float model's last-block outputs there, by
+    :class:`_TailReference`) and ``block_refs`` (each block's).  ``dispatch``: a model dispatched by accelerate, each
+    block loaded on its execution device while calibrated, then written back (``offload.py``)."""
     from tqdm.auto import tqdm
 
     pool = list(batches)
@@ -385,9 +470,13 @@ def calibrate(qmodel: nn.Module, config: QuantConfig, batches: list[Batch], fit:
     blocks = [b for _, b in named]
     set_mode(qmodel, "float")
     calls, first, template = _capture(qmodel, blocks, pool, dispatch)
+    head = qmodel.get_output_embeddings() if hasattr(qmodel, "get_output_embeddings") else None
+    vocab = getattr(head, "out_features", None)
     shared = _Shared(model=qmodel, blocks=blocks, calls=calls, template=template, batches=pool,
-                     sizes=[_batch_size(b) for b in pool], tail_names=[], dispatch=dispatch)
+                     sizes=[_batch_size(b) for b in pool], tail_names=[], dispatch=dispatch,
+                     pieces=reference is None and bool(vocab), vocab=vocab or 1)
     streams = {"obs": list(first), "q0": list(first), "q1": list(first), "q": list(first)}
+    first = None  # the streams hold them
     inside = {id(m) for b in blocks for m in b.modules()}
     tail = _tail_modules(qmodel, inside)
     shared.tail_names = list(tail)
@@ -398,11 +487,20 @@ def calibrate(qmodel: nn.Module, config: QuantConfig, batches: list[Batch], fit:
     for j, (name, stage) in enumerate(bar):
         bar.set_postfix_str(name)
         ref = block_refs[j] if block_refs is not None and j < len(blocks) else reference
+        if ref is None and last is not None and j == len(blocks):
+            xs: list = [None] * len(pool)
+            for k, i in enumerate(idx["judge"]):
+                xs[i] = last[k]
+            ref = _TailReference(stage, _stage_batches(xs, pool, idx["judge"]))
         if dispatch is not None and j < len(blocks):
             dispatch.load(j)
         _calibrate_stage(qmodel, stage, config, plan, streams, pool, idx, ref, last=j == len(stages) - 1)
         if dispatch is not None and j < len(blocks):
             dispatch.store(j)
+        ref = None
+        if block_refs is not None and j < len(blocks):
+            block_refs[j] = None  # read by this block's candidates only
+        _collect(stage)  # the stage's dropped trials and temporaries, before the next stage's
 
 
 def _tail_modules(model: nn.Module, inside: set[int]) -> dict[str, nn.Module]:
@@ -449,6 +547,9 @@ def _calibrate_stage(qmodel: nn.Module, stage: _Stage, config: QuantConfig, plan
     finally:
         if recorder is not None:
             recorder.remove()
+    # each stream's old outputs are dropped after their last pass here, not when the stage ends: the old and the new
+    # outputs of every stream at once were a block's working set more
+    _release(stage, streams, "obs")
     alpha = alphas[0]
     if recorder is not None and alpha is not None and not _smooth_observed(
             _scope(recorder.groups(), folded), alpha, plan.min_ratio, skip):
@@ -474,6 +575,7 @@ def _calibrate_stage(qmodel: nn.Module, stage: _Stage, config: QuantConfig, plan
             handle.remove()
     elif not last:
         _run(stage, on("q0", "every"), None, q0)
+    _release(stage, streams, "q0")
     if config.bias_correction is not None:
         if any(isinstance(m, SoftmaxOutputQuantizer) for m in stage.modules()):
             handle = _keep(stage, q1)
@@ -483,9 +585,18 @@ def _calibrate_stage(qmodel: nn.Module, stage: _Stage, config: QuantConfig, plan
                 handle.remove()
         elif not last:
             _run(stage, on("q1", "every"), None, q1)
+    _release(stage, streams, "q1")
     if idx["judge"] and not last:
         _run(stage, on("q", "judge"), None, qf)
     streams.update(obs=obs, q0=q0, q1=q1 if config.bias_correction is not None else q0, q=qf)
+
+
+def _release(stage: _Stage, streams: dict, name: str) -> None:
+    """Drop ``streams[name]`` (the stage's inputs on that stream, read for the last time) and, in a large model, hand
+    the freed heap back (:func:`~softq.quant.copies._trim`)."""
+    streams[name] = None
+    if stage.softq_collect:
+        _trim()
 
 
 def _smoothable(stage: _Stage, model: nn.Module) -> dict[str, nn.Linear]:

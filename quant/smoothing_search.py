@@ -18,6 +18,7 @@ from softq.calib.smoothquant import InputGroup, InputRecorder, skipped, smoothin
 from softq.quant.config import AUTO_SMOOTHING_MIN_GAIN, AUTO_SMOOTHING_TIE
 from softq.quant.copies import _collect, independent_copy
 from softq.quant.held_out import output_error
+from softq.quant.layers import QLinear
 from softq.quant.points import _finish
 
 
@@ -37,11 +38,17 @@ def _search_smoothing(observed: nn.Module, recorder: InputRecorder, alphas: tupl
     observation pass."""
     errors: dict[float | None, float] = {}
     folded: dict[float, float] = {}
+    # large per-channel weights are shared with the candidates, not copied: a candidate's smoothing factors stay
+    # beside them (QLinear.weight_factor) and each weight piece is scaled as its product is computed
+    large = [m.weight for m in observed.modules() if isinstance(m, QLinear) and m.pieces_when_calibrating()]
     for scope in (False, True):
         if scope and not foldable:
             break
         for alpha in alphas if not scope else [a for a in alphas if a is not None]:
-            trial = independent_copy(observed)
+            trial = independent_copy(observed, tuple(large))
+            for m in trial.modules():  # the trial's factors are kept beside the weights it shares
+                if isinstance(m, QLinear) and any(m.weight is p for p in large):
+                    m.weight_factor = torch.ones(0)
             groups = recorder.groups(dict(trial.named_modules()))
             if alpha is not None:
                 done = _smooth_observed(_scope(groups, scope), alpha, 0.0, skip)
@@ -100,7 +107,10 @@ def _smooth_observed(groups: list[InputGroup], alpha: float, min_ratio: float, s
             inv = 1.0 / s
             lo, hi = float((group.lo * inv).min()), float((group.hi * inv).max())
             for _, lin in group.linears:
-                lin.weight.mul_(s.to(lin.weight.dtype))
+                if isinstance(getattr(lin, "weight_factor", None), torch.Tensor):  # a candidate's shared weight
+                    lin.weight_factor = s.to(lin.weight.dtype)
+                else:
+                    lin.weight.mul_(s.to(lin.weight.dtype))
                 lin.input_scale = inv.to(lin.weight.dtype).clone()
                 observer = lin.input_act.observer
                 if not isinstance(observer, MinMaxObserver) or lin.input_act.channels is not None:

@@ -13,6 +13,7 @@ from torch.nn.utils import parametrize
 
 from softq.calib.data import Batch, run_batches
 from softq.quant.layers import BiasShift, QLinear, WeightOnly
+from softq.quant.quantizers import dequantized_weight
 
 
 def _weight_only_convs(qmodel: nn.Module) -> dict[str, nn.Conv2d]:
@@ -76,11 +77,17 @@ def correct_weight_bias(qmodel: nn.Module, batches: list[Batch]) -> int:
     for name, m in linears.items():
         if name in sums and sums[name][1] > 0:
             mean = sums[name][0] / sums[name][1]
-            w_q, w = m.dequantized_weight(), m.weight
+            w = m.weight.detach()
+            w_q = None if m.per_channel else m.dequantized_weight()
             shift = torch.empty(w.shape[0], dtype=torch.float64, device=w.device)
-            for i in range(0, w.shape[0], 4096):  # float64 a block of rows at a time: a 50k-row lm_head whole took
-                rows = slice(i, i + 4096)  # two float64 copies and their difference, 6x its float32 size
-                shift[rows] = (w_q[rows].double() - w[rows].double()) @ mean
+            # float64 a block of rows at a time (a 50k-row lm_head whole took two float64 copies and their difference,
+            # 6x its float32 size), 8 MiB a copy, a power of two rows (the product's rows come out bit for bit as in
+            # blocks of 4096; an odd count did not); per-channel codes: a block's dequantized rows from its rows alone
+            step = min(4096, 1 << max(0, (2**20 // w.shape[1]).bit_length() - 1))
+            for i in range(0, w.shape[0], step):
+                rows = slice(i, i + step)
+                piece = dequantized_weight(w[rows], m.weight_bits, True) if w_q is None else w_q[rows]
+                shift[rows] = (piece.double() - w[rows].double()) @ mean
             m.bias_shift = (-shift).to(m.weight.dtype)
             done += 1
     for name, m in convs.items():

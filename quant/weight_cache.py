@@ -105,6 +105,11 @@ class _DequantizedCache:
 
     _cache: tuple[tuple[int, int, int], torch.Tensor] | None = None
 
+    def _uncached(self) -> bool:
+        """Whether this call computes the dequantized weight without keeping it (calibration: ``uncached_weights``),
+        outside traced and compiled code."""
+        return not torch.jit.is_tracing() and not torch.compiler.is_compiling() and not _caching.get()
+
     def _cached_dequantized(self, bits: int, per_channel: bool) -> torch.Tensor:
         # an offloaded layer (softq.quant.offload) is loaded for each call: a kept copy would keep every block loaded
         if (torch.jit.is_tracing() or torch.compiler.is_compiling() or not _caching.get()

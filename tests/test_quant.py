@@ -905,9 +905,9 @@ def test_auto_searches_free_their_trial_copies() -> None:
     live: list[int] = []  # quantized Linears alive as each copy is made
     copy_of = copies.independent_copy
 
-    def counting_copy(m):  # noqa: ANN001, ANN202
+    def counting_copy(m, *shared):  # noqa: ANN001, ANN002, ANN202
         live.append(sum(type(o) is QLinear and id(o) not in earlier for o in gc.get_objects()))
-        return copy_of(m)
+        return copy_of(m, *shared)
 
     gc.collect()
     gc.disable()
@@ -974,10 +974,10 @@ def test_quantize_keeps_no_dequantized_weights_while_calibrating() -> None:
     cached: list[int] = []  # quantized Linears holding a dequantized weight as each copy is made
     copy_of = copies.independent_copy
 
-    def counting_copy(m):  # noqa: ANN001, ANN202
+    def counting_copy(m, *shared):  # noqa: ANN001, ANN002, ANN202
         cached.append(sum(type(o) is QLinear and id(o) not in before and o._cache is not None
                           for o in gc.get_objects()))
-        return copy_of(m)
+        return copy_of(m, *shared)
 
     for module in copiers:
         module.independent_copy = counting_copy

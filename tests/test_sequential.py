@@ -76,9 +76,9 @@ def test_auto_search_block_by_block_copies_one_block_and_stays_near_the_whole_mo
     copied: list[int] = []
     from softq.quant import copies, smoothing_search, v_fold
 
-    def counting(m: torch.nn.Module) -> torch.nn.Module:
-        copied.append(sum(p.numel() for p in m.parameters()))
-        return copies.independent_copy(m)
+    def counting(m: torch.nn.Module, shared: tuple = ()) -> torch.nn.Module:
+        copied.append(sum(p.numel() for p in m.parameters() if not any(p is s for s in shared)))
+        return copies.independent_copy(m, shared)
 
     monkeypatch.setattr(smoothing_search, "independent_copy", counting)
     monkeypatch.setattr(v_fold, "independent_copy", counting)
@@ -249,3 +249,47 @@ def test_device_map_blocks_calibrate_on_their_own_devices(tmp_path) -> None:
     assert all(t.device.type == "cuda" for t in mapped.model.layers[0].state_dict().values() if t.numel())
     test = _calib(96, 1)[0]
     torch.testing.assert_close(_output(mapped, test).cpu(), _output(loaded, test), rtol=1e-4, atol=1e-4)
+
+
+def test_pieces_judge_and_calibrate_as_the_whole_rows(monkeypatch) -> None:
+    # at scale the modules after the blocks are judged a piece of positions at a time against the float tail run
+    # when asked (no vocabulary-wide rows of every held-out batch kept), and large weights are shared with the
+    # smoothing candidates and dequantized a piece of channels at a time: every error the search computes, and the
+    # result, are those of the whole rows, bit for bit.  Small piece sizes force all of it on a tiny Llama.
+    from softq.quant import layers, smoothing_search
+
+    model = build("llama").eval()
+    calib = _calib(model.config.vocab_size, 8)  # 2 held-out batches, one with padding
+
+    def run() -> tuple[torch.nn.Module, list[float]]:
+        seen: list[float] = []
+        real = smoothing_search.output_error
+
+        def recording(m: torch.nn.Module, batches: list, reference: object) -> float:
+            seen.append(real(m, batches, reference))
+            return seen[-1]
+
+        with monkeypatch.context() as patch:
+            patch.setattr(smoothing_search, "output_error", recording)
+            return softq.quantize(model, calib, softq.QuantConfig(calibration="blocks")), seen
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sequential, "keeps_logits", lambda m: False)  # the float logits kept, judged whole
+        whole, whole_errors = run()
+    with monkeypatch.context() as patch:
+        patch.setattr(sequential, "PIECE_BYTES", 4 * 2 * model.config.vocab_size * 4)  # 4 positions a piece
+        pieces, piece_errors = run()
+    assert len(whole_errors) > len(whole.model.layers) and piece_errors == whole_errors
+    assert _identical(whole, pieces)
+    # every Linear shared with the candidates (their smoothing factors beside the weight) and computed 8 output
+    # channels at a time: the same choices; the errors equal up to float rounding (a product cut into pieces of 8
+    # channels sums in another order on this tiny width; cut in powers of two at bench_llm_peers.py's lm_head, the
+    # outputs were identical)
+    with monkeypatch.context() as patch:
+        patch.setattr(sequential, "PIECE_BYTES", 4 * 2 * model.config.vocab_size * 4)
+        patch.setattr(layers, "PIECE_BYTES", 4 * model.config.hidden_size * 8)
+        shared, shared_errors = run()
+    assert shared_errors == pytest.approx(whole_errors, rel=1e-3)
+    assert shared.softq_block_smoothing == whole.softq_block_smoothing
+    test = _calib(model.config.vocab_size, 1)[0]
+    assert torch.allclose(_output(shared, test), _output(whole, test), rtol=1e-4, atol=1e-5)
