@@ -32,6 +32,9 @@ SECTIONS = (
     ("generate.md", "Generation from the ONNX file with a KV cache: the same tokens, and how fast per token?",
      "bench_generate.py"),
     ("kv_cache.md", "INT8 KV cache: how many bytes, and what does it cost in perplexity?", "bench_kv_cache.py"),
+    ("llm_offload.md", "Models larger than memory: a model offloaded to disk by accelerate",
+     "bench_llm_offload.py --repeats 3"),
+    ("kv_scales_export.md", "Per-head and per-channel K/V scales in the exported file", "bench_kv_scales_export.py"),
     ("llm_peers.md", "Against llm-compressor and optimum", "bench_llm_peers.py"),
 )
 
