@@ -73,16 +73,18 @@ class CacheLayout:
     @classmethod
     def of_file(cls, path: str) -> CacheLayout:
         """The layout the ONNX file at ``path`` declares (read without its weights), as :meth:`of_inputs`; one line
-        unless its outputs are ``logits`` and the presents, in that order."""
+        unless its outputs begin with ``logits`` and the presents, in that order (a runner's outputs are read by
+        position)."""
         import onnx
 
         graph = onnx.load(path, load_external_data=False).graph
         weights = {t.name for t in graph.initializer}
         layout = cls.of_inputs([_Declared.of(i) for i in graph.input if i.name not in weights])
-        outputs = [o.name for o in graph.output]
-        if outputs != layout.output_names():
-            raise ValueError(f"this ONNX file's outputs ({', '.join(outputs[:3])}, ...) are not logits and the "
-                             f"presents in order ({', '.join(layout.output_names()[:3])}, ...)")
+        outputs, want = [o.name for o in graph.output], layout.output_names()
+        if outputs[:len(want)] != want:
+            wrong = next(i for i, (o, w) in enumerate(zip([*outputs, None], want)) if o != w)
+            raise ValueError(f"this ONNX file's output {wrong} is {outputs[wrong] if wrong < len(outputs) else 'missing'}"
+                             f", where a cached decoder's outputs are logits, then the presents in order ({want[wrong]})")
         return layout
 
     def past_names(self) -> list[str]:

@@ -14,11 +14,14 @@ export tests check every form in each runtime installed here, and
   numpy reference; whole models equal onnxruntime's outputs up to float-order
   rounding ties (tests/test_export_runtimes.py, docs/results/export_speed.md);
   cached decoder files (int8 cache included) give onnxruntime's logits and
-  cache codes (tests/test_export_cache.py).
+  cache codes (tests/test_export_cache.py; the reference Llama LM's after 512
+  tokens: docs/results/cache_runtimes.md).
 * ``openvino`` (PyPI ``openvino``): compiled with ``INFERENCE_PRECISION_HINT=f32``.
   Its CPU plugin otherwise runs the float parts in bf16 on CPUs with AVX512-BF16
   or AMX, which does not match onnxruntime on softq's files; with the hint it does
-  (tests/test_export_runtimes.py).
+  (tests/test_export_runtimes.py).  It runs cached decoder files too (the same
+  greedy tokens), its float rounding moving a few int8 cache codes that sit on a
+  rounding tie on long prompts (docs/results/cache_runtimes.md).
 
 ``runner(path, runtime, threads)`` returns ``run(feeds) -> list of outputs``
 (numpy arrays, in the file's output order).
