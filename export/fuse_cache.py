@@ -9,9 +9,10 @@ with as many K/V heads as query heads gets the same integer score GEMM on its ca
 become one ``MatMulInteger`` of the query codes and the cache's transposed K codes (onnxruntime fuses it with the
 ``Cast -> Mul`` of the scales into ``MatMulIntegerToFloat``): no repeated, dequantized or re-quantized copy of the
 cache.  Float queries (a K point with per-channel scales folds them into the queries) get one float MatMul per
-K/V head with the cache's dequantized K codes instead.  V's conversion to the core's grid and its row-sum column
-run on the cache's own heads.  Exact: the same
-products, summed in the same integer or float order per row; the export's check compares the file with torch.
+K/V head with the cache's dequantized K codes instead.  V's row-sum column runs on the cache's own heads, and
+:func:`read_signed_values` has the P.V GEMM read V's int8 codes as stored (the core's uint8 grid moved onto them
+rather than the codes onto it).  Exact: the same products, summed in the same integer or float order per row; the
+export's check compares the file with torch.
 """
 
 from __future__ import annotations
@@ -139,3 +140,47 @@ def group_query_heads(model: onnx.ModelProto) -> int:
         del g.graph.value_info[:]
         g.graph.value_info.extend(kept)
     return done
+
+
+# nodes that move or pad int8 / uint8 codes without reading their values (a Pad's constant aside)
+_LAYOUT = ("Pad", "Reshape", "Transpose", "Unsqueeze", "Squeeze")
+
+
+def read_signed_values(model: onnx.ModelProto) -> int:
+    """V's int8 cache codes read as they are by the P.V GEMM: ``BitwiseXor(sign bit) -> Cast(uint8)`` (the codes on
+    the row core's uint8 grid 128 higher, :func:`softq.export.fuse_layout.drop_requantize`) dropped, and the grid
+    moved instead: each ``Pad`` value on the way and the ``DequantizeLinear``'s zero point 128 lower, as int8.  Exact
+    (``v - z`` unchanged for every code and pad value); a pass over the whole V cache fewer per decode step (the
+    integer GEMM takes uint8 row codes times int8 V as it takes uint8 times uint8).  Returns the chains rewritten."""
+    g = Graph(model, "signed_v")
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    stale: set[str] = set()  # the chains' outputs, recorded as uint8
+    for xor in list(g.graph.node):
+        mask = g.const(xor.input[1]) if xor.op_type == "BitwiseXor" and len(xor.input) == 2 else None
+        if mask is None or mask.dtype != np.int8 or mask.size != 1 or int(mask.item()) != -128:
+            continue
+        cast = g.only_reader(xor.output[0])
+        if cast is None or cast.op_type != "Cast" or cast.attribute[0].i != TensorProto.UINT8:
+            continue
+        chain, node = [], g.only_reader(cast.output[0])
+        while node is not None and node.op_type in _LAYOUT:
+            chain.append(node)
+            node = g.only_reader(node.output[0])
+        dq = node if node is not None and node.op_type == "DequantizeLinear" else None
+        params = dq_params(g, dq)
+        pads = [p for p in chain if p.op_type == "Pad"]
+        if params is None or params[1].dtype != np.uint8 or params[1].size != 1 or any(
+                len(p.input) < 3 or g.const(p.input[2]) is None or g.const(p.input[2]).dtype != np.uint8 for p in pads):
+            continue
+        for p in pads:
+            p.input[2] = g.add_const("pad", (g.const(p.input[2]).astype(np.int16) - 128).astype(np.int8))
+        dq.input[2] = g.add_const("zero_point", (params[1].astype(np.int16) - 128).astype(np.int8))
+        (chain[0] if chain else dq).input[0] = xor.input[0]
+        replaced[id(xor)], replaced[id(cast)] = [], []
+        stale.update(n.output[0] for n in chain)
+    if replaced:
+        g.replace(replaced)
+        kept = [v for v in g.graph.value_info if v.name not in stale]
+        del g.graph.value_info[:]
+        g.graph.value_info.extend(kept)
+    return len(replaced) // 2

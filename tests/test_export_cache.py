@@ -203,7 +203,8 @@ def test_the_file_caches_the_torch_int8_codes(cached):
     """A model whose cache is int8 (QuantConfig().kv_cache resolves so at 8 bits) exports int8 past and present
     tensors: after a prefill and a decode step they are the codes of the torch model's Int8KVCache (within one
     code, a rounding tie), and no DequantizeLinear reads the whole cache: the cores read its codes, grouped per K/V
-    head rather than repeated to the query heads."""
+    head rather than repeated to the query heads, V's int8 codes as stored (only padded with the row-sum column, no
+    conversion to the core's uint8 grid)."""
     import onnx
 
     qmodel, path, _ = cached
@@ -236,6 +237,8 @@ def test_the_file_caches_the_torch_int8_codes(cached):
     cache = {i.name for i in graph.input[3:]} | {o.name for o in graph.output[1:]}
     assert not [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in cache]
     assert not [n for n in graph.node if n.op_type == "Tile"]  # 2 query heads per K/V head: grouped, not repeated
+    values = {o.name for o in graph.output[2::2]}
+    assert {n.op_type for n in graph.node if set(n.input) & values} == {"Pad", "Shape"}
 
 
 def test_a_float_cache_on_request(cached, tmp_path):
