@@ -202,10 +202,12 @@ def test_tract_and_openvino_run_the_cached_file(cached, runtime, capsys):
 def test_the_file_caches_the_torch_int8_codes(cached):
     """A model whose cache is int8 (QuantConfig().kv_cache resolves so at 8 bits) exports int8 past and present
     tensors: after a prefill and a decode step they are the codes of the torch model's Int8KVCache (within one
-    code, a rounding tie), and no DequantizeLinear reads the whole cache: the cores read its codes, grouped per K/V
-    head rather than repeated to the query heads, V's int8 codes as stored (only padded with the row-sum column, no
-    conversion to the core's uint8 grid)."""
+    code, a rounding tie), and the cores read the cache's codes, grouped per K/V head rather than repeated to the
+    query heads: K's in the score MatMulInteger, V's as stored in the P.V GEMM (their one reader the GEMM's
+    DequantizeLinear of scale 1, which onnxruntime fuses into MatMulIntegerToFloat: no conversion to the core's
+    uint8 grid, no padded row-sum column, no float copy)."""
     import onnx
+    from onnx import numpy_helper
 
     qmodel, path, _ = cached
     session = onnx_utils.session(path)
@@ -234,11 +236,14 @@ def test_the_file_caches_the_torch_int8_codes(cached):
         gap = np.abs(a.astype(np.int32) - b.astype(np.int32))
         assert gap.max() <= 1 and (gap == 0).mean() > 0.999
     graph = onnx.load(path).graph
-    cache = {i.name for i in graph.input[3:]} | {o.name for o in graph.output[1:]}
-    assert not [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in cache]
+    keys, values = {o.name for o in graph.output[1::2]}, {o.name for o in graph.output[2::2]}
+    assert {n.op_type for n in graph.node if set(n.input) & keys} == {"Transpose", "Shape"}
     assert not [n for n in graph.node if n.op_type == "Tile"]  # 2 query heads per K/V head: grouped, not repeated
-    values = {o.name for o in graph.output[2::2]}
-    assert {n.op_type for n in graph.node if set(n.input) & values} == {"Pad", "Shape"}
+    readers = [n for n in graph.node if set(n.input) & values and n.op_type != "Shape"]
+    assert [n.op_type for n in readers] == ["DequantizeLinear"] * layers
+    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    consts.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node if n.op_type == "Constant"})
+    assert all(consts[n.input[1]] == 1.0 for n in readers)
 
 
 def test_a_float_cache_on_request(cached, tmp_path):
