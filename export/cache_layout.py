@@ -70,6 +70,23 @@ class CacheLayout:
                              "float32 or int8 caches of [batch, kv_heads, tokens, head_dim] with fixed heads")
         return cls(layers, key.shape[1], key.shape[3], value.shape[3], dtype)
 
+    @classmethod
+    def of_file(cls, path: str) -> CacheLayout:
+        """The layout the ONNX file at ``path`` declares (read without its weights), as :meth:`of_inputs`; one line
+        unless its outputs begin with ``logits`` and the presents, in that order (a runner's outputs are read by
+        position)."""
+        import onnx
+
+        graph = onnx.load(path, load_external_data=False).graph
+        weights = {t.name for t in graph.initializer}
+        layout = cls.of_inputs([_Declared.of(i) for i in graph.input if i.name not in weights])
+        outputs, want = [o.name for o in graph.output], layout.output_names()
+        if outputs[:len(want)] != want:
+            wrong = next(i for i, (o, w) in enumerate(zip([*outputs, None], want)) if o != w)
+            raise ValueError(f"this ONNX file's output {wrong} is {outputs[wrong] if wrong < len(outputs) else 'missing'}"
+                             f", where a cached decoder's outputs are logits, then the presents in order ({want[wrong]})")
+        return layout
+
     def past_names(self) -> list[str]:
         return [PAST.format(layer=i, part=p) for i in range(self.layers) for p in PARTS]
 
@@ -99,3 +116,23 @@ class CacheLayout:
     def next_past(self, outputs: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
         """The next step's past from a step's outputs (``logits`` first, then the presents in order)."""
         return dict(zip(self.past_names(), outputs[1:]))
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """A graph input as onnxruntime's ``NodeArg`` describes it: name, ``tensor(...)`` type, dims (symbols as
+    strings)."""
+
+    name: str
+    type: str
+    shape: list[int | str | None]
+
+    @classmethod
+    def of(cls, value: object) -> _Declared:
+        from onnx import helper
+
+        tensor = value.type.tensor_type
+        kind = {np.dtype(np.float32): "float", np.dtype(np.int8): "int8", np.dtype(np.int64): "int64"}.get(
+            np.dtype(helper.tensor_dtype_to_np_dtype(tensor.elem_type)) if tensor.elem_type else None, "other")
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim]
+        return cls(value.name, f"tensor({kind})", dims)

@@ -9,9 +9,11 @@ with as many K/V heads as query heads gets the same integer score GEMM on its ca
 become one ``MatMulInteger`` of the query codes and the cache's transposed K codes (onnxruntime fuses it with the
 ``Cast -> Mul`` of the scales into ``MatMulIntegerToFloat``): no repeated, dequantized or re-quantized copy of the
 cache.  Float queries (a K point with per-channel scales folds them into the queries) get one float MatMul per
-K/V head with the cache's dequantized K codes instead.  V's conversion to the core's grid and its row-sum column
-run on the cache's own heads.  Exact: the same
-products, summed in the same integer or float order per row; the export's check compares the file with torch.
+K/V head with the cache's dequantized K codes instead.  :func:`read_signed_values` has the P.V GEMM read V's int8
+codes as stored (the core's uint8 grid moved onto them rather than the codes onto it), and
+:func:`row_sums_from_codes` sums the row codes instead of padding V with a row-sum column: nothing but the GEMM
+reads the V cache.  Exact: the same products, summed in the same integer or float order per row; the export's
+check compares the file with torch.
 """
 
 from __future__ import annotations
@@ -133,6 +135,111 @@ def group_query_heads(model: onnx.ModelProto) -> int:
         mm.output[0] = f"{mm.output[0]}/replaced"  # dead: pruned
         done += 1
     if done:
+        g.graph.node.extend(added)
+        sort_nodes(g.graph)
+        kept = [v for v in g.graph.value_info if v.name not in stale]
+        del g.graph.value_info[:]
+        g.graph.value_info.extend(kept)
+    return done
+
+
+# nodes that move or pad int8 / uint8 codes without reading their values (a Pad's constant aside)
+_LAYOUT = ("Pad", "Reshape", "Transpose", "Unsqueeze", "Squeeze")
+
+
+def read_signed_values(model: onnx.ModelProto) -> int:
+    """V's int8 cache codes read as they are by the P.V GEMM: ``BitwiseXor(sign bit) -> Cast(uint8)`` (the codes on
+    the row core's uint8 grid 128 higher, :func:`softq.export.fuse_layout.drop_requantize`) dropped, and the grid
+    moved instead: each ``Pad`` value on the way and the ``DequantizeLinear``'s zero point 128 lower, as int8.  Exact
+    (``v - z`` unchanged for every code and pad value); a pass over the whole V cache fewer per decode step (the
+    integer GEMM takes uint8 row codes times int8 V as it takes uint8 times uint8).  Returns the chains rewritten."""
+    g = Graph(model, "signed_v")
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    stale: set[str] = set()  # the chains' outputs, recorded as uint8
+    for xor in list(g.graph.node):
+        mask = g.const(xor.input[1]) if xor.op_type == "BitwiseXor" and len(xor.input) == 2 else None
+        if mask is None or mask.dtype != np.int8 or mask.size != 1 or int(mask.item()) != -128:
+            continue
+        cast = g.only_reader(xor.output[0])
+        if cast is None or cast.op_type != "Cast" or cast.attribute[0].i != TensorProto.UINT8:
+            continue
+        chain, node = [], g.only_reader(cast.output[0])
+        while node is not None and node.op_type in _LAYOUT:
+            chain.append(node)
+            node = g.only_reader(node.output[0])
+        dq = node if node is not None and node.op_type == "DequantizeLinear" else None
+        params = dq_params(g, dq)
+        pads = [p for p in chain if p.op_type == "Pad"]
+        if params is None or params[1].dtype != np.uint8 or params[1].size != 1 or any(
+                len(p.input) < 3 or g.const(p.input[2]) is None or g.const(p.input[2]).dtype != np.uint8 for p in pads):
+            continue
+        for p in pads:
+            p.input[2] = g.add_const("pad", (g.const(p.input[2]).astype(np.int16) - 128).astype(np.int8))
+        dq.input[2] = g.add_const("zero_point", (params[1].astype(np.int16) - 128).astype(np.int8))
+        (chain[0] if chain else dq).input[0] = xor.input[0]
+        replaced[id(xor)], replaced[id(cast)] = [], []
+        stale.update(n.output[0] for n in chain)
+    if replaced:
+        g.replace(replaced)
+        kept = [v for v in g.graph.value_info if v.name not in stale]
+        del g.graph.value_info[:]
+        g.graph.value_info.extend(kept)
+    return len(replaced) // 2
+
+
+def _slice_bounds(g: Graph, node: onnx.NodeProto) -> tuple[int, int] | None:
+    """(start, end) of a Slice along the last axis with constant bounds and step 1, else None."""
+    if node.op_type != "Slice" or len(node.input) < 4 or (len(node.input) > 4 and node.input[4]):
+        return None
+    start, end, axes = (g.const(n) for n in node.input[1:4])
+    if any(x is None or x.size != 1 for x in (start, end, axes)) or int(axes.item()) != -1:
+        return None
+    return int(start.item()), int(end.item())
+
+
+def row_sums_from_codes(model: onnx.ModelProto) -> int:
+    """The row core's ``sum(E)`` as a ``ReduceSum`` of the row codes instead of the GEMM's extra column: V's cache
+    codes go to the GEMM unpadded (``Pad`` of a column of ``(sum code)`` copied the whole V cache every decode step,
+    for a sum over one query row's codes).  Exact: ``sum(E * (c - z))`` with ``c - z = +-1``, and both sums are
+    integers below 2**24 in float32 (codes below 256, fewer than 65536 keys).  Returns the GEMMs rewritten."""
+    g = Graph(model, "row_sums")
+    done = 0
+    added: list[onnx.NodeProto] = []
+    stale: set[str] = set()  # the GEMM's outputs, one column narrower now
+    for pad in list(g.graph.node):
+        pads = g.const(pad.input[1]) if pad.op_type == "Pad" and len(pad.input) >= 3 else None
+        if pads is None or pads.tolist() != [0, 0, 0, 0, 0, 0, 0, 1] or any(
+                a.name == "mode" and a.s not in (b"constant", "constant") for a in pad.attribute):
+            continue
+        dq = g.only_reader(pad.output[0])
+        params = dq_params(g, dq) if dq is not None and dq.op_type == "DequantizeLinear" else None
+        mm = g.only_reader(dq.output[0]) if params is not None else None
+        if mm is None or mm.op_type != "MatMul" or mm.input[1] != dq.output[0] or params[0].size != 1 or \
+                params[0].item() != 1.0 or params[1].size != 1:
+            continue
+        factor = int(g.const(pad.input[2]).item()) - int(params[1].item())
+        reshape = g.only_reader(mm.output[0])
+        acc = reshape.output[0] if reshape is not None and reshape.op_type == "Reshape" else mm.output[0]
+        slices = g.readers.get(acc, [])
+        bounds = {id(s): _slice_bounds(g, s) for s in slices}
+        num = next((s for s in slices if bounds[id(s)] == (0, -1)), None)
+        col = next((s for s in slices if bounds[id(s)] is not None and bounds[id(s)][0] == -1
+                    and bounds[id(s)][1] >= 1), None)
+        if factor not in (1, -1) or len(slices) != 2 or num is None or col is None or acc in g.outputs:
+            continue
+        n = _Nodes(g, f"rowsum{done}")
+        total = n.op("ReduceSum", [mm.input[0], g.add_const("last", np.array([-1], np.int64))], keepdims=1)
+        if factor == -1:
+            total = n.op("Neg", [total])
+        if reshape is not None and acc == reshape.output[0]:  # the same ungrouping as the GEMM's output
+            total = n.op("Reshape", [total, reshape.input[1]])
+        dq.input[0] = pad.input[0]
+        g.rename_uses(num.output[0], acc)
+        g.rename_uses(col.output[0], total)
+        stale.update((dq.output[0], mm.output[0], acc))
+        added.extend(n.nodes)
+        done += 1
+    if done:  # the Pads and Slices left without readers go with the export's prune
         g.graph.node.extend(added)
         sort_nodes(g.graph)
         kept = [v for v in g.graph.value_info if v.name not in stale]

@@ -294,7 +294,9 @@ def drop_requantize(model: onnx.ModelProto, flip_sign: bool = False) -> int:
 
     The int8 KV cache (:mod:`softq.export.decoder_export`) hands attention the values of its codes, which the K and V
     points quantize again on the same grid (with ``flip_sign``, the cached file's, also the row core's V on the uint8
-    grid 128 higher: a ``BitwiseXor`` of the sign bit, which onnxruntime runs and other runtimes may not): after :func:`quantize_before_layout` the point's ``QuantizeLinear`` reads
+    grid 128 higher: a ``BitwiseXor`` of the sign bit, which :func:`softq.export.fuse_cache.read_signed_values`
+    then drops where the GEMM can read the int8 codes): after :func:`quantize_before_layout` the point's
+    ``QuantizeLinear`` reads
     the cache's ``DequantizeLinear``, and the cores read the cache's codes directly (no float pass over the cache per
     step).  Exact: ``round(((c - z) * s) / s) + z`` is ``c`` for every int8 ``c`` at float32 scales.
     """

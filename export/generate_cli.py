@@ -1,4 +1,5 @@
-"""``softq generate``: text from a quantized decoder, through its ONNX file with a KV cache, in onnxruntime."""
+"""``softq generate``: text from a quantized decoder, through its ONNX file with a KV cache, in onnxruntime (or tract
+or OpenVINO: ``--runtime``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from softq.cli import positive_float, positive_int
+from softq.export.runtimes import RUNTIMES
 
 
 def register(subparsers: argparse._SubParsersAction) -> dict[str, argparse.ArgumentParser]:
@@ -35,7 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, argparse.Argum
                    help="tokenizer directory (default: MODEL's directory, or the ONNX file's folder)")
     p.add_argument("--save-onnx", type=Path, default=None, metavar="FILE",
                    help="when MODEL is a quantized directory: keep its exported file here (default: a temporary one)")
-    p.add_argument("--threads", type=positive_int, default=1, help="onnxruntime threads (default 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="CPU threads of the runtime (default 1)")
+    p.add_argument("--runtime", choices=RUNTIMES, default="onnxruntime",
+                   help="runtime that runs the file (default onnxruntime; tract and openvino where installed)")
     p.set_defaults(handler=_generate)
     return {"generate": p}
 
@@ -109,7 +113,8 @@ def _generate(args: argparse.Namespace) -> int:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos = tokenizer.eos_token_id
         out = generate(path, [ids], args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=eos, threads=args.threads)
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=eos, threads=args.threads,
+                       runtime=args.runtime)
     new = [int(t) for t in out[0, len(ids):]]
     if tokenizer is None:
         print(" ".join(map(str, new)))

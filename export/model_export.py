@@ -70,7 +70,7 @@ from softq.export.errors import ExportError
 from softq.export.functions import MARKER_DOMAIN, STATE, TORCH_OPSET
 from softq.export.prepare import as_float32, export_copy
 from softq.export.decoder_export import CachedCheck, cache_kind, trace_inputs
-from softq.export.fuse_cache import group_query_heads
+from softq.export.fuse_cache import group_query_heads, read_signed_values, row_sums_from_codes
 from softq.export.fuse_layout import drop_requantize
 from softq.export.verify import ExportCheck
 from softq.export.wrappers import example_feeds, unwrap_sentence_transformer, wrap_for_export
@@ -245,6 +245,9 @@ def _build(qmodel: nn.Module, example_inputs: Any, softmax: str | None, probs_ou
     if kv_cache and linears != "qdq":  # attention reads the cache's codes per K/V head (export/fuse_cache.py)
         drop_requantize(onnx_model, flip_sign=True)
         group_query_heads(onnx_model)
+        onnx_model = onnx_utils.prune(onnx_model)  # the matmuls it replaced: the next passes count readers
+        read_signed_values(onnx_model)
+        row_sums_from_codes(onnx_model)
     onnx_model = onnx_utils.prune(onnx_model)
     check_exportable_ops(onnx_model, softmax)
     onnx_model.producer_name = "softq"

@@ -8,13 +8,20 @@ export tests check every form in each runtime installed here, and
 * ``onnxruntime``: :func:`softq.export.onnx_utils.session` (ORT_ENABLE_ALL; the
   u8u8 option on x86 CPUs without VNNI).
 * ``tract`` (Sonos, PyPI ``tract``): input shapes are fixed per session, so a
-  runner is built (and cached) per input shape.  Its integer cores equal the
+  runner is built (and cached) per input shape, except along a cached decoder's
+  past and total sequence axes (``past_sequence``, ``total_sequence``), which stay
+  symbolic: one runner serves every decode step.  Its integer cores equal the
   numpy reference; whole models equal onnxruntime's outputs up to float-order
-  rounding ties (tests/test_export_runtimes.py, docs/results/export_speed.md).
+  rounding ties (tests/test_export_runtimes.py, docs/results/export_speed.md);
+  cached decoder files (int8 cache included) give onnxruntime's logits and
+  cache codes (tests/test_export_cache.py; the reference Llama LM's after 512
+  tokens: docs/results/cache_runtimes.md).
 * ``openvino`` (PyPI ``openvino``): compiled with ``INFERENCE_PRECISION_HINT=f32``.
   Its CPU plugin otherwise runs the float parts in bf16 on CPUs with AVX512-BF16
   or AMX, which does not match onnxruntime on softq's files; with the hint it does
-  (tests/test_export_runtimes.py).
+  (tests/test_export_runtimes.py).  It runs cached decoder files too (the same
+  greedy tokens), its float rounding moving a few int8 cache codes that sit on a
+  rounding tie on long prompts (docs/results/cache_runtimes.md).
 
 ``runner(path, runtime, threads)`` returns ``run(feeds) -> list of outputs``
 (numpy arrays, in the file's output order).
@@ -29,6 +36,8 @@ from importlib.util import find_spec
 
 import numpy as np
 
+from softq.export.cache_layout import PAST_LEN, TOTAL
+
 RUNTIMES = ("onnxruntime", "tract", "openvino")
 MAX_LENGTH_KEY = "softq.max_length"  # metadata of softq's text files: the longest sequence the model takes
 # metadata of files whose first positions are special ([CLS] residual scales, a constant attention sink): the number
@@ -38,6 +47,9 @@ RIGHT_PADDING_WHY_KEY = "softq.right_padding_why"
 # metadata of files whose integer softmax computes in int64 (the int form with bias correction or wider inputs):
 # OpenVINO's CPU plugin runs int64 arithmetic in int32, which overflows there (logits far off, no error)
 INT64_CORE_KEY = "softq.int64_softmax"
+
+# a cached decoder's axes that grow by one each decode step (cache_layout's names)
+SYMBOLIC_AXES = (PAST_LEN, TOTAL)
 
 Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
 
@@ -61,19 +73,22 @@ def _onnxruntime(path: str, threads: int) -> Runner:
     return lambda feeds: sess.run(None, {n: feeds[n] for n in names})
 
 
-def _tract(path: str, threads: int, names: list[str]) -> Runner:
+def _tract(path: str, threads: int, names: list[str], dims: dict[str, list[int | str | None]]) -> Runner:
     import tract
 
     cache: dict[tuple, object] = {}
 
     def run(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         arrays = [np.ascontiguousarray(feeds[n]) for n in names]
-        key = tuple((a.shape, a.dtype.str) for a in arrays)
+        # the cache's growing axes by their symbols, the other dims as given
+        shapes = [tuple(d if d in SYMBOLIC_AXES else n for n, d in zip(a.shape, dims.get(name) or [None] * a.ndim))
+                  for name, a in zip(names, arrays)]
+        key = tuple((shape, a.dtype.str) for shape, a in zip(shapes, arrays))
         if key not in cache:
             model = tract.onnx().load(path)
-            for i, a in enumerate(arrays):
+            for i, (shape, a) in enumerate(zip(shapes, arrays)):
                 dtype = {"i8": "i64", "i4": "i32", "f4": "f32", "u1": "u8", "i1": "i8", "b1": "bool"}[a.dtype.str[1:]]
-                model.set_input_fact(i, ",".join(map(str, a.shape)) + f",{dtype}")
+                model.set_input_fact(i, ",".join(map(str, shape)) + f",{dtype}")
             try:
                 cache[key] = model.into_model().into_runnable()
             except tract.bindings.TractError as err:  # its own optimiser's failure, with a Rust backtrace
@@ -179,7 +194,9 @@ def _check_feeds(spec: _Spec, feeds: object) -> dict[str, np.ndarray]:
             if isinstance(want, int) and want > 0 and got != want:
                 raise ValueError(f"{name} must have shape {_dims_text(declared)}, got {shape}: dimension {axis} "
                                  f"is fixed to {want} in this file")
-            if got == 0:  # runtimes fail deep inside on empty tensors (a Reshape of 0 elements)
+            # runtimes fail deep inside on empty tensors (a Reshape of 0 elements); a cached decoder's empty past
+            # (its prefill) runs in each
+            if got == 0 and want != PAST_LEN:
                 raise ValueError(f"{name} has shape {shape}: dimension {axis} is empty; give at least one "
                                  f"{'example' if axis == 0 else 'element'} along it")
             if isinstance(want, str):
@@ -262,5 +279,6 @@ def runner(path: str | os.PathLike, runtime: str = "onnxruntime", threads: int =
     if runtime == "onnxruntime":
         run = _onnxruntime(str(path), threads)
     else:  # the file's input names (tract: in their order; OpenVINO: to find them among a port's names)
-        run = {"tract": _tract, "openvino": _openvino}[runtime](str(path), threads, spec.names)
+        run = (_tract(str(path), threads, spec.names, spec.dims) if runtime == "tract" else
+               _openvino(str(path), threads, spec.names))
     return lambda feeds: run(_check_feeds(spec, feeds))

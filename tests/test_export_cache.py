@@ -14,7 +14,8 @@ from tiny_families import build, inputs
 
 import softq
 from softq.cli import main
-from softq.export import onnx_utils
+from softq.export import onnx_utils, runtimes
+from softq.export.cache_layout import CacheLayout
 from softq.export.decoder_export import CachedDecoder
 from softq.export.errors import ExportError
 from softq.export.generate import generate
@@ -166,12 +167,47 @@ def test_onnxruntime_genai_runs_the_file_with_its_config(cached, tmp_path):
     np.testing.assert_array_equal(np.asarray(generator.get_sequence(0), np.int64), want)
 
 
+@pytest.mark.parametrize("runtime", ["tract", "openvino"])
+def test_tract_and_openvino_run_the_cached_file(cached, runtime, capsys):
+    """tract and OpenVINO run the int8-cache file as onnxruntime does (its int8 sign flip, grouped heads, the empty
+    past of a prefill): the runner's prefill and decode step give onnxruntime's logits and cache codes bit for bit,
+    and generate() in each gives onnxruntime's greedy tokens on a left-padded batch, as does ``softq generate
+    --runtime`` (tract builds one runner for the prefill and one for every decode step: the cache's axes stay
+    symbolic)."""
+    if not runtimes.available(runtime):
+        pytest.skip(f"{runtime} is not installed")
+    _, path, _ = cached
+    ids = _prompt(8, 2, 6)
+    mask = np.ones_like(ids)
+    mask[1, :2] = 0
+    layout = CacheLayout.of_file(path)
+    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": np.where(mask == 0, 1, mask.cumsum(1) - 1),
+             **layout.empty(2)}
+    ours, theirs = runtimes.runner(path), runtimes.runner(path, runtime)
+    for _ in range(2):  # the prefill, then a decode step on onnxruntime's present
+        want = ours(feeds)
+        for a, b in zip(theirs(feeds), want):
+            np.testing.assert_array_equal(a, b)
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
+        feeds = {"input_ids": want[0][:, -1:].argmax(-1), "attention_mask": mask,
+                 "position_ids": mask.cumsum(1)[:, -1:] - 1, **layout.next_past(want)}
+    got = generate(path, ids, 4, attention_mask=mask[:, :6], runtime=runtime)
+    np.testing.assert_array_equal(got, generate(path, ids, 4, attention_mask=mask[:, :6]))
+    for name in ("onnxruntime", runtime):
+        assert main(["generate", path, "--prompt-ids", "50,60,70", "--max-new-tokens", "4", "--runtime", name]) == 0
+    ours, theirs = capsys.readouterr().out.splitlines()
+    assert len(ours.split()) == 4 and theirs == ours
+
+
 def test_the_file_caches_the_torch_int8_codes(cached):
     """A model whose cache is int8 (QuantConfig().kv_cache resolves so at 8 bits) exports int8 past and present
     tensors: after a prefill and a decode step they are the codes of the torch model's Int8KVCache (within one
-    code, a rounding tie), and no DequantizeLinear reads the whole cache: the cores read its codes, grouped per K/V
-    head rather than repeated to the query heads."""
+    code, a rounding tie), and the cores read the cache's codes, grouped per K/V head rather than repeated to the
+    query heads: K's in the score MatMulInteger, V's as stored in the P.V GEMM (their one reader the GEMM's
+    DequantizeLinear of scale 1, which onnxruntime fuses into MatMulIntegerToFloat: no conversion to the core's
+    uint8 grid, no padded row-sum column, no float copy)."""
     import onnx
+    from onnx import numpy_helper
 
     qmodel, path, _ = cached
     session = onnx_utils.session(path)
@@ -200,9 +236,14 @@ def test_the_file_caches_the_torch_int8_codes(cached):
         gap = np.abs(a.astype(np.int32) - b.astype(np.int32))
         assert gap.max() <= 1 and (gap == 0).mean() > 0.999
     graph = onnx.load(path).graph
-    cache = {i.name for i in graph.input[3:]} | {o.name for o in graph.output[1:]}
-    assert not [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in cache]
+    keys, values = {o.name for o in graph.output[1::2]}, {o.name for o in graph.output[2::2]}
+    assert {n.op_type for n in graph.node if set(n.input) & keys} == {"Transpose", "Shape"}
     assert not [n for n in graph.node if n.op_type == "Tile"]  # 2 query heads per K/V head: grouped, not repeated
+    readers = [n for n in graph.node if set(n.input) & values and n.op_type != "Shape"]
+    assert [n.op_type for n in readers] == ["DequantizeLinear"] * layers
+    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    consts.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node if n.op_type == "Constant"})
+    assert all(consts[n.input[1]] == 1.0 for n in readers)
 
 
 def test_a_float_cache_on_request(cached, tmp_path):
