@@ -35,6 +35,7 @@ SECTIONS = (
     ("llm_offload.md", "Models larger than memory: a model offloaded to disk by accelerate",
      "bench_llm_offload.py --repeats 3"),
     ("kv_scales_export.md", "Per-head and per-channel K/V scales in the exported file", "bench_kv_scales_export.py"),
+    ("cache_runtimes.md", "Cached decoder files in tract and OpenVINO", "bench_cache_runtimes.py"),
     ("llm_peers.md", "Against llm-compressor and optimum", "bench_llm_peers.py"),
 )
 
