@@ -144,6 +144,7 @@ def _build_checked(qmodel: nn.Module, example_inputs: Any, softmax: str | None, 
     """:func:`build_onnx`, and with ``verify`` what the written file must reproduce (:class:`ExportCheck`, one
     forward of the quantized model on the example; None without ``verify``)."""
     from softq.quant import is_quantized, offload
+    from softq.quant.weight_cache import uncached_weights
 
     offload.refuse(qmodel, "the ONNX export")
     if softmax is not None and softmax not in ALL_FORMS:
@@ -179,9 +180,12 @@ def _build_checked(qmodel: nn.Module, example_inputs: Any, softmax: str | None, 
         raise ExportError(f"linears='dynamic' quantizes Linear inputs to 8 bits per call (DynamicQuantizeLinear); "
                           f"this model's activations have {qmodel.softq_quant_config.act_bits} bits: export it with "
                           "linears='integer' or 'qdq'")
+    # the check's forwards of qmodel keep no dequantized weights on it: each cached layer is a float copy more
+    # for the rest of the export, the embedding table and LM head's the largest
     try:
-        return _build(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling, normalize,
-                      linears, verify, kv_cache)
+        with uncached_weights():
+            return _build(qmodel, example_inputs, softmax, probs_outputs, weight_storage, embeddings, pooling,
+                          normalize, linears, verify, kv_cache)
     finally:
         STATE.clear()
 
