@@ -135,12 +135,17 @@ def group_query_heads(model: onnx.ModelProto) -> int:
         mm.output[0] = f"{mm.output[0]}/replaced"  # dead: pruned
         done += 1
     if done:
-        g.graph.node.extend(added)
-        sort_nodes(g.graph)
-        kept = [v for v in g.graph.value_info if v.name not in stale]
-        del g.graph.value_info[:]
-        g.graph.value_info.extend(kept)
+        _insert(g, added, stale)
     return done
+
+
+def _insert(g: Graph, added: list[onnx.NodeProto], stale: set[str]) -> None:
+    """Put a pass's new nodes in the graph, in order, and drop the shapes recorded for the tensors it replaced."""
+    g.graph.node.extend(added)
+    sort_nodes(g.graph)
+    kept = [v for v in g.graph.value_info if v.name not in stale]
+    del g.graph.value_info[:]
+    g.graph.value_info.extend(kept)
 
 
 # nodes that move or pad int8 / uint8 codes without reading their values (a Pad's constant aside)
@@ -240,9 +245,5 @@ def row_sums_from_codes(model: onnx.ModelProto) -> int:
         added.extend(n.nodes)
         done += 1
     if done:  # the Pads and Slices left without readers go with the export's prune
-        g.graph.node.extend(added)
-        sort_nodes(g.graph)
-        kept = [v for v in g.graph.value_info if v.name not in stale]
-        del g.graph.value_info[:]
-        g.graph.value_info.extend(kept)
+        _insert(g, added, stale)
     return done
