@@ -26,11 +26,15 @@ from torch.nn.utils import parametrize
 COLLECT_ABOVE_BYTES = 2**26
 
 
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
 def _collect(model: nn.Module) -> None:
     """Collect dropped copies of ``model`` where it is large, or part of a large one (``softq_collect``: a block
     calibrated on its own, ``sequential.py``)."""
-    if getattr(model, "softq_collect", False) or sum(
-            p.numel() * p.element_size() for p in model.parameters()) >= COLLECT_ABOVE_BYTES:
+    if getattr(model, "softq_collect", False) or model_bytes(model) >= COLLECT_ABOVE_BYTES:
         gc.collect()
         _trim()
 
@@ -52,7 +56,7 @@ def prompt_release(model: nn.Module) -> Iterator[None]:
     about 20% longer there).  Setting it ends glibc's adjusting for the process, so after calibration the threshold
     is left at 32 MiB, the value glibc's own rule reaches once a block that large is freed."""
     libc = _libc()
-    large = libc and sum(p.numel() * p.element_size() for p in model.parameters()) >= COLLECT_ABOVE_BYTES
+    large = libc and model_bytes(model) >= COLLECT_ABOVE_BYTES
     if large:
         libc.mallopt(M_MMAP_THRESHOLD, CALIBRATION_MMAP_THRESHOLD)
     try:

@@ -64,6 +64,12 @@ def _rows_of(model: nn.Module, batch: Batch) -> torch.Tensor:
         hidden = getattr(result, "hidden_states", None)
         y = (result.last_hidden_state if getattr(result, "last_hidden_state", None) is not None
              else hidden[-1] if hidden else result[0])
+    return valid_rows(y, batch)
+
+
+def valid_rows(y: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """``y`` ([batch, tokens, width], or any output) as float rows, one per valid token of ``batch`` where its
+    attention mask matches ``y``'s tokens (every row otherwise)."""
     y = y.float()
     mask = batch.get("attention_mask")
     flat = y.reshape(-1, y.shape[-1])

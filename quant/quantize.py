@@ -45,7 +45,7 @@ from softq.hf import (is_sentence_transformer, refuse_save_pretrained, sentence_
 from softq.models import conv1d_to_linear, discover
 from softq.quant.config import (AUTO_SMOOTHING_ALPHA, AUTO_SMOOTHING_ALPHAS, AUTO_SMOOTHING_MIN_GAIN,
                                 AUTO_SMOOTHING_RATIO, AUTO_SMOOTHING_TIE, QuantConfig)
-from softq.quant.copies import _collect, independent_copy, prompt_release
+from softq.quant.copies import _collect, independent_copy, model_bytes, prompt_release
 from softq.quant.held_out import _held_out_split, _outputs
 from softq.quant.layers import QLinear
 from softq.quant import kv_cache, offload, sequential
@@ -108,7 +108,7 @@ def _quantize(model: nn.Module, calib_data: Iterable[torch.Tensor | Mapping[str,
     residual_prefix(model, config)  # and for a prefix a causal LM cannot have
     _try_forward(model, batches[0])
     if not inplace and not offloaded and not sequential.copy_fits(model):
-        warnings.warn(f"softq.quantize: a copy of the model ({sequential.model_bytes(model) / 1e9:.1f} GB) would not "
+        warnings.warn(f"softq.quantize: a copy of the model ({model_bytes(model) / 1e9:.1f} GB) would not "
                       "fit in the free memory; quantizing it in place (inplace=True)", UserWarning, stacklevel=3)
         inplace = True
     qmodel = model if inplace or offloaded else independent_copy(model)

@@ -33,12 +33,13 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from softq.attention import AttentionPoints
 from softq.calib.data import Batch, run_batches
 from softq.calib.smoothquant import InputRecorder
 from softq.models import _NAMES, _no_cache, discover, probe_forward
 from softq.quant.config import QuantConfig
-from softq.quant.copies import COLLECT_ABOVE_BYTES, _collect, _trim
-from softq.quant.held_out import _outputs
+from softq.quant.copies import COLLECT_ABOVE_BYTES, _collect, _trim, model_bytes
+from softq.quant.held_out import _outputs, valid_rows
 from softq.quant.layers import QEmbedding, QLinear
 from softq.quant.offload import Offloaded
 from softq.quant.points import _finish, act_quantizers, set_mode
@@ -56,7 +57,7 @@ BLOCKS_ABOVE_BYTES = 2**28
 
 # the modules after the blocks are judged a piece of positions at a time (held_out.output_error), at most this many
 # bytes of float32 logits a piece (the candidate's and the float reference's): 131 positions at 32000 words
-PIECE_BYTES = 2**24
+LOGITS_PIECE_BYTES = 2**24
 
 
 class _Stop(Exception):
@@ -134,18 +135,18 @@ class _Stage(nn.Module):
         # dropped copies (the searches' candidates) collected at once when the model is large (copies._collect)
         self.softq_collect = model_bytes(shared.model) >= COLLECT_ABOVE_BYTES
         configured = tuple(f"parts.{key}.{n}" if n else f"parts.{key}" for key, m in self.parts.items()
-                           for n, sub in m.named_modules() if getattr(sub, "softq", None) is not None
-                           and type(getattr(sub, "softq")).__name__ == "AttentionPoints")
+                           for n, sub in m.named_modules()
+                           if isinstance(getattr(sub, "softq", None), AttentionPoints))
         self.__dict__[_NAMES] = configured  # models.discover's cache: the attention modules of this stage
 
     def softq_token_pieces(self, batch: Batch) -> list[torch.Tensor] | None:
         """The modules after the blocks, where the model computes logits for chosen positions (``logits_to_keep``):
-        the positions of ``batch`` in pieces of at most ``PIECE_BYTES`` of logits, for
+        the positions of ``batch`` in pieces of at most ``LOGITS_PIECE_BYTES`` of logits, for
         :func:`~softq.quant.held_out.output_error` to compare one piece at a time; None for a block."""
         if self.index is not None or not self.shared.pieces:
             return None
         n = batch["hidden_states"].shape[1]
-        step = max(1, PIECE_BYTES // (4 * batch["hidden_states"].shape[0] * self.shared.vocab))
+        step = max(1, LOGITS_PIECE_BYTES // (4 * batch["hidden_states"].shape[0] * self.shared.vocab))
         step = 1 << (step.bit_length() - 1)  # a power of two positions
         return [torch.arange(a, min(a + step, n)) for a in range(0, n, step)]
 
@@ -280,14 +281,6 @@ def _stage_batches(xs: list[torch.Tensor], batches: list[Batch], idx: list[int])
     return out
 
 
-def _rows(y: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """A block output's valid-token rows, as :func:`softq.quant.held_out._outputs` takes them."""
-    y = y.float()
-    mask = batch.get("attention_mask")
-    flat = y.reshape(-1, y.shape[-1])
-    return flat[mask.reshape(-1).bool()] if mask is not None and tuple(mask.shape) == tuple(y.shape[:-1]) else flat
-
-
 def keeps_logits(model: nn.Module) -> bool:
     """Whether the model's forward computes its logits for chosen positions only (Hugging Face's ``logits_to_keep``,
     which causal LMs take)."""
@@ -316,7 +309,7 @@ def float_references(model: nn.Module, held: list[Batch]) -> tuple[list[torch.Te
     def hook(j: int):  # noqa: ANN202
         def record(_m: nn.Module, _args: tuple, out: object) -> None:
             y = out if isinstance(out, torch.Tensor) else out[0]
-            per_block[j].append(_rows(y, current["batch"]))
+            per_block[j].append(valid_rows(y, current["batch"]))
             if j == len(blocks) - 1:
                 last.append(y)
         return record
@@ -374,7 +367,7 @@ class _TailReference:
 
     def __getitem__(self, i: int) -> torch.Tensor:
         """Batch ``i``'s rows, as :func:`_outputs` gives them (valid tokens only)."""
-        return _rows(self.piece(i, None), self.judge[i])
+        return valid_rows(self.piece(i, None), self.judge[i])
 
     def __len__(self) -> int:
         return len(self.judge)
@@ -632,10 +625,6 @@ def _available_bytes() -> int | None:
     except OSError:
         return None
     return None
-
-
-def model_bytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 def copy_fits(model: nn.Module) -> bool:

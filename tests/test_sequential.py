@@ -277,7 +277,7 @@ def test_pieces_judge_and_calibrate_as_the_whole_rows(monkeypatch) -> None:
         patch.setattr(sequential, "keeps_logits", lambda m: False)  # the float logits kept, judged whole
         whole, whole_errors = run()
     with monkeypatch.context() as patch:
-        patch.setattr(sequential, "PIECE_BYTES", 4 * 2 * model.config.vocab_size * 4)  # 4 positions a piece
+        patch.setattr(sequential, "LOGITS_PIECE_BYTES", 4 * 2 * model.config.vocab_size * 4)  # 4 positions a piece
         pieces, piece_errors = run()
     assert len(whole_errors) > len(whole.model.layers) and piece_errors == whole_errors
     assert _identical(whole, pieces)
@@ -286,7 +286,7 @@ def test_pieces_judge_and_calibrate_as_the_whole_rows(monkeypatch) -> None:
     # channels sums in another order on this tiny width; cut in powers of two at bench_llm_peers.py's lm_head, the
     # outputs were identical)
     with monkeypatch.context() as patch:
-        patch.setattr(sequential, "PIECE_BYTES", 4 * 2 * model.config.vocab_size * 4)
+        patch.setattr(sequential, "LOGITS_PIECE_BYTES", 4 * 2 * model.config.vocab_size * 4)
         patch.setattr(layers, "PIECE_BYTES", 4 * model.config.hidden_size * 8)
         shared, shared_errors = run()
     assert shared_errors == pytest.approx(whole_errors, rel=1e-3)
