@@ -51,10 +51,11 @@ def prompt_release(model: nn.Module) -> Iterator[None]:
     """Inside, a large model's calibration (``COLLECT_ABOVE_BYTES``) gets freed memory back to the system at once
     (glibc only).  glibc's rule raises its mmap threshold to the largest block freed so far (up to 32 MiB), so a
     forward pass's attention scores and activations come from the heap after the first, and what the passes free
-    there stays in the process, fragmented: 100-200 MiB over the working set on bench_llm_peers.py's 87M-parameter
-    Llama, varying run to run.  A fixed threshold of 4 MiB maps each larger tensor on its own (the calibration took
-    about 20% longer there).  Setting it ends glibc's adjusting for the process, so after calibration the threshold
-    is left at 32 MiB, the value glibc's own rule reaches once a block that large is freed."""
+    there stays in the process, fragmented, an amount over the working set that varies from run to run.  A fixed
+    threshold of 4 MiB maps each larger tensor on its own, at some cost in calibration time (the peak and the time
+    with it: bench_llm_peers.py --only scale).  Setting it ends glibc's adjusting for the process, so after
+    calibration the threshold is left at 32 MiB, the value glibc's own rule reaches once a block that large is
+    freed."""
     libc = _libc()
     large = libc and model_bytes(model) >= COLLECT_ABOVE_BYTES
     if large:

@@ -102,8 +102,7 @@ def _take_parameters(layer: nn.Module, source: nn.Module, names: tuple[str, ...]
     """``source``'s parameters in ``layer``: the same ``nn.Parameter`` objects (``adopt``: the layer replaces
     ``source`` in its model, which shares them with no other module), else copies.  Adopting keeps the weights in
     the memory they were loaded into: a copy of a model loaded from safetensors (memory-mapped pages, kept mapped
-    while any of its tensors lives) was the whole model twice in RSS (332 MiB more on bench_llm_peers.py's
-    87M-parameter Llama)."""
+    while any of its tensors lives) would hold the whole model twice in RSS."""
     for name in names:
         param = getattr(source, name)
         if param is None:
