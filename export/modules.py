@@ -109,7 +109,8 @@ class ExportKV(nn.Module):
 
         bits = int(quantizer.bits)
         if bits != 8:
-            raise ExportError(f"K and V points with per-{quantizer.granularity} scales export at 8 bits; got {bits}")
+            raise ExportError(f"K and V points with per-{quantizer.granularity} scales export at 8 bits, and this "
+                              f"model's have {bits}: quantize with act_bits=8, or kv_scales='tensor'")
         self.signed = True  # the stored int8 grid (zero point 0, scale 1: the codes themselves)
         self.scale, self.zp = 1.0, 0
         self.qmin, self.qmax = (-127, 127) if quantizer.signed else (-128, 127)
