@@ -189,8 +189,8 @@ class QLinear(_NotPickled, _DequantizedCache, _CopiedWeights, QuantLinear):
         return nn.functional.linear(x, self.dequantized_weight(), self.effective_bias())
 
     def pieces_when_calibrating(self) -> bool:
-        """Whether calibration runs compute this layer's product in pieces (:meth:`_linear_in_pieces`): per-channel
-        weights of more than twice ``PIECE_BYTES``."""
+        """Whether runs that keep no dequantized weight (calibration, the export's check) compute this layer's product
+        in pieces (:meth:`_linear_in_pieces`): per-channel weights of more than twice ``PIECE_BYTES``."""
         return self.per_channel and self.weight.numel() * self.weight.element_size() > 2 * PIECE_BYTES
 
     def _linear_in_pieces(self, x: torch.Tensor) -> torch.Tensor:

@@ -106,8 +106,8 @@ class _DequantizedCache:
     _cache: tuple[tuple[int, int, int], torch.Tensor] | None = None
 
     def _uncached(self) -> bool:
-        """Whether this call computes the dequantized weight without keeping it (calibration: ``uncached_weights``),
-        outside traced and compiled code."""
+        """Whether this call computes the dequantized weight without keeping it (``uncached_weights``: calibration,
+        and the export's check of its file), outside traced and compiled code."""
         return not torch.jit.is_tracing() and not torch.compiler.is_compiling() and not _caching.get()
 
     def _cached_dequantized(self, bits: int, per_channel: bool) -> torch.Tensor:
